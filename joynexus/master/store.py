@@ -1,0 +1,172 @@
+"""Control-plane store: SQLAlchemy 2 tables for tenants, tenant–task policies and training jobs.
+
+SQLite by default (one file under the data directory), any SQLAlchemy URL in production
+(PostgreSQL is tested). Every writer transaction takes the database write lock up front on SQLite
+(`BEGIN IMMEDIATE`), so two processes never both read-then-write the same rows; on PostgreSQL the
+scheduler relies on row locks and compare-and-set updates instead.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+SEQUENCE_NAMES = ("created_seq", "ready_seq")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TenantRecord(Base):
+    __tablename__ = "tenants"
+
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task_type: Mapped[str] = mapped_column(String(16))
+    base_model_id: Mapped[str] = mapped_column(String(512))
+    schema_signature: Mapped[str] = mapped_column(String(64), index=True)
+    spec: Mapped[dict] = mapped_column(JSON)
+    backend_config: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TrainingPolicyRecord(Base):
+    """Admission policy of one tenant–task pair (paper A.2): priority, in-flight bound, completion target."""
+
+    __tablename__ = "training_policies"
+
+    policy_key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    task_type: Mapped[str] = mapped_column(String(16))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    max_in_flight: Mapped[int] = mapped_column(Integer, default=1)
+    completion_target: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_policy_staleness: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Bumped by every reservation: the UPDATE takes the row lock that serializes admission checks.
+    reservations: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class TrainingJobRecord(Base):
+    """The training-job descriptor of the paper's Table 3. It never holds tensors."""
+
+    __tablename__ = "training_jobs"
+
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    policy_key: Mapped[str] = mapped_column(String(128), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    task_type: Mapped[str] = mapped_column(String(16))
+    partition_id: Mapped[str] = mapped_column(String(256), unique=True)
+    sample_count: Mapped[int] = mapped_column(Integer)
+    domain: Mapped[str] = mapped_column(String(64))
+    job_metadata: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    created_seq: Mapped[int] = mapped_column(BigInteger)
+    ready_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True, index=True)
+    behavior_policy_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_policy_staleness: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    producer_role: Mapped[str] = mapped_column(String(64))
+    consumer_role: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(32), index=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    terminal_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ready_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    leased_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class SequenceRecord(Base):
+    """Named monotonic counters (created_seq, ready_seq) shared by every process on the store."""
+
+    __tablename__ = "sequences"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+def sqlite_url(data_dir: str | Path) -> str:
+    path = Path(data_dir).resolve() / "joynexus.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+class ControlPlaneStore:
+    """Owns the engine and session factory; `transaction()` is the only way code writes."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        if self.is_sqlite:
+            self.engine: Engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+            _make_sqlite_transactions_immediate(self.engine)
+        else:
+            self.engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        for name in SEQUENCE_NAMES:
+            self._ensure_sequence(name)
+
+    def _ensure_sequence(self, name: str) -> None:
+        try:
+            with self.transaction() as session:
+                if session.get(SequenceRecord, name) is None:
+                    session.add(SequenceRecord(name=name, value=0))
+        except IntegrityError:
+            pass  # another process created it first
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def next_sequence(self, session: Session, name: str) -> int:
+        """Allocate the next value of a named counter inside the caller's transaction."""
+        record = session.get(SequenceRecord, name, with_for_update=True, populate_existing=True)
+        if record is None:
+            raise KeyError(f"unknown sequence {name!r}; known: {SEQUENCE_NAMES}")
+        record.value += 1
+        session.flush()
+        return record.value
+
+
+def _make_sqlite_transactions_immediate(engine: Engine) -> None:
+    """pysqlite's deferred BEGIN lets two readers deadlock when both upgrade to writers; take the
+    write lock at BEGIN instead (the SQLAlchemy-documented recipe), and wait for it via busy timeout."""
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=60000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection) -> None:  # type: ignore[no-untyped-def]
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

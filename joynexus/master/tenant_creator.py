@@ -1,0 +1,254 @@
+"""Master Service: the tenant creator (paper section 4.1.1).
+
+Validates a workload spec against what the backend can do, derives the tenant's schema signature,
+compiles the backend config the model services consume, and persists the tenant together with its
+training policy in ONE transaction — a rejected spec leaves no tenant, policy or file behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from joynexus.master.store import ControlPlaneStore, TenantRecord
+from joynexus.scheduling.training_scheduler import TrainingScheduler
+from joynexus.spec import SpecError, TaskType, WorkloadSpec, parse_workload_spec
+
+
+@dataclass(frozen=True)
+class BaseModelCapabilities:
+    """What one resident backbone accepts at its frozen-prefix boundary."""
+
+    model_id: str
+    feature_dim: int
+    max_images: int
+    image_size: int  # canonical square side the backbone resizes camera images to
+    max_state_dim: int = 128
+    max_action_dim: int = 64
+    max_action_chunk: int = 128
+
+    @classmethod
+    def of_backbone(cls, backbone: Any, **limits: int) -> BaseModelCapabilities:
+        return cls(
+            model_id=backbone.model_id,
+            feature_dim=backbone.hidden_size,
+            max_images=backbone.max_images,
+            image_size=backbone.image_size,
+            **limits,
+        )
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    base_models: dict[str, BaseModelCapabilities]
+
+    @classmethod
+    def single(cls, base_model: BaseModelCapabilities) -> BackendCapabilities:
+        return cls(base_models={base_model.model_id: base_model})
+
+
+class TenantBackendConfig(BaseModel):
+    """The compiled spec: everything a model service needs to build and train a tenant slot."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant_id: str
+    task_type: str
+    base_model_id: str
+    schema_signature: str
+    cameras: tuple[str, ...]
+    image_size: tuple[int, int]
+    state_dim: int
+    action_dim: int
+    action_chunk: int
+    instruction: str
+    action_module: dict[str, Any]  # an ActionModuleConfig as a dict
+    learning_rate: float
+    microbatch_size: int
+    samples_per_job: int
+    checkpoint_every_jobs: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Tenant:
+    tenant_id: str
+    spec: WorkloadSpec
+    schema_signature: str
+    backend_config: TenantBackendConfig
+
+
+class TenantExists(SpecError):
+    pass
+
+
+class TenantCreator:
+    def __init__(
+        self,
+        store: ControlPlaneStore,
+        scheduler: TrainingScheduler,
+        capabilities: BackendCapabilities,
+        *,
+        validate_datasets: bool = True,
+    ):
+        self.store = store
+        self.scheduler = scheduler
+        self.capabilities = capabilities
+        self.validate_datasets = validate_datasets
+
+    def create(self, spec: WorkloadSpec | dict[str, Any] | str | Path) -> Tenant:
+        if not isinstance(spec, WorkloadSpec):
+            spec = parse_workload_spec(spec)
+        config = self.compile(spec)
+        with self.store.transaction() as session:
+            if session.get(TenantRecord, spec.tenant) is not None:
+                raise TenantExists([("tenant", f"tenant {spec.tenant!r} already exists")])
+            session.add(
+                TenantRecord(
+                    tenant_id=spec.tenant,
+                    task_type=spec.task.value,
+                    base_model_id=spec.base_model,
+                    schema_signature=config.schema_signature,
+                    spec=spec.model_dump(mode="json"),
+                    backend_config=config.model_dump(mode="json"),
+                )
+            )
+            if spec.task is not TaskType.EVAL:  # evaluation never creates training work
+                sched = spec.scheduling
+                self.scheduler.register_policy(
+                    spec.tenant,
+                    spec.task.value,
+                    priority=sched.priority,
+                    max_in_flight=sched.max_in_flight_jobs,
+                    completion_target=sched.completion_target,
+                    max_policy_staleness=sched.max_policy_staleness,
+                    session=session,
+                )
+        return Tenant(spec.tenant, spec, config.schema_signature, config)
+
+    def compile(self, spec: WorkloadSpec) -> TenantBackendConfig:
+        """Check the spec against the backend (raising SpecError naming every bad field) and compile it."""
+        from joynexus.models.action_modules import ActionModuleConfig
+
+        problems: list[tuple[str, str]] = []
+        caps = self.capabilities.base_models.get(spec.base_model)
+        if caps is None:
+            known = sorted(self.capabilities.base_models)
+            raise SpecError([("base_model", f"unknown base model {spec.base_model!r}; this backend serves {known}")])
+        obs = spec.observation
+        if len(obs.cameras) > caps.max_images:
+            problems.append(
+                (
+                    "observation.cameras",
+                    f"{len(obs.cameras)} cameras, but {caps.model_id} has {caps.max_images} camera slots",
+                )
+            )
+        for field, value, limit in (
+            ("observation.state_dim", obs.state_dim, caps.max_state_dim),
+            ("observation.action_dim", obs.action_dim, caps.max_action_dim),
+            ("observation.action_chunk", obs.action_chunk, caps.max_action_chunk),
+        ):
+            if value > limit:
+                problems.append((field, f"{value} exceeds this backend's limit of {limit}"))
+        module_config = None
+        try:
+            module_config = ActionModuleConfig(
+                kind=spec.action_module.kind,
+                size=spec.action_module.size,
+                feature_dim=caps.feature_dim,
+                state_dim=obs.state_dim,
+                action_dim=obs.action_dim,
+                action_chunk=obs.action_chunk,
+            )
+        except ValidationError as error:
+            for item in error.errors():
+                name = ".".join(str(part) for part in item["loc"]) or "kind"
+                problems.append((f"action_module.{name}", item["msg"]))
+        except ValueError as error:
+            problems.append(("action_module", _first_line(error)))
+        if spec.training.microbatch_size > spec.training.samples_per_job:
+            problems.append(
+                (
+                    "training.microbatch_size",
+                    f"{spec.training.microbatch_size} is larger than training.samples_per_job "
+                    f"({spec.training.samples_per_job})",
+                )
+            )
+        if spec.dataset is not None and not problems:
+            problems.extend(self._dataset_problems(spec))
+        if problems:
+            raise SpecError(problems)
+        assert module_config is not None
+        schema = spec.vla_schema()
+        return TenantBackendConfig(
+            tenant_id=spec.tenant,
+            task_type=spec.task.value,
+            base_model_id=spec.base_model,
+            schema_signature=schema.signature,
+            cameras=tuple(obs.cameras),
+            image_size=obs.image_size,
+            state_dim=obs.state_dim,
+            action_dim=obs.action_dim,
+            action_chunk=obs.action_chunk,
+            instruction=obs.instruction,
+            action_module=module_config.model_dump(mode="json"),
+            learning_rate=spec.training.learning_rate,
+            microbatch_size=spec.training.microbatch_size,
+            samples_per_job=spec.training.samples_per_job,
+            checkpoint_every_jobs=spec.training.checkpoint_every_jobs,
+            seed=spec.training.seed,
+        )
+
+    def _dataset_problems(self, spec: WorkloadSpec) -> list[tuple[str, str]]:
+        from joynexus.data.lerobot_dataset import inspect_dataset
+        from joynexus.data.validation import DatasetExpectation, validate_dataset
+
+        assert spec.dataset is not None
+        root = Path(spec.dataset.root)
+        if not root.is_dir():
+            return [("dataset.root", f"directory {str(root)!r} does not exist")]
+        try:
+            inspect_dataset(root, spec.dataset.repo_id)
+        except (FileNotFoundError, ValueError) as error:
+            return [("dataset.root", _first_line(error))]
+        if not self.validate_datasets:
+            return []
+        obs = spec.observation
+        expectation = DatasetExpectation(
+            cameras=tuple(obs.cameras),
+            image_size=tuple(obs.image_size),
+            state_dim=obs.state_dim,
+            action_dim=obs.action_dim,
+        )
+        report = validate_dataset(root, spec.dataset.repo_id, expectation, raise_on_error=False)
+        return [(failure.field, failure.reason) for failure in report.failures]
+
+    def get(self, tenant_id: str) -> Tenant:
+        with self.store.transaction() as session:
+            record = session.get(TenantRecord, tenant_id)
+            if record is None:
+                raise KeyError(f"no tenant {tenant_id!r}")
+            return _tenant_of(record)
+
+    def list(self) -> list[Tenant]:
+        from sqlalchemy import select
+
+        with self.store.transaction() as session:
+            return [_tenant_of(r) for r in session.scalars(select(TenantRecord).order_by(TenantRecord.created_at))]
+
+
+def _tenant_of(record: TenantRecord) -> Tenant:
+    return Tenant(
+        tenant_id=record.tenant_id,
+        spec=WorkloadSpec.model_validate(record.spec),
+        schema_signature=record.schema_signature,
+        backend_config=TenantBackendConfig.model_validate(record.backend_config),
+    )
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

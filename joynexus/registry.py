@@ -1,0 +1,321 @@
+"""MLflow experiment tracking and the per-tenant model registry.
+
+Only ``MlflowClient`` is used, never the fluent ``mlflow.start_run`` globals: the fluent API keeps
+one active run per thread/process, while this service trains many tenants at once.
+
+Quirks handled here (MLflow 3.x, see /work/shared/STACK.md):
+* ``mlflow.register_model`` on a plain artifact folder fails in 3.x, so versions are created with
+  ``MlflowClient.create_model_version(name, source=<artifact uri>, run_id=...)``.
+* A sqlite tracking store defaults artifacts to ``./mlruns`` under the *current directory*; the
+  tracker instead puts them beside the database unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import unquote
+
+from mlflow.entities import Metric, Param
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+from mlflow.tracking import MlflowClient
+
+from joynexus.artifacts import (
+    ACTION_MODULE_FILE,
+    MANIFEST_FILE,
+    PayloadError,
+    TenantManifest,
+    decode_tenant_payload,
+    validate_tenant_id,
+)
+
+__all__ = [
+    "PAYLOAD_ARTIFACT_DIR",
+    "ExperimentTracker",
+    "RegistryError",
+    "local_artifact_location",
+    "local_tracking_uri",
+    "registered_model_name",
+]
+
+PAYLOAD_ARTIFACT_DIR = "tenant_payload"
+# MLflow's per-request caps on log_batch (params / metrics).
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_METRICS_PER_BATCH = 1000
+_END_STATUSES = {"FINISHED", "FAILED", "KILLED"}
+_T = TypeVar("_T")
+
+
+class RegistryError(RuntimeError):
+    """A registered tenant payload is missing, belongs to another tenant, or fails verification."""
+
+
+def registered_model_name(tenant_id: str) -> str:
+    """One registered model per tenant: ``joynexus-<tenant_id>-policy``."""
+    return f"joynexus-{validate_tenant_id(tenant_id)}-policy"
+
+
+def local_tracking_uri(data_dir: str | Path) -> str:
+    """Embedded default store: ``sqlite:///<data_dir>/mlflow/mlflow.db`` (folder is created)."""
+    mlflow_dir = Path(data_dir).resolve() / "mlflow"
+    mlflow_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+
+
+def local_artifact_location(data_dir: str | Path) -> str:
+    """Artifact root paired with :func:`local_tracking_uri`: ``<data_dir>/mlflow/artifacts`` as a file URI."""
+    path = Path(data_dir).resolve() / "mlflow" / "artifacts"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+def _default_artifact_location(tracking_uri: str) -> str | None:
+    # sqlite:////abs/dir/mlflow.db -> file:///abs/dir/artifacts (instead of MLflow's ./mlruns).
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    # "sqlite:////abs/x.db" -> "/abs/x.db" (absolute); "sqlite:///rel/x.db" -> "rel/x.db".
+    db_path = unquote(tracking_uri[len(prefix) :].split("?", 1)[0])
+    if not db_path or db_path == ":memory:":
+        return None
+    artifacts = Path(db_path).resolve().parent / "artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    return artifacts.as_uri()
+
+
+def _chunks(items: list[_T], size: int) -> Iterable[list[_T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _param_value(value: Any) -> str:
+    # MLflow params are strings; structured values stay readable and parseable as JSON.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True, default=str)
+    return str(value)
+
+
+def _is_already_exists(exc: MlflowException) -> bool:
+    return exc.error_code == ErrorCode.Name(RESOURCE_ALREADY_EXISTS)
+
+
+class ExperimentTracker:
+    """Thread-safe wrapper over ``MlflowClient`` for workload runs and tenant policy versions."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        artifact_location: str | None = None,
+        experiment_name: str = "joynexus",
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        # Registry lives in the same store as tracking (one embedded DB by default).
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.experiment_name = experiment_name
+        if artifact_location is None:
+            artifact_location = _default_artifact_location(tracking_uri)
+        self.experiment_id = self._ensure_experiment(experiment_name, artifact_location)
+        # Serialises register calls per process so the "create registered model if missing"
+        # check and same-run artifact folder checks do not race between our own threads.
+        self._register_lock = threading.Lock()
+
+    def _ensure_experiment(self, name: str, artifact_location: str | None) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self.client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException:
+            # Another process/thread may have created it between our get and create.
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    # ---- runs --------------------------------------------------------------------------
+
+    def start_workload_run(
+        self,
+        tenant_id: str,
+        workload_id: str,
+        params: dict[str, Any],
+        tags: dict[str, str] | None = None,
+    ) -> str:
+        """Create a run tagged with ``tenant_id`` / ``workload_id``, log ``params``; return its id."""
+        validate_tenant_id(tenant_id)
+        run_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        run_tags.update({"tenant_id": tenant_id, "workload_id": str(workload_id)})
+        run = self.client.create_run(self.experiment_id, tags=run_tags, run_name=f"{tenant_id}-{workload_id}")
+        run_id = run.info.run_id
+        param_list = [Param(str(k), _param_value(v)) for k, v in params.items()]
+        for chunk in _chunks(param_list, _MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=chunk)
+        return run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        """Log several metrics at one step in a single batch call."""
+        ts = int(time.time() * 1000)
+        items = [Metric(str(k), float(v), ts, int(step)) for k, v in metrics.items()]
+        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=chunk)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """Terminate a run; ``status`` is one of FINISHED, FAILED, KILLED."""
+        if status not in _END_STATUSES:
+            raise ValueError(f"run status must be one of {sorted(_END_STATUSES)}, got {status!r}")
+        self.client.set_terminated(run_id, status=status)
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """``[(step, value), ...]`` ordered by step (then log time)."""
+        history = self.client.get_metric_history(run_id, key)
+        history = sorted(history, key=lambda m: (m.step, m.timestamp))
+        return [(int(m.step), float(m.value)) for m in history]
+
+    # ---- registry ----------------------------------------------------------------------
+
+    def _ensure_registered_model(self, name: str, tenant_id: str) -> None:
+        try:
+            self.client.create_registered_model(
+                name,
+                tags={"tenant_id": tenant_id, "joynexus.kind": "tenant-policy"},
+                description=f"JoyNexus action-module policy versions for tenant {tenant_id}",
+            )
+        except MlflowException as exc:
+            if not _is_already_exists(exc):
+                raise
+
+    def register_tenant_payload(
+        self,
+        *,
+        run_id: str,
+        tenant_id: str,
+        payload: bytes,
+        manifest: TenantManifest,
+    ) -> int:
+        """Log ``payload`` + manifest as run artifacts and register them as a new model version.
+
+        Artifacts go to ``tenant_payload/v<policy_version:06d>/`` inside the run, so one run may
+        register several policy versions without overwriting the files an earlier version points to.
+        Returns the new registry version number.
+        """
+        validate_tenant_id(tenant_id)
+        if manifest.tenant_id != tenant_id:
+            raise ValueError(f"manifest is for tenant {manifest.tenant_id!r}, not {tenant_id!r}")
+        # Refuse to register bytes that would fail to load later.
+        try:
+            _, embedded = decode_tenant_payload(payload)
+        except PayloadError as exc:
+            raise ValueError(f"payload for tenant {tenant_id!r} is not a valid tenant payload: {exc}") from exc
+        if embedded.digest != manifest.digest:
+            raise ValueError(
+                f"payload for tenant {tenant_id!r} embeds manifest {embedded.digest[:12]}..., "
+                f"but manifest {manifest.digest[:12]}... was given"
+            )
+        run = self.client.get_run(run_id)
+        run_tenant = run.data.tags.get("tenant_id")
+        if run_tenant is not None and run_tenant != tenant_id:
+            raise ValueError(f"run {run_id} belongs to tenant {run_tenant!r}, not {tenant_id!r}")
+
+        artifact_path = f"{PAYLOAD_ARTIFACT_DIR}/v{manifest.policy_version:06d}"
+        name = registered_model_name(tenant_id)
+        with self._register_lock:
+            if self.client.list_artifacts(run_id, artifact_path):
+                raise ValueError(
+                    f"run {run_id} already holds a payload for tenant {tenant_id!r} "
+                    f"policy_version {manifest.policy_version} (artifacts are immutable)"
+                )
+            with tempfile.TemporaryDirectory(prefix="joynexus-payload-") as tmp:
+                (Path(tmp) / ACTION_MODULE_FILE).write_bytes(bytes(payload))
+                (Path(tmp) / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+                self.client.log_artifacts(run_id, tmp, artifact_path=artifact_path)
+            source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+            self._ensure_registered_model(name, tenant_id)
+            mv = self.client.create_model_version(
+                name=name,
+                source=source,
+                run_id=run_id,
+                tags={
+                    "tenant_id": tenant_id,
+                    "policy_version": str(manifest.policy_version),
+                    "schema_signature": manifest.schema_signature,
+                    "base_model_id": manifest.base_model_id,
+                    "manifest_digest": manifest.digest,
+                },
+                description=f"tenant {tenant_id} policy_version {manifest.policy_version}",
+            )
+        return int(mv.version)
+
+    def set_alias(self, tenant_id: str, alias: str, version: int) -> None:
+        """Point ``alias`` (e.g. "production") of the tenant's model at ``version`` (moves it if set)."""
+        self.client.set_registered_model_alias(registered_model_name(tenant_id), alias, str(int(version)))
+
+    def _resolve_version(self, tenant_id: str, version: int | None, alias: str | None) -> ModelVersion:
+        name = registered_model_name(tenant_id)
+        if version is not None and alias is not None:
+            raise ValueError("pass either version or alias, not both")
+        if alias is not None:
+            return self.client.get_model_version_by_alias(name, alias)
+        if version is not None:
+            return self.client.get_model_version(name, str(int(version)))
+        versions = self.client.search_model_versions(f"name = '{name}'")
+        if not versions:
+            raise RegistryError(f"tenant {tenant_id!r} has no registered policy versions")
+        return max(versions, key=lambda v: int(v.version))
+
+    def fetch_tenant_payload(
+        self,
+        tenant_id: str,
+        *,
+        version: int | None = None,
+        alias: str | None = None,
+    ) -> tuple[bytes, TenantManifest]:
+        """Download a registered version (by number, alias, or newest) and verify it.
+
+        The payload must decode, its embedded manifest must equal ``manifest.json``, and both must
+        match the ``manifest_digest`` tag written at registration.
+        """
+        mv = self._resolve_version(tenant_id, version, alias)
+        where = f"tenant {tenant_id!r} model version {mv.version}"
+        tags = dict(mv.tags or {})
+        if tags.get("tenant_id") != tenant_id:
+            raise RegistryError(f"{where} is tagged for tenant {tags.get('tenant_id')!r}")
+        expected_digest = tags.get("manifest_digest")
+        if not expected_digest:
+            raise RegistryError(f"{where} has no manifest_digest tag")
+        with tempfile.TemporaryDirectory(prefix="joynexus-fetch-") as tmp:
+            # Download from the version's own source URI: it is what the registry points at.
+            repo = get_artifact_repository(mv.source, tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+            local = Path(repo.download_artifacts("", dst_path=tmp))
+            try:
+                payload = (local / ACTION_MODULE_FILE).read_bytes()
+                manifest_text = (local / MANIFEST_FILE).read_text(encoding="utf-8")
+            except FileNotFoundError as exc:
+                raise RegistryError(f"{where}: artifact {Path(exc.filename).name} missing at {mv.source}") from exc
+        try:
+            _, embedded = decode_tenant_payload(payload)
+        except PayloadError as exc:
+            raise RegistryError(f"{where}: {ACTION_MODULE_FILE} is not a valid payload: {exc}") from exc
+        stored = TenantManifest.from_json(manifest_text)
+        if embedded.digest != expected_digest or stored.digest != expected_digest:
+            raise RegistryError(
+                f"{where}: manifest digest mismatch (tag {expected_digest}, payload {embedded.digest}, "
+                f"{MANIFEST_FILE} {stored.digest})"
+            )
+        return payload, embedded
+
+    def model_version_tags(self, tenant_id: str, version: int) -> dict[str, str]:
+        """Tags of one registered version (tenant_id, policy_version, manifest_digest, ...)."""
+        mv = self.client.get_model_version(registered_model_name(tenant_id), str(int(version)))
+        return dict(mv.tags or {})

@@ -1,0 +1,72 @@
+"""Process plumbing shared by services: settings from the environment, local Ray, and calling a
+service the same way whether it is a local object (tests) or a named Ray actor (deployment)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RAY_NAMESPACE = "joynexus"
+
+
+class Settings(BaseModel):
+    """Embedded defaults; every production setting is an environment variable, not a code change."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("JOYNEXUS_DATA_DIR", "var")).resolve())
+    database_url: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_DATABASE_URL"))
+    mlflow_tracking_uri: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_MLFLOW_TRACKING_URI"))
+    ray_address: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_ADDRESS"))
+    backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))
+    backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
+    torch_threads: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")), ge=1)
+
+    def resolved_database_url(self) -> str:
+        from joynexus.master.store import sqlite_url
+
+        return self.database_url or sqlite_url(self.data_dir)
+
+    def resolved_mlflow_uri(self) -> str:
+        from joynexus.registry import local_tracking_uri
+
+        return self.mlflow_tracking_uri or local_tracking_uri(self.data_dir)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to a Ray cluster, or start a local one (embedded default) if none is given."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Ray 2.60 turns token auth on by default; a local embedded cluster does not need it and would
+    # otherwise write ~/.ray/auth_token (STACK.md).
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            namespace=RAY_NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+
+
+def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `method` on a local service object or on a Ray actor handle, synchronously."""
+    fn = getattr(target, method)
+    if hasattr(fn, "remote"):
+        import ray
+
+        return ray.get(fn.remote(*args, **kwargs))
+    return fn(*args, **kwargs)

@@ -1,0 +1,105 @@
+"""SFT producer (paper Fig. 7, Appendix A.4): turns a tenant's LeRobot demonstrations into
+Training Queue partitions, one reserved training job at a time, bounded by the tenant's
+in-flight limit and completion target. It never touches the model."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from joynexus.master.tenant_creator import TenantBackendConfig
+from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_scheduler import READY, TrainingJob, TrainingScheduler
+
+
+class SFTProducer:
+    def __init__(
+        self,
+        config: TenantBackendConfig,
+        scheduler: TrainingScheduler,
+        queue: TrainingQueueClient,
+        source: Any,  # joynexus.data.lerobot_dataset.LeRobotDemoSource or anything with .sample(n)
+    ):
+        self.config = config
+        self.scheduler = scheduler
+        self.queue = queue
+        self.source = source
+
+    @classmethod
+    def from_dataset(
+        cls,
+        config: TenantBackendConfig,
+        scheduler: TrainingScheduler,
+        queue: TrainingQueueClient,
+        root: str,
+        repo_id: str,
+    ) -> SFTProducer:
+        from joynexus.data.lerobot_dataset import LeRobotDemoSource
+
+        source = LeRobotDemoSource(
+            root, repo_id, cameras=list(config.cameras), action_chunk=config.action_chunk, seed=config.seed
+        )
+        return cls(config, scheduler, queue, source)
+
+    def produce_once(self) -> TrainingJob | None:
+        """Reserve one job and write its demonstration partition; None when admission refuses."""
+        cfg = self.config
+        job = self.scheduler.reserve(
+            tenant_id=cfg.tenant_id,
+            task_type="sft",
+            sample_count=cfg.samples_per_job,
+            producer_role="sft",
+            consumer_role="actor",
+            metadata={"schema_signature": cfg.schema_signature},
+        )
+        if job is None:
+            return None
+        try:
+            self.queue.put(
+                job.partition_id,
+                self._partition_data(job.sample_count),
+                annotations={"tenant_id": cfg.tenant_id, "schema_signature": cfg.schema_signature},
+            )
+        except Exception as error:
+            self.queue.clear(job.partition_id)
+            self.scheduler.fail(job.job_id, f"producer: {type(error).__name__}: {error}")
+            raise
+        return self.scheduler.mark(job.job_id, READY)
+
+    def _partition_data(self, n: int) -> dict[str, Any]:
+        cfg = self.config
+        batch = self.source.sample(n)
+        state = np.asarray(batch["state"], dtype=np.float32)
+        if cfg.state_dim == 0:
+            state = np.zeros((n, 0), dtype=np.float32)
+        return {
+            "images": np.asarray(batch["images"], dtype=np.float32),
+            "state": state,
+            "action": np.asarray(batch["action"], dtype=np.float32),
+            "action_is_pad": np.asarray(batch["action_is_pad"], dtype=bool),
+            "task": [str(t) or cfg.instruction for t in batch["task"]],
+            # Every model-facing sample carries its tenant and schema (paper A.4).
+            "tenant_id": [cfg.tenant_id] * n,
+            "schema_signature": [cfg.schema_signature] * n,
+        }
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> int:
+        """Produce until the completion target is covered or `stop` is set; returns jobs produced."""
+        produced = 0
+        while not stop.is_set():
+            if self.produce_once() is not None:
+                produced += 1
+                continue
+            if self.target_reached():
+                break
+            stop.wait(idle_wait_s)  # in-flight bound reached: wait for the actor to make progress
+        return produced
+
+    def target_reached(self) -> bool:
+        policy = self.scheduler.policy(self.config.tenant_id, "sft")
+        if policy.completion_target is None:
+            return False
+        counts = self.scheduler.counts(self.config.tenant_id)
+        return counts.get("completed", 0) >= policy.completion_target

@@ -1,0 +1,146 @@
+"""Workload specification: what a tenant declares (paper section 4.1, "user-facing workload specifications").
+
+These are pydantic models so that a bad value is reported with its field path and the reason. They
+check only what can be checked without the backend; `joynexus.master.tenant_creator` checks the
+rest (known base model, camera slots, dimension limits, dataset contents).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from joynexus.schema import VLASchema
+
+TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+CAMERA_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+
+
+class TaskType(StrEnum):
+    SFT = "sft"
+    RL = "rl"
+    EVAL = "eval"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ActionModuleSpec(_Strict):
+    kind: str = "oft_mlp"  # a name in joynexus.models.action_modules registry
+    size: str = "small"  # a size preset of that registry
+
+
+class ObservationSpec(_Strict):
+    cameras: list[str] = Field(min_length=1)
+    image_size: tuple[int, int] = (32, 32)  # (height, width) of the tenant's camera images
+    state_dim: int = Field(default=0, ge=0)
+    action_dim: int = Field(ge=1)
+    action_chunk: int = Field(default=1, ge=1)
+    instruction: str = Field(default="", max_length=512)
+
+    @field_validator("cameras")
+    @classmethod
+    def _camera_names(cls, cameras: list[str]) -> list[str]:
+        for name in cameras:
+            if not CAMERA_NAME_PATTERN.match(name):
+                raise ValueError(f"camera name {name!r} must match {CAMERA_NAME_PATTERN.pattern}")
+        if len(set(cameras)) != len(cameras):
+            raise ValueError(f"camera names must be unique, got {cameras}")
+        return cameras
+
+    @field_validator("image_size")
+    @classmethod
+    def _image_size(cls, size: tuple[int, int]) -> tuple[int, int]:
+        if min(size) < 8 or max(size) > 1024:
+            raise ValueError(f"image_size {list(size)} must have both sides in [8, 1024]")
+        return size
+
+
+class DatasetSpec(_Strict):
+    """A LeRobot-format dataset on local disk (image mode)."""
+
+    root: str
+    repo_id: str = Field(min_length=1)
+
+
+class SchedulingSpec(_Strict):
+    priority: int = Field(default=0, ge=-100, le=100)
+    max_in_flight_jobs: int = Field(default=2, ge=1, le=64)
+    completion_target: int | None = Field(default=None, ge=1)  # None: no bound on completed jobs
+    max_policy_staleness: int | None = Field(default=None, ge=0)  # RL only: Δmax of eq. 1
+
+
+class TrainingSpec(_Strict):
+    samples_per_job: int = Field(default=32, ge=1, le=65536)
+    microbatch_size: int = Field(default=8, ge=1, le=4096)
+    learning_rate: float = Field(default=1e-3, gt=0, le=1.0)
+    seed: int = 0
+    checkpoint_every_jobs: int = Field(default=1, ge=0)  # 0: only at the end of the workload
+
+
+class WorkloadSpec(_Strict):
+    tenant: str = Field(pattern=TENANT_ID_PATTERN)
+    base_model: str = Field(min_length=1)
+    task: TaskType
+    action_module: ActionModuleSpec = ActionModuleSpec()
+    observation: ObservationSpec
+    dataset: DatasetSpec | None = None
+    scheduling: SchedulingSpec = SchedulingSpec()
+    training: TrainingSpec = TrainingSpec()
+
+    @model_validator(mode="after")
+    def _task_needs_its_source(self) -> WorkloadSpec:
+        if self.task is TaskType.SFT and self.dataset is None:
+            raise ValueError("dataset is required when task is 'sft'")
+        return self
+
+    def vla_schema(self) -> VLASchema:
+        obs = self.observation
+        return VLASchema(
+            base_model_id=self.base_model,
+            cameras=tuple(obs.cameras),
+            image_size=obs.image_size,
+            state_dim=obs.state_dim,
+            action_dim=obs.action_dim,
+            action_chunk=obs.action_chunk,
+        )
+
+
+class SpecError(ValueError):
+    """A workload spec was rejected; each problem names its field path and the reason."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        lines = [f"{field}: {reason}" for field, reason in problems]
+        super().__init__("invalid workload spec:\n  " + "\n  ".join(lines))
+
+    @property
+    def fields(self) -> list[str]:
+        return [field for field, _ in self.problems]
+
+
+def parse_workload_spec(data: dict[str, Any] | str | Path) -> WorkloadSpec:
+    """Parse a dict or a YAML/JSON file into a spec, turning pydantic errors into a SpecError."""
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if not path.is_file():
+            raise SpecError([("spec", f"file {str(path)!r} does not exist")])
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise SpecError([("spec", f"file {str(path)!r} does not hold a mapping")])
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            field = ".".join(str(part) for part in item["loc"]) or "spec"
+            value = item.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            problems.append((field, item["msg"] + shown))
+        raise SpecError(problems) from None
