@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import typer
@@ -11,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 app = typer.Typer(help="JoyNexus: multi-tenant post-training for robot VLA policies on one shared backbone.")
-console = Console()
+# Logs and CI capture are not terminals; rich would wrap the tables at 80 columns there.
+console = Console(width=None if sys.stdout.isatty() else 140)
 
 
 @app.callback()

@@ -23,6 +23,7 @@ class Settings(BaseModel):
     ray_address: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_ADDRESS"))
     backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))
     backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
+    ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
     torch_threads: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")), ge=1)
 
     def resolved_database_url(self) -> str:

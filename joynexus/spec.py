@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from joynexus.schema import VLASchema
 
@@ -90,15 +90,17 @@ class WorkloadSpec(_Strict):
     task: TaskType
     action_module: ActionModuleSpec = ActionModuleSpec()
     observation: ObservationSpec
-    dataset: DatasetSpec | None = None
+    dataset: DatasetSpec | None = Field(default=None, validate_default=True)
     scheduling: SchedulingSpec = SchedulingSpec()
     training: TrainingSpec = TrainingSpec()
 
-    @model_validator(mode="after")
-    def _task_needs_its_source(self) -> WorkloadSpec:
-        if self.task is TaskType.SFT and self.dataset is None:
+    @field_validator("dataset")
+    @classmethod
+    def _sft_needs_a_dataset(cls, dataset: DatasetSpec | None, info: ValidationInfo) -> DatasetSpec | None:
+        # A field validator (not a model validator) so the error is reported at `dataset`.
+        if dataset is None and info.data.get("task") is TaskType.SFT:
             raise ValueError("dataset is required when task is 'sft'")
-        return self
+        return dataset
 
     def vla_schema(self) -> VLASchema:
         obs = self.observation

@@ -44,12 +44,16 @@ class Deployment:
         settings = settings or Settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         init_ray(settings.ray_address)
-        queue = TrainingQueueClient(training_queue_actor())
+        queue = TrainingQueueClient(training_queue_actor(namespace=settings.ray_namespace))
         source = BackboneSource(
             preset=None if settings.backbone_path else settings.backbone_preset, path=settings.backbone_path
         )
         service = training_service_actor(
-            source, settings.checkpoint_root, queue.handle, num_threads=settings.torch_threads
+            source,
+            settings.checkpoint_root,
+            queue.handle,
+            num_threads=settings.torch_threads,
+            namespace=settings.ray_namespace,
         )
         caps = BaseModelCapabilities(**_capabilities_fields(call(service, "capabilities")))
         store = ControlPlaneStore(settings.resolved_database_url())

@@ -90,8 +90,9 @@ class TrainingQueue:
         if annotations:
             for key, value in annotations.items():
                 if key in part.annotations and part.annotations[key] != value:
+                    held = part.annotations[key]
                     raise TrainingQueueError(
-                        f"partition {partition_id!r}: annotation {key!r} is {part.annotations[key]!r}, put has {value!r}"
+                        f"partition {partition_id!r}: annotation {key!r} is {held!r}, put has {value!r}"
                     )
                 part.annotations[key] = value
         if part.num_samples == 0 and not part.fields:

@@ -195,6 +195,7 @@ class TrainingModelService:
         slot = self._slot(tenant_id)
         _check_annotations(batch, tenant_id, slot.config.schema_signature)
         loss = self._step(slot, batch)
+        slot.version += 1  # every parameter change is a new version: exports and checkpoints stay unambiguous
         return {"tenant_id": tenant_id, "loss": loss, "optimizer_steps": slot.optimizer_steps, "version": slot.version}
 
     def train_job(self, job: TrainingJob | dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +295,10 @@ class TrainingModelService:
         return [_manifest_dict(self._save_slot(self._slot(t), include_optim)) for t in ids]
 
     def _save_slot(self, slot: TenantSlot, include_optim: bool) -> TenantManifest:
+        """Checkpoints are immutable per version: saving an already-saved version returns its manifest."""
         cfg = slot.config
+        if slot.version in self.checkpoints.versions(cfg.tenant_id):
+            return self.checkpoints.load_tenant(cfg.tenant_id, slot.version)[0]
         return self.checkpoints.save_tenant(
             tenant_id=cfg.tenant_id,
             policy_version=slot.version,

@@ -1,0 +1,665 @@
+"""The resident, frozen vision-language backbone shared by every tenant.
+
+One ``ResidentBackbone`` lives in a service process. It wraps a real transformers
+Idefics3 model (the architecture of SmolVLM-256M/500M: SigLIP-style vision encoder,
+pixel-shuffle connector, Llama decoder), frozen and in eval mode. Tenants never
+train it; they train small action modules on the features it returns.
+
+Hot path (``encode``) deliberately bypasses the HF image processor and processor:
+
+* images are resized on tensors to one canonical square ``image_size`` (one vision
+  tile per camera, no image splitting) and normalized with the checkpoint's mean/std;
+* camera slots are padded to ``max_images`` with an explicit slot mask; only real
+  slots go through the vision encoder. Idefics3 itself detects padding images by
+  "every normalized pixel == 0", which also drops a *real* uniform mid-grey image
+  (0.5 normalizes to exactly 0) -- the explicit mask has no such ambiguity;
+* ``input_ids`` are built by hand with the image tokens already expanded, from an
+  LRU cache of tokenized instructions;
+* text is right-padded: the Llama decoder is causal and derives position ids from
+  the sequence index, so right padding leaves every real token bit-for-bit
+  independent of the other samples in the batch (left padding would shift RoPE
+  positions).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+# The service must never reach a model hub; set before transformers is imported.
+# Every load below also passes ``local_files_only=True``, so this is belt and braces.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
+    AutoTokenizer,
+    Idefics3Config,
+    Idefics3ImageProcessor,
+    Idefics3Model,
+    Idefics3Processor,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+__all__ = [
+    "BackboneFeatures",
+    "ResidentBackbone",
+    "TinyBackboneSpec",
+    "METADATA_FILE",
+]
+
+METADATA_FILE = "joynexus_backbone.json"
+METADATA_FORMAT_VERSION = 1
+SUPPORTED_MODEL_TYPES = ("idefics3", "smolvlm")
+
+# Special tokens of the Idefics3 / SmolVLM prompt format.
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+IMAGE_TOKEN = "<image>"
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+END_OF_UTTERANCE_TOKEN = "<end_of_utterance>"
+SPECIAL_TOKENS = (
+    PAD_TOKEN,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    END_OF_UTTERANCE_TOKEN,
+    FAKE_IMAGE_TOKEN,
+    GLOBAL_IMAGE_TOKEN,
+    IMAGE_TOKEN,
+)
+# Chat template matching the hand-built prompt in ``ResidentBackbone._prompt_ids``.
+CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+# A few dozen robot instructions: enough for byte-level BPE to learn useful merges.
+_TOKENIZER_CORPUS = (
+    "pick up the red cube and place it in the bowl",
+    "push the green block to the left",
+    "open the top drawer",
+    "close the top drawer",
+    "put the apple on the plate",
+    "stack the blue cube on the red cube",
+    "pick up the sponge and wipe the table",
+    "move the gripper to the right",
+    "turn on the stove",
+    "turn off the faucet",
+    "place the mug on the coaster",
+    "insert the peg into the hole",
+    "pull the handle of the cabinet",
+    "push the button on the microwave",
+    "put the spoon in the cup",
+    "pick the banana from the basket",
+    "slide the box to the front of the table",
+    "rotate the knob clockwise",
+    "lift the lid off the pot",
+    "put the bottle in the fridge",
+    "grasp the pen and put it in the holder",
+    "fold the towel in half",
+    "pour water from the cup into the bowl",
+    "hang the cloth on the rack",
+    "sort the blocks by color",
+    "move the yellow sphere next to the green cube",
+    "reach the target position",
+    "push the t-shaped block into the goal region",
+    "pick up the cube",
+    "place the cube on the target",
+    "open the door",
+    "close the window",
+    "press the red button twice",
+    "put the carrot in the pot",
+    "pick up the bowl and put it in the sink",
+    "move the plate to the left side of the table",
+    "unstack the cubes",
+    "put the book on the shelf",
+    "grab the handle and pull it toward you",
+    "wipe the spill with the towel",
+    "User: Assistant: what action should the robot take?",
+    "0 1 2 3 4 5 6 7 8 9 step camera left right front wrist top",
+)
+
+
+@dataclass(frozen=True)
+class TinyBackboneSpec:
+    """Size of a randomly initialized backbone built in code (no hub)."""
+
+    name: str = "tiny"
+    vision_hidden_size: int = 32
+    vision_layers: int = 2
+    vision_heads: int = 2
+    patch_size: int = 8
+    image_size: int = 32
+    scale_factor: int = 2
+    text_hidden_size: int = 64
+    text_layers: int = 2
+    text_heads: int = 4
+    max_images: int = 3
+    max_position_embeddings: int = 512
+    max_instruction_tokens: int = 64
+    tokenizer_vocab_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.image_size % (self.patch_size * self.scale_factor) != 0:
+            raise ValueError(
+                f"TinyBackboneSpec.image_size={self.image_size} must be a multiple of "
+                f"patch_size*scale_factor={self.patch_size * self.scale_factor}"
+            )
+        if self.vision_hidden_size % self.vision_heads or self.text_hidden_size % self.text_heads:
+            raise ValueError("TinyBackboneSpec hidden sizes must be divisible by their head counts")
+        if self.max_images < 1:
+            raise ValueError(f"TinyBackboneSpec.max_images must be >= 1, got {self.max_images}")
+
+    @classmethod
+    def preset(cls, name: str) -> TinyBackboneSpec:
+        """Named sizes: "tiny" for tests, "small" for benchmarks."""
+        presets = _SPEC_PRESETS
+        if name not in presets:
+            raise ValueError(f"unknown backbone preset {name!r}; allowed presets: {sorted(presets)}")
+        return presets[name]
+
+    @property
+    def image_seq_len(self) -> int:
+        """Image tokens per camera after the pixel-shuffle connector."""
+        return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
+
+
+_SPEC_PRESETS: dict[str, TinyBackboneSpec] = {
+    "tiny": TinyBackboneSpec(),
+    "small": TinyBackboneSpec(
+        name="small",
+        vision_hidden_size=64,
+        vision_layers=2,
+        vision_heads=4,
+        image_size=64,
+        text_hidden_size=128,
+        text_layers=4,
+        text_heads=4,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class BackboneFeatures:
+    """Backbone output for a batch: per-token states, their mask and a pooled summary."""
+
+    tokens: torch.Tensor  # (B, L, D) float32, padded positions zeroed
+    mask: torch.Tensor  # (B, L) bool, True = real token
+    pooled: torch.Tensor  # (B, D) masked mean of tokens
+
+    def __post_init__(self) -> None:
+        # Cheap shape checks: features travel between processes/modules and a
+        # transposed tensor would otherwise fail far from its cause.
+        if self.tokens.ndim != 3:
+            raise ValueError(f"BackboneFeatures.tokens must be (B, L, D), got shape {tuple(self.tokens.shape)}")
+        b, length, d = self.tokens.shape
+        if self.mask.shape != (b, length) or self.mask.dtype != torch.bool:
+            raise ValueError(
+                f"BackboneFeatures.mask must be bool ({b}, {length}), got {self.mask.dtype} {tuple(self.mask.shape)}"
+            )
+        if self.pooled.shape != (b, d):
+            raise ValueError(f"BackboneFeatures.pooled must be ({b}, {d}), got {tuple(self.pooled.shape)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tokens.shape[-1]
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def select(self, index: slice | torch.Tensor | list[int]) -> BackboneFeatures:
+        """Rows of the batch (sequence length is kept)."""
+        if isinstance(index, int):
+            index = [index]  # keep the batch dimension
+        if isinstance(index, list):
+            index = torch.as_tensor(index, dtype=torch.long, device=self.tokens.device)
+        return BackboneFeatures(tokens=self.tokens[index], mask=self.mask[index], pooled=self.pooled[index])
+
+    def trimmed(self) -> BackboneFeatures:
+        """Drop trailing sequence positions that are padding in every row."""
+        real_cols = self.mask.any(dim=0).nonzero()
+        length = int(real_cols.max()) + 1 if real_cols.numel() else 0
+        if length == self.tokens.shape[1]:
+            return self
+        return BackboneFeatures(self.tokens[:, :length], self.mask[:, :length], self.pooled)
+
+    def to(self, device: torch.device | str) -> BackboneFeatures:
+        return BackboneFeatures(self.tokens.to(device), self.mask.to(device), self.pooled.to(device))
+
+    @staticmethod
+    def concat(parts: Sequence[BackboneFeatures]) -> BackboneFeatures:
+        """Join batches along B, right-padding L to the longest part (padding zeroed, masked out)."""
+        if not parts:
+            raise ValueError("BackboneFeatures.concat needs at least one part")
+        dims = {p.hidden_size for p in parts}
+        if len(dims) != 1:
+            raise ValueError(f"BackboneFeatures.concat: parts have different hidden sizes {sorted(dims)}")
+        if len(parts) == 1:
+            return parts[0]
+        max_len = max(p.tokens.shape[1] for p in parts)
+        tokens = [F.pad(p.tokens, (0, 0, 0, max_len - p.tokens.shape[1])) for p in parts]
+        masks = [F.pad(p.mask, (0, max_len - p.mask.shape[1]), value=False) for p in parts]
+        return BackboneFeatures(
+            tokens=torch.cat(tokens, dim=0),
+            mask=torch.cat(masks, dim=0),
+            pooled=torch.cat([p.pooled for p in parts], dim=0),
+        )
+
+
+def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained in code on robot instructions, with the VLM's special tokens.
+
+    Byte-level means every string tokenizes (no unknown token); training on a fixed
+    corpus is deterministic.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    # So that HF's own processor path (add_special_tokens=True) starts with BOS like ours.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[END_OF_UTTERANCE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, IMAGE_TOKEN],
+        padding_side="right",
+        model_max_length=4096,
+    )
+
+
+def _spec_model_id(spec: TinyBackboneSpec, seed: int) -> str:
+    """Readable id for presets at seed 0; otherwise suffixed with a digest of spec+seed,
+    so two backbones with different weights never share a prefix key."""
+    base = f"joynexus/{spec.name}-smolvlm"
+    if seed == 0 and _SPEC_PRESETS.get(spec.name) == spec:
+        return base
+    digest = hashlib.sha256(json.dumps([dataclasses.asdict(spec), seed], sort_keys=True).encode()).hexdigest()
+    return f"{base}-{digest[:10]}"
+
+
+class ResidentBackbone:
+    """Frozen, memory-resident VLM that turns (camera images, instruction) into token features."""
+
+    instances_created: ClassVar[int] = 0
+    _instances_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self,
+        model: Idefics3Model,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_id: str,
+        image_size: int,
+        max_images: int,
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+        max_instruction_tokens: int = 64,
+        spec: TinyBackboneSpec | None = None,
+    ) -> None:
+        config = model.config
+        vision = config.vision_config
+        if image_size % (vision.patch_size * config.scale_factor) != 0:
+            raise ValueError(
+                f"image_size={image_size} must be a multiple of patch_size*scale_factor="
+                f"{vision.patch_size * config.scale_factor}"
+            )
+        if max_images < 1:
+            raise ValueError(f"max_images must be >= 1, got {max_images}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = str(model_id)
+        self.image_size = int(image_size)
+        self.max_images = int(max_images)
+        self.hidden_size = int(config.text_config.hidden_size)
+        self.max_instruction_tokens = int(max_instruction_tokens)
+        self.spec = spec
+        self.image_mean = tuple(float(x) for x in image_mean)
+        self.image_std = tuple(float(x) for x in image_std)
+        self._mean = torch.tensor(self.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self._std = torch.tensor(self.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        # Tokens per camera after pixel shuffle; SigLIP position ids are defined on
+        # the config's image grid, so the canonical side decides the count.
+        self.image_seq_len = (self.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN)}
+        for token, token_id in ids.items():
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
+        if ids[IMAGE_TOKEN] != config.image_token_id:
+            raise ValueError(
+                f"tokenizer image token id {ids[IMAGE_TOKEN]} != model config image_token_id {config.image_token_id}"
+            )
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"tokenizer of backbone {self.model_id!r} has no pad token")
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        eou = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE_TOKEN)
+        bos = tokenizer.bos_token_id
+        # Prompt pieces as ids, computed once: <bos>User:{images}{instruction}<eou>\nAssistant:
+        self._prefix_ids = ([bos] if bos is not None else []) + self._text_ids("User:")
+        self._image_block_ids = (
+            [ids[FAKE_IMAGE_TOKEN], ids[GLOBAL_IMAGE_TOKEN]]
+            + [ids[IMAGE_TOKEN]] * self.image_seq_len
+            + [ids[FAKE_IMAGE_TOKEN]]
+        )
+        self._suffix_ids = ([eou] if eou is not None else []) + self._text_ids("\nAssistant:")
+        # Bounded LRU per instance (a decorated method would pin ``self`` in a global cache).
+        self._prompt_ids = functools.lru_cache(maxsize=4096)(self._prompt_ids_uncached)
+
+        # Frozen: no gradients, eval mode (no dropout), and encode runs in inference_mode.
+        self.model.requires_grad_(False)
+        self.model.eval()
+        with ResidentBackbone._instances_lock:
+            ResidentBackbone.instances_created += 1
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build_tiny(cls, spec: TinyBackboneSpec | None = None, seed: int = 0) -> ResidentBackbone:
+        """Randomly initialized backbone from a small config (no files, no network)."""
+        spec = spec or TinyBackboneSpec.preset("tiny")
+        tokenizer = _train_tokenizer(spec.tokenizer_vocab_size)
+        pad_id = tokenizer.pad_token_id
+        text_config = {
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.text_hidden_size,
+            "intermediate_size": 4 * spec.text_hidden_size,
+            "num_hidden_layers": spec.text_layers,
+            "num_attention_heads": spec.text_heads,
+            "num_key_value_heads": spec.text_heads,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "rms_norm_eps": 1e-5,
+            "pad_token_id": pad_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "tie_word_embeddings": False,
+        }
+        vision_config = {
+            "hidden_size": spec.vision_hidden_size,
+            "intermediate_size": 4 * spec.vision_hidden_size,
+            "num_hidden_layers": spec.vision_layers,
+            "num_attention_heads": spec.vision_heads,
+            "patch_size": spec.patch_size,
+            "image_size": spec.image_size,
+        }
+        config = Idefics3Config(
+            vision_config=vision_config,
+            text_config=text_config,
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+            scale_factor=spec.scale_factor,
+            pad_token_id=pad_id,
+            use_cache=False,
+            tie_word_embeddings=False,
+        )
+        # Seed a private RNG stream so building does not disturb the caller's global RNG.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Idefics3Model(config)
+        return cls(
+            model,
+            tokenizer,
+            model_id=_spec_model_id(spec, seed),
+            image_size=spec.image_size,
+            max_images=spec.max_images,
+            max_instruction_tokens=spec.max_instruction_tokens,
+            spec=spec,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ResidentBackbone:
+        """Load a local checkpoint directory (ours, or a plain Idefics3/SmolVLM one). Offline only."""
+        root = Path(path).expanduser()
+        if not root.exists():
+            raise FileNotFoundError(f"backbone checkpoint directory {str(root)!r} does not exist")
+        if not root.is_dir():
+            raise ValueError(f"backbone checkpoint path {str(root)!r} is not a directory")
+        if not (root / "config.json").is_file():
+            raise FileNotFoundError(f"backbone checkpoint {str(root)!r} has no config.json (the model config)")
+        weight_files = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        if not any((root / name).is_file() for name in weight_files):
+            raise FileNotFoundError(
+                f"backbone checkpoint {str(root)!r} has no weights (expected one of {list(weight_files)})"
+            )
+        if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise FileNotFoundError(
+                f"backbone checkpoint {str(root)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)"
+            )
+        config = AutoConfig.from_pretrained(root, local_files_only=True)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"backbone checkpoint {str(root)!r} has model_type {config.model_type!r}; "
+                f"supported: {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        # AutoModel maps idefics3 -> Idefics3Model, smolvlm -> SmolVLMModel and strips the
+        # "model." prefix of *ForConditionalGeneration checkpoints.
+        model = AutoModel.from_pretrained(root, config=config, local_files_only=True, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        tokenizer.padding_side = "right"
+
+        meta: dict = {}
+        if (root / METADATA_FILE).is_file():
+            meta = json.loads((root / METADATA_FILE).read_text())
+            if meta.get("format_version") != METADATA_FORMAT_VERSION:
+                raise ValueError(
+                    f"{root / METADATA_FILE}: unsupported format_version {meta.get('format_version')!r} "
+                    f"(this code reads {METADATA_FORMAT_VERSION})"
+                )
+        image_mean, image_std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+        if (root / "preprocessor_config.json").is_file():
+            pre = json.loads((root / "preprocessor_config.json").read_text())
+            image_mean = tuple(pre.get("image_mean", image_mean))
+            image_std = tuple(pre.get("image_std", image_std))
+        spec = TinyBackboneSpec(**meta["spec"]) if meta.get("spec") else None
+        return cls(
+            model,
+            tokenizer,
+            model_id=meta.get("model_id", str(root.resolve())),
+            image_size=meta.get("image_size", config.vision_config.image_size),
+            max_images=meta.get("max_images", 3),
+            image_mean=meta.get("image_mean", image_mean),
+            image_std=meta.get("image_std", image_std),
+            max_instruction_tokens=meta.get("max_instruction_tokens", 64),
+            spec=spec,
+        )
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write config + safetensors weights + tokenizer + HF processor + joynexus metadata."""
+        root = Path(path).expanduser()
+        root.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(root, safe_serialization=True)
+        self.tokenizer.save_pretrained(root)
+        if self.model.config.model_type == "idefics3":
+            # A stock HF processor too, so the directory also works with AutoProcessor
+            # (e.g. for tools outside this service). One tile per image, like encode.
+            image_processor = Idefics3ImageProcessor(
+                do_image_splitting=False,
+                size={"longest_edge": self.image_size},
+                max_image_size={"longest_edge": self.image_size},
+                image_mean=list(self.image_mean),
+                image_std=list(self.image_std),
+            )
+            Idefics3Processor(
+                image_processor=image_processor,
+                # A copy: the processor's __init__ calls add_special_tokens on it.
+                tokenizer=copy.deepcopy(self.tokenizer),
+                image_seq_len=self.image_seq_len,
+                chat_template=CHAT_TEMPLATE,
+            ).save_pretrained(root)
+        meta = {
+            "format_version": METADATA_FORMAT_VERSION,
+            "model_id": self.model_id,
+            "image_size": self.image_size,
+            "max_images": self.max_images,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+            "max_instruction_tokens": self.max_instruction_tokens,
+            "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
+        }
+        (root / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def prefix_key(self) -> tuple:
+        """Two backbones with equal keys produce interchangeable features."""
+        return (self.model_id, self.image_size, self.max_images)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def __repr__(self) -> str:
+        return (
+            f"ResidentBackbone(model_id={self.model_id!r}, hidden_size={self.hidden_size}, "
+            f"image_size={self.image_size}, max_images={self.max_images}, params={self.parameter_count():,})"
+        )
+
+    # ------------------------------------------------------------------ prompt
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _prompt_ids_uncached(self, num_images: int, instruction: str) -> tuple[int, ...]:
+        # Same token sequence as Idefics3Processor on
+        # "<|im_start|>User:" + "<image>" * n + instruction + "<end_of_utterance>\nAssistant:"
+        # without image splitting; special tokens delimit BPE segments, so pieces
+        # tokenized separately equal the whole string tokenized at once.
+        text = self._text_ids(instruction)[: self.max_instruction_tokens]
+        return tuple(self._prefix_ids + self._image_block_ids * num_images + text + self._suffix_ids)
+
+    # ------------------------------------------------------------------ encode
+    def _validate(self, images: list[list[torch.Tensor]], instructions: list[str]) -> None:
+        if len(images) != len(instructions):
+            raise ValueError(f"encode: got {len(images)} image lists but {len(instructions)} instructions")
+        if not images:
+            raise ValueError("encode: empty batch")
+        for b, cams in enumerate(images):
+            if not isinstance(instructions[b], str):
+                raise ValueError(f"encode: instructions[{b}] must be str, got {type(instructions[b]).__name__}")
+            if not 1 <= len(cams) <= self.max_images:
+                raise ValueError(
+                    f"encode: sample {b} has {len(cams)} cameras; expected 1..{self.max_images} (max_images)"
+                )
+            for c, img in enumerate(cams):
+                if not isinstance(img, torch.Tensor) or img.ndim != 3 or img.shape[0] != 3:
+                    shape = tuple(img.shape) if isinstance(img, torch.Tensor) else type(img).__name__
+                    raise ValueError(f"encode: images[{b}][{c}] must be a (3, h, w) tensor, got {shape}")
+                if not img.is_floating_point():
+                    raise ValueError(
+                        f"encode: images[{b}][{c}] must be float in [0, 1], got dtype {img.dtype} "
+                        "(convert uint8 with img.float() / 255)"
+                    )
+
+    def _canonicalize(self, images: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, max_images, 3, S, S) normalized pixels with zero padding slots, and the (B, max_images) slot mask."""
+        size = self.image_size
+        flat = [img for cams in images for img in cams]
+        out = torch.empty(len(flat), 3, size, size, dtype=torch.float32)
+        # Resize grouped by input shape: one interpolate call per distinct (h, w).
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, img in enumerate(flat):
+            groups.setdefault(tuple(img.shape[-2:]), []).append(i)
+        for (h, w), idx in groups.items():
+            batch = torch.stack([flat[i] for i in idx]).to(torch.float32)
+            if (h, w) != (size, size):
+                # antialias: cameras are usually larger than S; plain bilinear would alias.
+                batch = F.interpolate(batch, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+            out[idx] = batch
+        out = (out - self._mean) / self._std
+        counts = torch.tensor([len(cams) for cams in images])
+        slot_mask = torch.arange(self.max_images).unsqueeze(0) < counts.unsqueeze(1)
+        pixels = out.new_zeros(len(images), self.max_images, 3, size, size)
+        pixels[slot_mask] = out  # row-major fill keeps (sample, camera) order
+        return pixels, slot_mask
+
+    def _input_ids(
+        self, images: list[list[torch.Tensor]], instructions: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded input_ids with expanded image tokens, and the attention mask."""
+        rows = [self._prompt_ids(len(cams), text) for cams, text in zip(images, instructions, strict=True)]
+        length = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for b, row in enumerate(rows):
+            input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attention_mask[b, : len(row)] = 1
+        return input_ids, attention_mask
+
+    def _text_attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Causal + key-padding mask, prebuilt as 4D additive floats.
+
+        transformers 4.57 builds this mask with torch.vmap over mask functions, which
+        costs ~5 ms per call on CPU (about 40% of a tiny batch-8 encode); a 4D mask is
+        passed through untouched by its mask utilities and works for sdpa and eager.
+        """
+        impl = getattr(self.model.config.text_config, "_attn_implementation", None)
+        if impl not in ("sdpa", "eager"):
+            return attention_mask  # let transformers build what other kernels expect
+        length = attention_mask.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, Lq, Lk)
+        # Right padding: every query row (even a padded one) sees key 0, so no row is all -inf.
+        additive = torch.zeros(allowed.shape, dtype=torch.float32)
+        additive.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        return additive.unsqueeze(1)
+
+    def encode(self, images: list[list[torch.Tensor]], instructions: list[str]) -> BackboneFeatures:
+        """Encode a batch of (cameras, instruction) samples into frozen token features.
+
+        ``images[b]`` holds 1..max_images float (3, h, w) tensors in [0, 1] of any size.
+        Instructions longer than ``max_instruction_tokens`` tokens are truncated.
+        """
+        self._validate(images, instructions)
+        input_ids, attention_mask = self._input_ids(images, instructions)
+        pixels, slot_mask = self._canonicalize(images)
+        with torch.inference_mode():
+            # Only real camera slots reach the vision tower (selected by the slot mask,
+            # not by pixel values); the flattened order matches the order of the image
+            # tokens, which is what Idefics3's inputs_merger expects.
+            vision = self.model.vision_model(pixel_values=pixels[slot_mask]).last_hidden_state
+            image_states = self.model.connector(vision)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=self._text_attention_mask(attention_mask),
+                image_hidden_states=image_states,
+                use_cache=False,
+                return_dict=True,
+            )
+            mask = attention_mask.bool()
+            tokens = out.last_hidden_state.float() * mask.unsqueeze(-1)
+            pooled = tokens.sum(dim=1) / mask.sum(dim=1, keepdim=True)
+        # Tensors made under inference_mode can never be saved for backward, so a
+        # tenant's head would fail on `Linear(features.tokens)`. Cloning outside the
+        # context turns them into ordinary (still grad-free) tensors.
+        return BackboneFeatures(tokens=tokens.clone(), mask=mask.clone(), pooled=pooled.clone())
