@@ -627,10 +627,10 @@ class ResidentBackbone:
         if impl not in ("sdpa", "eager"):
             return attention_mask  # let transformers build what other kernels expect
         length = attention_mask.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
         allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, Lq, Lk)
         # Right padding: every query row (even a padded one) sees key 0, so no row is all -inf.
-        additive = torch.zeros(allowed.shape, dtype=torch.float32)
+        additive = torch.zeros(allowed.shape, dtype=torch.float32, device=attention_mask.device)
         additive.masked_fill_(~allowed, torch.finfo(torch.float32).min)
         return additive.unsqueeze(1)
 
@@ -643,6 +643,9 @@ class ResidentBackbone:
         self._validate(images, instructions)
         input_ids, attention_mask = self._input_ids(images, instructions)
         pixels, slot_mask = self._canonicalize(images)
+        device = self.model.device  # CPU in this service; a no-op move there
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        pixels, slot_mask = pixels.to(device), slot_mask.to(device)
         with torch.inference_mode():
             # Only real camera slots reach the vision tower (selected by the slot mask,
             # not by pixel values); the flattened order matches the order of the image
