@@ -63,14 +63,11 @@ def write_dataset_for(spec: dict[str, Any], *, episodes: int = 3, length: int = 
 
 
 def compiled_config(tenant: str, capabilities: Any, **shape: Any) -> Any:
-    """A TenantBackendConfig compiled by the real tenant creator, without a dataset or a store."""
-    from joynexus.master.tenant_creator import TenantCreator
+    """A TenantBackendConfig compiled by the real spec compiler, without a dataset or a store."""
+    from joynexus.master.tenant_creator import BackendCapabilities, SpecCompiler
     from joynexus.spec import parse_workload_spec
 
     spec = sft_spec(tenant, "/unused", base_model=capabilities.model_id, **shape)
     spec["task"] = "eval"  # evaluation tenants need no dataset: compile checks only the interface
     spec["dataset"] = None
-    from joynexus.master.tenant_creator import BackendCapabilities
-
-    creator = TenantCreator(None, None, BackendCapabilities.single(capabilities))  # type: ignore[arg-type]
-    return creator.compile(parse_workload_spec(spec))
+    return SpecCompiler(BackendCapabilities.single(capabilities)).compile(parse_workload_spec(spec))

@@ -85,49 +85,12 @@ class TenantExists(SpecError):
     pass
 
 
-class TenantCreator:
-    def __init__(
-        self,
-        store: ControlPlaneStore,
-        scheduler: TrainingScheduler,
-        capabilities: BackendCapabilities,
-        *,
-        validate_datasets: bool = True,
-    ):
-        self.store = store
-        self.scheduler = scheduler
+class SpecCompiler:
+    """Checks a spec against the backend's capabilities and compiles it; touches no state."""
+
+    def __init__(self, capabilities: BackendCapabilities, *, validate_datasets: bool = True):
         self.capabilities = capabilities
         self.validate_datasets = validate_datasets
-
-    def create(self, spec: WorkloadSpec | dict[str, Any] | str | Path) -> Tenant:
-        if not isinstance(spec, WorkloadSpec):
-            spec = parse_workload_spec(spec)
-        config = self.compile(spec)
-        with self.store.transaction() as session:
-            if session.get(TenantRecord, spec.tenant) is not None:
-                raise TenantExists([("tenant", f"tenant {spec.tenant!r} already exists")])
-            session.add(
-                TenantRecord(
-                    tenant_id=spec.tenant,
-                    task_type=spec.task.value,
-                    base_model_id=spec.base_model,
-                    schema_signature=config.schema_signature,
-                    spec=spec.model_dump(mode="json"),
-                    backend_config=config.model_dump(mode="json"),
-                )
-            )
-            if spec.task is not TaskType.EVAL:  # evaluation never creates training work
-                sched = spec.scheduling
-                self.scheduler.register_policy(
-                    spec.tenant,
-                    spec.task.value,
-                    priority=sched.priority,
-                    max_in_flight=sched.max_in_flight_jobs,
-                    completion_target=sched.completion_target,
-                    max_policy_staleness=sched.max_policy_staleness,
-                    session=session,
-                )
-        return Tenant(spec.tenant, spec, config.schema_signature, config)
 
     def compile(self, spec: WorkloadSpec) -> TenantBackendConfig:
         """Check the spec against the backend (raising SpecError naming every bad field) and compile it."""
@@ -225,6 +188,50 @@ class TenantCreator:
         )
         report = validate_dataset(root, spec.dataset.repo_id, expectation, raise_on_error=False)
         return [(failure.field, failure.reason) for failure in report.failures]
+
+
+class TenantCreator:
+    def __init__(
+        self,
+        store: ControlPlaneStore,
+        scheduler: TrainingScheduler,
+        capabilities: BackendCapabilities,
+        *,
+        validate_datasets: bool = True,
+    ):
+        self.store = store
+        self.scheduler = scheduler
+        self.compiler = SpecCompiler(capabilities, validate_datasets=validate_datasets)
+
+    def create(self, spec: WorkloadSpec | dict[str, Any] | str | Path) -> Tenant:
+        if not isinstance(spec, WorkloadSpec):
+            spec = parse_workload_spec(spec)
+        config = self.compiler.compile(spec)
+        with self.store.transaction() as session:
+            if session.get(TenantRecord, spec.tenant) is not None:
+                raise TenantExists([("tenant", f"tenant {spec.tenant!r} already exists")])
+            session.add(
+                TenantRecord(
+                    tenant_id=spec.tenant,
+                    task_type=spec.task.value,
+                    base_model_id=spec.base_model,
+                    schema_signature=config.schema_signature,
+                    spec=spec.model_dump(mode="json"),
+                    backend_config=config.model_dump(mode="json"),
+                )
+            )
+            if spec.task is not TaskType.EVAL:  # evaluation never creates training work
+                sched = spec.scheduling
+                self.scheduler.register_policy(
+                    spec.tenant,
+                    spec.task.value,
+                    priority=sched.priority,
+                    max_in_flight=sched.max_in_flight_jobs,
+                    completion_target=sched.completion_target,
+                    max_policy_staleness=sched.max_policy_staleness,
+                    session=session,
+                )
+        return Tenant(spec.tenant, spec, config.schema_signature, config)
 
     def get(self, tenant_id: str) -> Tenant:
         with self.store.transaction() as session:
