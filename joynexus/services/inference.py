@@ -250,7 +250,7 @@ class InferenceModelService:
             if request.future.done():  # cancelled by its caller
                 continue
             try:
-                request.future.set_result(self._decode(request, features.select(rows), images, rows))
+                request.future.set_result(self._decode(request, features.select(rows).trimmed(), images, rows))
             except Exception as error:
                 self._stats["failed_requests"] += 1
                 request.future.set_exception(error)

@@ -3,8 +3,10 @@
 Keeps ONE resident frozen backbone and a slot per tenant (action module, optimizer state, policy
 version). `train_job` consumes a leased job's Training Queue partition in microbatches: it checks
 that every sample carries the job's tenant and schema signature, runs the shared backbone forward
-without gradients, then that tenant's loss, backward and optimizer step. Nothing here is ever
-averaged or shared across tenants. Deployed as a named Ray actor (`training_service_actor`).
+without gradients, then that tenant's loss, backward and optimizer step. `train_group` is the
+group-batched form (paper 5.2): one shared backbone forward over several tenants' microbatches,
+then each tenant's own update on its own rows. Nothing here is ever averaged or shared across
+tenants. Deployed as a named Ray actor (`training_service_actor`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,20 @@ def microbatch_to_tensors(
     action = torch.as_tensor(np.asarray(data["action"], dtype=np.float32))
     pad = torch.as_tensor(np.asarray(data["action_is_pad"], dtype=bool))
     return per_sample, [str(t) for t in data["task"]], state, action, pad
+
+
+@dataclass
+class _Microbatch:
+    """One tenant's microbatch as tensors, blank instructions filled with the tenant's default."""
+
+    images: list[list[torch.Tensor]]
+    instructions: list[str]
+    state: torch.Tensor
+    action: torch.Tensor
+    action_is_pad: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.images)
 
 
 class TrainingModelService:
@@ -238,21 +254,110 @@ class TrainingModelService:
             "checkpoint_version": manifest.policy_version if manifest else None,
         }
 
-    def _step(self, slot: TenantSlot, data: dict[str, Any]) -> float:
+    def train_group(self, batches: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Group-batched execution (paper 5.2): one optimizer step for each of several tenants from
+        ONE shared backbone forward over all their microbatches (any mix of schemas).
+
+        Each element is (tenant_id, microbatch in `train_batch`'s column format); results come back
+        in the same order, like `train_batch`'s plus the shared forward's `encode_seconds` and the
+        tenant's own `module_seconds`. Checked before any tenant steps, raising and changing
+        nothing: unknown tenants, a tenant named twice (two optimizer steps would share one
+        forward), every sample's tenant and schema annotations, empty microbatches. After the
+        forward, each tenant's loss, backward, clip and AdamW step use only its own rows and its
+        own slot; nothing is averaged across tenants. A tenant whose update raises (module error,
+        non-finite loss or gradients) gets `error` in its result and keeps its slot unchanged,
+        while the others still step.
+        """
+        if not batches:
+            return []
+        seen: set[str] = set()
+        slots: list[TenantSlot] = []
+        for tenant_id, data in batches:
+            if tenant_id in seen:
+                raise ValueError(
+                    f"tenant {tenant_id!r} appears more than once in one training group; "
+                    "a group takes at most one microbatch (one optimizer step) per tenant"
+                )
+            seen.add(tenant_id)
+            slot = self._slot(tenant_id)
+            _check_annotations(data, tenant_id, slot.config.schema_signature)
+            slots.append(slot)
+        prepared = [self._prepare(slot, data) for slot, (_, data) in zip(slots, batches, strict=True)]
+        rows: list[slice] = []
+        offset = 0
+        for slot, batch in zip(slots, prepared, strict=True):
+            if len(batch) == 0:
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: empty microbatch in a training group")
+            rows.append(slice(offset, offset + len(batch)))
+            offset += len(batch)
+
+        started = time.perf_counter()
+        features = self.encode(
+            [cams for batch in prepared for cams in batch.images],
+            [text for batch in prepared for text in batch.instructions],
+        )
+        encode_seconds = time.perf_counter() - started
+
+        results: list[dict[str, Any]] = []
+        for slot, batch, own_rows in zip(slots, prepared, rows, strict=True):
+            started = time.perf_counter()
+            error: str | None = None
+            try:
+                # trimmed(): drop the padding columns other tenants' longer prompts added, so the
+                # head sees exactly the shapes a forward of its own microbatch would give.
+                loss: float | None = self._update(slot, features.select(own_rows).trimmed(), batch)
+            except Exception as exc:  # one tenant's failure is its own; the group goes on
+                loss, error = None, f"{type(exc).__name__}: {exc}"
+            else:
+                slot.version += 1  # as train_batch: every parameter change is a new version
+            result = {
+                "tenant_id": slot.config.tenant_id,
+                "loss": loss,
+                "optimizer_steps": slot.optimizer_steps,
+                "version": slot.version,
+                "encode_seconds": encode_seconds,
+                "module_seconds": time.perf_counter() - started,
+            }
+            if error is not None:
+                result["error"] = error
+            results.append(result)
+        return results
+
+    def _prepare(self, slot: TenantSlot, data: dict[str, Any]) -> _Microbatch:
         images, instructions, state, action, pad = microbatch_to_tensors(data)
         if slot.config.instruction:
             instructions = [text or slot.config.instruction for text in instructions]
-        features = self.encode(images, instructions)
+        return _Microbatch(images, instructions, state, action, pad)
+
+    def _step(self, slot: TenantSlot, data: dict[str, Any]) -> float:
+        """Serial path: this microbatch's own backbone forward, then the tenant's update."""
+        batch = self._prepare(slot, data)
+        return self._update(slot, self.encode(batch.images, batch.instructions), batch)
+
+    def _update(self, slot: TenantSlot, features: BackboneFeatures, batch: _Microbatch) -> float:
+        """The per-tenant update both paths share: loss, backward, clip, AdamW step, on this slot only.
+
+        Anything raised before the optimizer step leaves the slot's parameters, optimizer state and
+        counters as they were (and drops the partial gradients).
+        """
         slot.module.train()
         slot.optimizer.zero_grad(set_to_none=True)
-        loss = slot.module.loss(features, state, action, pad)
-        if not torch.isfinite(loss):
-            raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {loss.item()}")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(slot.module.parameters(), 1.0)
+        try:
+            loss = slot.module.loss(
+                features, batch.state, batch.action, batch.action_is_pad, generator=_loss_generator(slot)
+            )
+            if not torch.isfinite(loss):
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {loss.item()}")
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(slot.module.parameters(), 1.0)
+            if not torch.isfinite(grad_norm):
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
+        except BaseException:
+            slot.optimizer.zero_grad(set_to_none=True)
+            raise
         slot.optimizer.step()
         slot.optimizer_steps += 1
-        slot.samples_trained += len(images)
+        slot.samples_trained += len(batch)
         value = float(loss.detach())
         slot.losses.append(value)
         return value
@@ -316,6 +421,17 @@ def _manifest_dict(manifest: TenantManifest) -> dict[str, Any]:
     import json
 
     return {**json.loads(manifest.to_json()), "digest": manifest.digest}
+
+
+def _loss_generator(slot: TenantSlot) -> torch.Generator:
+    """The randomness of a tenant's next loss (flow-matching noise and times).
+
+    A function of the tenant's seed and optimizer step only: serial and grouped training draw the
+    same values, other tenants' work never shifts them, and a resumed slot continues the sequence.
+    """
+    seed = np.random.SeedSequence([slot.config.seed % 2**64, slot.optimizer_steps]).generate_state(1, np.uint64)[0]
+    device = next(slot.module.parameters()).device
+    return torch.Generator(device=device).manual_seed(int(seed))
 
 
 def _check_annotations(data: dict[str, Any], tenant_id: str, signature: str) -> None:
