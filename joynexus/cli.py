@@ -45,42 +45,55 @@ def demo(
     bars = {
         t.tenant: progress.add_task("", total=jobs, tenant=t.tenant, loss="   -   ", version=0) for t in DEMO_TENANTS
     }
+    workload_tenant: dict[str, str] = {}
 
-    def on_progress(state) -> None:  # type: ignore[no-untyped-def]
-        loss = f"{state.losses[-1]:.4f}" if state.losses else "   -   "
-        progress.update(bars[state.tenant_id], completed=state.completed_jobs, loss=loss, version=state.version)
+    def on_event(event: dict) -> None:
+        if event["kind"] == "queued":
+            return
+        tenant = workload_tenant.get(event["workload_id"])
+        if tenant is None:
+            return
+        if event["kind"] == "step":
+            progress.update(bars[tenant], loss=f"{event['loss']:.4f}")
+        elif event["kind"] == "job_completed":
+            progress.update(bars[tenant], completed=event["completed_jobs"], version=event["version"])
+
+    def on_stage(message: str) -> None:
+        progress.console.log(message)
+        if message.startswith("workload "):  # "workload <id> of <tenant>: ..."
+            words = message.split()
+            workload_tenant[words[1]] = words[3].rstrip(":")
 
     with progress:
         result = run_demo(
-            settings,
-            jobs_per_tenant=jobs,
-            samples_per_job=samples_per_job,
-            on_progress=on_progress,
-            on_stage=lambda message: progress.console.log(message),
+            settings, jobs_per_tenant=jobs, samples_per_job=samples_per_job, on_event=on_event, on_stage=on_stage
         )
 
-    table = Table(title=f"workload {result.workload_id}: {result.seconds:.1f} s on one backbone")
-    for column in ("tenant", "module", "schema", "jobs", "steps", "first loss", "last loss", "version", "MLflow model"):
+    table = Table(title=f"main job: {len(result.tenants)} SFT tenants, {result.seconds:.1f} s on one backbone")
+    for column in ("tenant", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss", "version",
+                   "MLflow model"):  # fmt: skip
         table.add_column(column)
     failed = False
     for tenant in result.tenants:
-        state = result.progress[tenant.tenant_id]
-        failed |= bool(state.failures) or not state.done
-        first = sum(state.losses[:3]) / max(1, len(state.losses[:3]))
-        last = sum(state.losses[-3:]) / max(1, len(state.losses[-3:]))
+        status = result.statuses[tenant.tenant_id]
+        losses = result.losses[tenant.tenant_id]
+        failed |= status.state != "completed"
+        first = sum(losses[:3]) / max(1, len(losses[:3]))
+        last = sum(losses[-3:]) / max(1, len(losses[-3:]))
         table.add_row(
             tenant.tenant_id,
             tenant.backend_config.action_module["kind"],
-            tenant.schema_signature[:14],
-            f"{state.completed_jobs}/{state.target_jobs}",
-            str(state.optimizer_steps),
-            f"{first:.4f}" if state.losses else "-",
-            f"{last:.4f}" if state.losses else "-",
-            str(state.version),
-            f"v{state.registered_version}" if state.registered_version else "-",
+            tenant.schema_signature[:16],
+            status.workload_id,
+            f"{status.completed_jobs}/{status.target_jobs}",
+            str(status.optimizer_steps),
+            f"{first:.4f}" if losses else "-",
+            f"{last:.4f}" if losses else "-",
+            str(status.version),
+            f"v{status.registered_version}" if status.registered_version else "-",
         )
-        for failure in state.failures:
-            console.print(f"[red]{tenant.tenant_id}: {failure}")
+        if status.error:
+            console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
     console.print(table)
     info = result.backbone
     console.print(

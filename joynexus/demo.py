@@ -8,13 +8,14 @@ the Master Service, run the SFT workload, and report.
 from __future__ import annotations
 
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from joynexus.master.orchestrator import Deployment, SFTWorkloadOrchestrator, TenantProgress
+from joynexus.master.orchestrator import Deployment
 from joynexus.master.tenant_creator import Tenant
+from joynexus.master.workloads import WorkloadManager, WorkloadStatus
 from joynexus.runtime import Settings, call
 
 
@@ -84,8 +85,8 @@ def write_demo_datasets(data_dir: Path, tenants: tuple[DemoTenant, ...] = DEMO_T
 
 @dataclass
 class DemoResult:
-    workload_id: str
-    progress: dict[str, TenantProgress]
+    statuses: dict[str, WorkloadStatus]  # tenant_id -> its workload's final status
+    losses: dict[str, list[float]]  # tenant_id -> loss per optimizer step in this run
     tenants: list[Tenant]
     backbone: dict[str, Any]
     seconds: float
@@ -98,19 +99,19 @@ def run_demo(
     jobs_per_tenant: int = 12,
     samples_per_job: int = 64,
     tenants: tuple[DemoTenant, ...] = DEMO_TENANTS,
-    on_progress: Any = None,
-    on_stage: Any = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> DemoResult:
     settings = settings or Settings()
     stage = on_stage or (lambda message: None)
     stage(f"data directory {settings.data_dir}")
     stage("writing LeRobot datasets")
     roots = write_demo_datasets(settings.data_dir, tenants)
-    stage("starting the deployment (local Ray, Training Queue, Training Model Service)")
+    stage("starting the deployment (local Ray, Training Queue, Training and Inference Model Services)")
     dep = Deployment.start(settings)
+    manager = WorkloadManager(dep, on_event=on_event).start()
     try:
         backbone = call(dep.training_service, "backbone_info")
-        workload_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         created = []
         for t in tenants:
             spec = demo_spec(t, roots[t.tenant], backbone["model_id"], jobs_per_tenant, samples_per_job)
@@ -120,27 +121,15 @@ def run_demo(
                 tenant = dep.creator.create(spec)
             created.append(tenant)
             stage(f"tenant {tenant.tenant_id}: schema {tenant.schema_signature}")
-        # Each run trains `jobs_per_tenant` more jobs per tenant, on top of what earlier runs did.
-        for tenant in created:
-            done = dep.scheduler.counts(tenant.tenant_id).get("completed", 0)
-            sched = tenant.spec.scheduling
-            dep.scheduler.register_policy(
-                tenant.tenant_id,
-                "sft",
-                priority=sched.priority,
-                max_in_flight=sched.max_in_flight_jobs,
-                completion_target=done + jobs_per_tenant,
-            )
         started = time.perf_counter()
-        progress = SFTWorkloadOrchestrator(dep).run(
-            [_with_target(t, jobs_per_tenant) for t in created], workload_id=workload_id, on_progress=on_progress
-        )
-        return DemoResult(workload_id, progress, created, backbone, time.perf_counter() - started, settings)
+        submitted = {t.tenant_id: manager.submit(t.tenant_id, jobs=jobs_per_tenant) for t in created}
+        for tenant_id, status in submitted.items():
+            stage(f"workload {status.workload_id} of {tenant_id}: {jobs_per_tenant} SFT jobs")
+        final = manager.wait_all([s.workload_id for s in submitted.values()])
+        seconds = time.perf_counter() - started
+        statuses = {s.tenant_id: s for s in final}
+        losses = {s.tenant_id: manager.losses(s.workload_id) for s in final}
+        return DemoResult(statuses, losses, created, backbone, seconds, settings)
     finally:
+        manager.stop()
         dep.shutdown()
-
-
-def _with_target(tenant: Tenant, jobs: int) -> Tenant:
-    sched = tenant.spec.scheduling.model_copy(update={"completion_target": jobs})
-    spec = tenant.spec.model_copy(update={"scheduling": sched})
-    return Tenant(tenant.tenant_id, spec, tenant.schema_signature, tenant.backend_config)

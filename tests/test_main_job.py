@@ -46,15 +46,16 @@ def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_
 
     tracker = ExperimentTracker(settings.resolved_mlflow_uri())
     for tenant in result.tenants:
-        state = result.progress[tenant.tenant_id]
-        assert state.failures == [] and state.completed_jobs == 3 and state.version == 3
-        assert state.registered_version == 1
-        history = tracker.metric_history(state.run_id, "train/loss")
-        assert len(history) == state.optimizer_steps == 3 * 2  # 32 samples / microbatch 16 per job
+        status = result.statuses[tenant.tenant_id]
+        assert status.state == "completed" and status.error is None, status
+        assert status.completed_jobs == 3 and status.version == 3 and status.registered_version == 1
+        history = tracker.metric_history(status.run_id, "train/loss")
+        assert len(history) == status.optimizer_steps == 3 * 2  # 32 samples / microbatch 16 per job
+        assert [loss for _, loss in history] == pytest.approx(result.losses[tenant.tenant_id])
         tags = tracker.model_version_tags(tenant.tenant_id, 1)
         assert tags["schema_signature"] == tenant.schema_signature and tags["policy_version"] == "3"
         payload, manifest = tracker.fetch_tenant_payload(tenant.tenant_id, version=1)
         assert manifest.policy_version == 3 and registered_model_name(tenant.tenant_id)
     # A second run continues the same tenants from where they stopped.
     again = run_demo(settings, jobs_per_tenant=1, samples_per_job=32)
-    assert all(again.progress[t.tenant_id].version == 4 for t in again.tenants)
+    assert all(again.statuses[t.tenant_id].version == 4 for t in again.tenants)

@@ -17,6 +17,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Float,
     Integer,
     String,
     Text,
@@ -98,6 +99,28 @@ class TrainingJobRecord(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class WorkloadRecord(Base):
+    """One run of a tenant's declared task, as the workload orchestrator admits and tracks it."""
+
+    __tablename__ = "workloads"
+
+    workload_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    task: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    target_jobs: Mapped[int] = mapped_column(Integer, default=0)
+    completed_jobs: Mapped[int] = mapped_column(Integer, default=0)
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    optimizer_steps: Mapped[int] = mapped_column(Integer, default=0)
+    last_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    registered_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 class SequenceRecord(Base):
     """Named monotonic counters (created_seq, ready_seq) shared by every process on the store."""
 
@@ -105,6 +128,49 @@ class SequenceRecord(Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+# -- tenant API (joynexus.api): keys, metered usage, quotas ---------------------------------------
+
+
+class ApiKeyRecord(Base):
+    """An API key of the tenant API. Only the sha256 of the key is stored, never the key."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)  # public part of the key, for lookup
+    tenant_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)  # None for admin keys
+    role: Mapped[str] = mapped_column(String(16))  # "tenant" | "admin"
+    key_sha256: Mapped[str] = mapped_column(String(64))
+    label: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class UsageRecord(Base):
+    """One metered use of the shared services by a tenant through the tenant API (append-only)."""
+
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    category: Mapped[str] = mapped_column(String(16))  # "training" | "inference" | "environment"
+    operation: Mapped[str] = mapped_column(String(32))  # e.g. "train_batch", "predict", "env_step"
+    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    env_steps: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantQuotaRecord(Base):
+    """Per-tenant limits of the tenant API; a missing row or NULL column means the server default."""
+
+    __tablename__ = "tenant_quotas"
+
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    max_device_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_queued_workloads: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 def sqlite_url(data_dir: str | Path) -> str:

@@ -21,7 +21,9 @@ class SFTProducer:
         scheduler: TrainingScheduler,
         queue: TrainingQueueClient,
         source: Any,  # joynexus.data.lerobot_dataset.LeRobotDemoSource or anything with .sample(n)
+        job_metadata: dict[str, Any] | None = None,  # e.g. the workload id, carried on every job
     ):
+        self.job_metadata = dict(job_metadata or {})
         self.config = config
         self.scheduler = scheduler
         self.queue = queue
@@ -35,13 +37,14 @@ class SFTProducer:
         queue: TrainingQueueClient,
         root: str,
         repo_id: str,
+        job_metadata: dict[str, Any] | None = None,
     ) -> SFTProducer:
         from joynexus.data.lerobot_dataset import LeRobotDemoSource
 
         source = LeRobotDemoSource(
             root, repo_id, cameras=list(config.cameras), action_chunk=config.action_chunk, seed=config.seed
         )
-        return cls(config, scheduler, queue, source)
+        return cls(config, scheduler, queue, source, job_metadata)
 
     def produce_once(self) -> TrainingJob | None:
         """Reserve one job and write its demonstration partition; None when admission refuses."""
@@ -52,7 +55,7 @@ class SFTProducer:
             sample_count=cfg.samples_per_job,
             producer_role="sft",
             consumer_role="actor",
-            metadata={"schema_signature": cfg.schema_signature},
+            metadata={**self.job_metadata, "schema_signature": cfg.schema_signature},
         )
         if job is None:
             return None

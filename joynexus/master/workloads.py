@@ -1,0 +1,442 @@
+"""Master Service: the workload orchestrator (paper section 4.1.1).
+
+A workload is one run of a tenant's declared task ("train 12 more SFT jobs"). The manager
+materializes the roles it needs — for SFT a producer that turns the tenant's dataset into
+Training Queue partitions — while ONE shared actor loop consumes every tenant's ready jobs from
+the Training Scheduler, so tenants interleave on the single Training Model Service. On
+completion the workload checkpoints, exports and registers the tenant's policy in MLflow.
+
+Admission: one running workload per tenant (its training policy has one completion target) and at
+most `max_running` overall; further submissions wait in FIFO order with a visible position.
+Workload state is durable in the control-plane store; progress events are kept in memory for
+streaming.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select
+
+from joynexus.master.store import WorkloadRecord, utcnow
+from joynexus.master.tenant_creator import Tenant
+from joynexus.runtime import call
+from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
+from joynexus.services.actor_loop import ActorLoop, ActorOutcome
+from joynexus.services.sft_producer import SFTProducer
+
+log = logging.getLogger(__name__)
+
+QUEUED, RUNNING = "queued", "running"
+WORKLOAD_COMPLETED, WORKLOAD_FAILED, CANCELLED = "completed", "failed", "cancelled"
+FINAL_WORKLOAD_STATES = frozenset({WORKLOAD_COMPLETED, WORKLOAD_FAILED, CANCELLED})
+
+
+class WorkloadStatus(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    workload_id: str
+    tenant_id: str
+    task: str
+    state: str
+    position: int | None = None  # 1-based place in the admission queue while queued
+    completed_jobs: int = 0
+    target_jobs: int = 0
+    version: int = 0
+    optimizer_steps: int = 0
+    last_loss: float | None = None
+    registered_version: int | None = None
+    run_id: str | None = None
+    error: str | None = None
+    created_at: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+
+
+class UnknownWorkload(KeyError):
+    def __init__(self, workload_id: str):
+        super().__init__(f"no workload {workload_id!r}")
+
+
+class AdmissionRefused(RuntimeError):
+    """Raised by an admission hook to refuse new work (e.g. a spend cap was reached)."""
+
+
+@dataclass
+class _Active:
+    workload_id: str
+    tenant: Tenant
+    target_jobs: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    completed_jobs: int = 0
+    failed_jobs: int = 0
+    optimizer_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    version: int = 0
+    run_id: str | None = None
+    failures: list[str] = field(default_factory=list)
+
+
+class WorkloadManager:
+    def __init__(
+        self,
+        deployment: Any,  # joynexus.master.orchestrator.Deployment or anything with the same attributes
+        *,
+        max_running: int = 8,
+        max_failures_per_workload: int = 3,
+        admission_check: Callable[[str], None] | None = None,  # raises AdmissionRefused to stop new work
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.dep = deployment
+        self.max_running = max_running
+        self.max_failures = max_failures_per_workload
+        self.admission_check = admission_check
+        self.on_event = on_event
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._active: dict[str, _Active] = {}
+        self._queue: list[str] = []  # workload ids waiting for admission, FIFO
+        self._events: dict[str, list[dict[str, Any]]] = {}
+        self._seq = 0
+        self._stop = threading.Event()
+        self._actor_thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> WorkloadManager:
+        if self._actor_thread is None:
+            actor = ActorLoop(self.dep.scheduler, self.dep.training_service, on_outcome=self._on_outcome)
+            self._actor_thread = threading.Thread(target=actor.run, args=(self._stop,), name="actor-loop", daemon=True)
+            self._actor_thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            active = list(self._active)
+        for workload_id in active:
+            self.cancel(workload_id)
+        self._stop.set()
+        if self._actor_thread is not None:
+            self._actor_thread.join(timeout=60)
+            self._actor_thread = None
+
+    # -- API --------------------------------------------------------------------------------
+    def submit(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadStatus:
+        """Queue a workload running the tenant's declared task for `jobs` training jobs (default:
+        the spec's completion target)."""
+        tenant = self.dep.creator.get(tenant_id)
+        task = tenant.spec.task.value
+        if task != "sft":
+            raise ValueError(f"task: workloads of type {task!r} are not supported by this Master Service yet")
+        target = jobs if jobs is not None else tenant.spec.scheduling.completion_target
+        if target is None or target < 1:
+            raise ValueError("jobs: give the number of training jobs (>= 1); the spec has no completion_target")
+        if self.admission_check is not None:
+            self.admission_check(tenant_id)
+        workload_id = f"wl-{uuid.uuid4().hex[:12]}"
+        with self.dep.store.transaction() as s:
+            s.add(
+                WorkloadRecord(
+                    workload_id=workload_id, tenant_id=tenant_id, task=task, state=QUEUED, target_jobs=target
+                )
+            )
+        with self._lock:
+            self._queue.append(workload_id)
+            self._events[workload_id] = []
+        self._emit(workload_id, "queued", target_jobs=target)
+        self._admit()
+        return self.get(workload_id)
+
+    def get(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
+        with self.dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            if record is None or (tenant_id is not None and record.tenant_id != tenant_id):
+                raise UnknownWorkload(workload_id)  # another tenant's id looks exactly like a missing one
+            return self._status(record)
+
+    def list(self, tenant_id: str | None = None) -> list[WorkloadStatus]:
+        query = select(WorkloadRecord).order_by(WorkloadRecord.created_at)
+        if tenant_id is not None:
+            query = query.where(WorkloadRecord.tenant_id == tenant_id)
+        with self.dep.store.transaction() as s:
+            return [self._status(r) for r in s.scalars(query)]
+
+    def cancel(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
+        status = self.get(workload_id, tenant_id)
+        if status.state in FINAL_WORKLOAD_STATES:
+            return status
+        with self._lock:
+            if workload_id in self._queue:
+                self._queue.remove(workload_id)
+        self._finish(workload_id, CANCELLED, error="cancelled by request")
+        return self.get(workload_id)
+
+    def events(self, workload_id: str, after: int = 0, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        self.get(workload_id, tenant_id)
+        with self._lock:
+            return [e for e in self._events.get(workload_id, []) if e["seq"] > after]
+
+    def wait(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.get(workload_id)
+            if status.state in FINAL_WORKLOAD_STATES or time.monotonic() >= deadline:
+                return status
+            with self._changed:
+                self._changed.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def wait_all(self, workload_ids: list[str], timeout_s: float = 3600.0) -> list[WorkloadStatus]:
+        deadline = time.monotonic() + timeout_s
+        return [self.wait(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
+
+    def losses(self, workload_id: str) -> list[float]:
+        with self._lock:
+            active = self._active.get(workload_id)
+            if active is not None:
+                return list(active.losses)
+        return [e["loss"] for e in self._events.get(workload_id, []) if e["kind"] == "step"]
+
+    # -- internals --------------------------------------------------------------------------
+    def _status(self, record: WorkloadRecord) -> WorkloadStatus:
+        with self._lock:
+            position = self._queue.index(record.workload_id) + 1 if record.workload_id in self._queue else None
+            active = self._active.get(record.workload_id)
+        live = {}
+        if active is not None:
+            live = {
+                "completed_jobs": active.completed_jobs,
+                "version": active.version,
+                "optimizer_steps": active.optimizer_steps,
+                "last_loss": active.losses[-1] if active.losses else None,
+                "run_id": active.run_id,
+            }
+        base = {
+            "workload_id": record.workload_id,
+            "tenant_id": record.tenant_id,
+            "task": record.task,
+            "state": record.state,
+            "position": position,
+            "completed_jobs": record.completed_jobs,
+            "target_jobs": record.target_jobs,
+            "version": record.version,
+            "optimizer_steps": record.optimizer_steps,
+            "last_loss": record.last_loss,
+            "registered_version": record.registered_version,
+            "run_id": record.run_id,
+            "error": record.error,
+            "created_at": _iso(record.created_at),
+            "started_at": _iso(record.started_at),
+            "finished_at": _iso(record.finished_at),
+        }
+        return WorkloadStatus(**{**base, **live})
+
+    def _emit(self, workload_id: str, kind: str, **data: Any) -> None:
+        with self._lock:
+            self._seq += 1
+            event = {"seq": self._seq, "workload_id": workload_id, "kind": kind, "time": time.time(), **data}
+            self._events.setdefault(workload_id, []).append(event)
+            self._changed.notify_all()
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _admit(self) -> None:
+        """Start queued workloads in FIFO order while capacity allows (skipping tenants that
+        already run one, without letting them lose their place)."""
+        to_start = []
+        with self._lock:
+            running_tenants = {a.tenant.tenant_id for a in self._active.values()}
+            for workload_id in list(self._queue):
+                if len(self._active) + len(to_start) >= self.max_running:
+                    break
+                tenant_id = self.get(workload_id).tenant_id
+                if tenant_id in running_tenants:
+                    continue
+                self._queue.remove(workload_id)
+                running_tenants.add(tenant_id)
+                to_start.append(workload_id)
+                tenant = self.dep.creator.get(tenant_id)
+                self._active[workload_id] = _Active(workload_id, tenant, self.get(workload_id).target_jobs)
+        for workload_id in to_start:
+            try:
+                self._launch(self._active[workload_id])
+            except Exception as error:
+                log.exception("workload %s failed to start", workload_id)
+                self._finish(workload_id, WORKLOAD_FAILED, error=f"start: {type(error).__name__}: {error}")
+
+    def _launch(self, active: _Active) -> None:
+        dep, tenant = self.dep, active.tenant
+        slot = call(dep.training_service, "add_tenant", tenant.backend_config)
+        active.version = slot["version"]
+        done = dep.scheduler.counts(tenant.tenant_id).get(COMPLETED, 0)
+        sched = tenant.spec.scheduling
+        # The policy's completion target covers exactly this workload's jobs on top of earlier ones.
+        dep.scheduler.register_policy(
+            tenant.tenant_id,
+            tenant.spec.task.value,
+            priority=sched.priority,
+            max_in_flight=sched.max_in_flight_jobs,
+            completion_target=done + active.target_jobs,
+            max_policy_staleness=sched.max_policy_staleness,
+        )
+        active.run_id = dep.tracker.start_workload_run(
+            tenant.tenant_id, active.workload_id, _run_params(tenant, active.target_jobs), tags={"task": "sft"}
+        )
+        with dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, active.workload_id)
+            record.state, record.started_at, record.run_id = RUNNING, utcnow(), active.run_id
+        assert tenant.spec.dataset is not None
+        producer = SFTProducer.from_dataset(
+            tenant.backend_config,
+            dep.scheduler,
+            dep.queue,
+            tenant.spec.dataset.root,
+            tenant.spec.dataset.repo_id,
+            job_metadata={"workload_id": active.workload_id},
+        )
+
+        def produce() -> None:
+            try:
+                producer.run(active.stop)
+            except Exception as error:  # the tenant's data broke: fail this workload only
+                log.warning("producer of workload %s failed: %s", active.workload_id, error)
+                self._finish(active.workload_id, WORKLOAD_FAILED, error=f"producer: {type(error).__name__}: {error}")
+
+        thread = threading.Thread(target=produce, name=f"sft-producer-{tenant.tenant_id}", daemon=True)
+        active.threads.append(thread)
+        self._emit(active.workload_id, "started", version=active.version)
+        thread.start()
+
+    def _on_outcome(self, outcome: ActorOutcome) -> None:
+        workload_id = outcome.job.metadata.get("workload_id")
+        with self._lock:
+            active = self._active.get(workload_id)
+        if active is None:
+            return  # a job of a cancelled or finished workload
+        finish: tuple[str, str | None] | None = None
+        with self._lock:
+            if outcome.state == COMPLETED and outcome.metrics is not None:
+                first = active.optimizer_steps
+                losses = outcome.metrics["losses"]
+                active.losses.extend(losses)
+                active.optimizer_steps += len(losses)
+                active.completed_jobs += 1
+                active.version = outcome.metrics["version"]
+            else:
+                active.failed_jobs += 1
+                active.failures.append(outcome.reason or outcome.state)
+            if active.completed_jobs >= active.target_jobs:
+                finish = (WORKLOAD_COMPLETED, None)
+            elif active.failed_jobs >= self.max_failures:
+                finish = (WORKLOAD_FAILED, f"{active.failed_jobs} training jobs failed; last: {active.failures[-1]}")
+        if outcome.state == COMPLETED and outcome.metrics is not None:
+            for i, loss in enumerate(losses):
+                self.dep.tracker.log_metrics(active.run_id, {"train/loss": loss}, step=first + i + 1)
+                self._emit(workload_id, "step", step=first + i + 1, loss=loss)
+            self.dep.tracker.log_metrics(
+                active.run_id,
+                {"policy_version": active.version, "jobs_completed": active.completed_jobs},
+                step=active.optimizer_steps,
+            )
+            self._emit(
+                workload_id, "job_completed", job_id=outcome.job.job_id, version=active.version,
+                completed_jobs=active.completed_jobs, target_jobs=active.target_jobs,
+            )  # fmt: skip
+        else:
+            self._emit(workload_id, "job_failed", job_id=outcome.job.job_id, reason=outcome.reason)
+        self._persist_progress(active)
+        if finish is not None:
+            self._finish(workload_id, *finish)
+
+    def _persist_progress(self, active: _Active) -> None:
+        with self.dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, active.workload_id)
+            record.completed_jobs = active.completed_jobs
+            record.version = active.version
+            record.optimizer_steps = active.optimizer_steps
+            record.last_loss = active.losses[-1] if active.losses else None
+
+    def _finish(self, workload_id: str, state: str, error: str | None = None) -> None:
+        with self._lock:
+            active = self._active.pop(workload_id, None)
+        if active is None and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
+            return  # finished already (e.g. completed while a cancel was on its way)
+        registered = None
+        if active is not None:
+            active.stop.set()
+            self._release_pending_jobs(active, reason=error or state)
+            if active.completed_jobs:
+                try:
+                    registered = self._publish(active)
+                except Exception as publish_error:  # the training happened; say what failed after it
+                    log.exception("publishing workload %s failed", workload_id)
+                    state, error = WORKLOAD_FAILED, f"export/register: {type(publish_error).__name__}: {publish_error}"
+            if active.run_id is not None:
+                self.dep.tracker.end_run(active.run_id, "FINISHED" if state == WORKLOAD_COMPLETED else "FAILED")
+            self._persist_progress(active)
+        with self.dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            if record is not None and record.state not in FINAL_WORKLOAD_STATES:
+                record.state, record.error, record.finished_at = state, error, utcnow()
+                record.registered_version = registered
+        self._emit(workload_id, state, error=error, registered_version=registered)
+        self._admit()
+
+    def _release_pending_jobs(self, active: _Active, reason: str) -> None:
+        """Fail the workload's jobs that the actor has not leased yet (clearing their partitions)."""
+        for job in self.dep.scheduler.jobs(tenant_id=active.tenant.tenant_id):
+            if job.metadata.get("workload_id") != active.workload_id or job.state in TERMINAL_STATES:
+                continue
+            if job.state == "leased":
+                continue  # the actor is training it; its outcome is ignored once the workload is gone
+            try:
+                self.dep.scheduler.fail(job.job_id, f"workload {active.workload_id} ended: {reason}")
+            except Exception:  # it moved on concurrently (e.g. just got leased)
+                pass
+
+    def _publish(self, active: _Active) -> int:
+        """Checkpoint, export and register the tenant's policy as trained by this workload."""
+        from joynexus.artifacts import decode_tenant_payload
+
+        tenant_id = active.tenant.tenant_id
+        call(self.dep.training_service, "save", [tenant_id], True)
+        payload = call(self.dep.training_service, "export_params", tenant_id)
+        _, manifest = decode_tenant_payload(payload)
+        inference = getattr(self.dep, "inference_service", None)
+        if inference is not None:
+            call(inference, "load_weights", payload)  # serve what was just trained
+        return self.dep.tracker.register_tenant_payload(
+            run_id=active.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
+        )
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _run_params(tenant: Tenant, jobs: int) -> dict[str, Any]:
+    cfg = tenant.backend_config
+    return {
+        "tenant_id": cfg.tenant_id,
+        "base_model_id": cfg.base_model_id,
+        "schema_signature": cfg.schema_signature,
+        "cameras": ",".join(cfg.cameras),
+        "image_size": "x".join(str(s) for s in cfg.image_size),
+        "state_dim": cfg.state_dim,
+        "action_dim": cfg.action_dim,
+        "action_chunk": cfg.action_chunk,
+        "action_module": cfg.action_module["kind"],
+        "action_module_size": cfg.action_module.get("size"),
+        "learning_rate": cfg.learning_rate,
+        "microbatch_size": cfg.microbatch_size,
+        "samples_per_job": cfg.samples_per_job,
+        "jobs": jobs,
+        "max_in_flight_jobs": tenant.spec.scheduling.max_in_flight_jobs,
+        "priority": tenant.spec.scheduling.priority,
+    }
