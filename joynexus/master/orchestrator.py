@@ -70,7 +70,9 @@ class Deployment:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         source = _backbone_source(settings)
         queue = TrainingQueue()
-        service = TrainingModelService(source, settings.checkpoint_root, queue=queue, num_threads=settings.torch_threads)
+        service = TrainingModelService(
+            source, settings.checkpoint_root, queue=queue, num_threads=settings.torch_threads
+        )
         inference = InferenceModelService(source, num_threads=settings.torch_threads)
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
