@@ -101,6 +101,9 @@ class ActionModuleConfig(pydantic.BaseModel):
     action_chunk: int = pydantic.Field(ge=1, description="actions predicted per call")
     size: str = "small"
     value_head: bool = False
+    # A learned, state-independent log-std turns the head into a Gaussian policy with a tractable
+    # log-density, which PPO needs; only kinds with `supports_rl` accept it.
+    stochastic: bool = False
     num_inference_steps: int = pydantic.Field(default=10, ge=1, description="flow_matching Euler steps")
 
     @pydantic.field_validator("kind")
@@ -151,13 +154,22 @@ class ActionModule(nn.Module, abc.ABC):
     """Base class: input validation, padded-step masking and the optional value head."""
 
     kind: ClassVar[str] = ""
+    supports_rl: ClassVar[bool] = False  # has a tractable action density (policy_mean + log_std)
     config: ActionModuleConfig
 
     def __init__(self, config: ActionModuleConfig) -> None:
         super().__init__()
         if config.kind != type(self).kind:
             raise ValueError(f"kind={config.kind!r} does not match {type(self).__name__} (kind {type(self).kind!r})")
+        if config.stochastic and not type(self).supports_rl:
+            raise ValueError(
+                f"stochastic=True: kind={config.kind!r} has no tractable action density; "
+                f"kinds that support RL: {[k for k, c in ACTION_MODULES.items() if c.supports_rl]}"
+            )
         self.config = config
+        self.log_std: nn.Parameter | None = None
+        if config.stochastic:
+            self.log_std = nn.Parameter(torch.full((config.action_dim,), -0.5))
         width = config.preset.width
         # Value head for PPO: a separate MLP on (pooled features, state) so value
         # regression never pulls on the policy's own layers.
@@ -197,6 +209,19 @@ class ActionModule(nn.Module, abc.ABC):
             raise RuntimeError(f"{type(self).__name__} was built with value_head=False; it has no value head")
         self._check_inputs(features, state)
         return self.value_net(torch.cat([features.pooled, state], dim=-1)).squeeze(-1)
+
+    def policy_mean(self, features: BackboneFeatures, state: torch.Tensor) -> torch.Tensor:
+        """Differentiable mean action chunk of the Gaussian policy (kinds with `supports_rl`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tractable action density")
+
+    def action_distribution(self, features: BackboneFeatures, state: torch.Tensor) -> torch.distributions.Normal:
+        """The Gaussian policy over the (B, chunk, action_dim) action chunk; needs stochastic=True."""
+        if self.log_std is None:
+            raise RuntimeError(f"{type(self).__name__} was built with stochastic=False; it defines no policy density")
+        self._check_inputs(features, state)
+        mean = self.policy_mean(features, state)
+        std = self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
+        return torch.distributions.Normal(mean, std)
 
     # -------------------------------------------------------------- helpers
     def _check_inputs(
@@ -242,6 +267,8 @@ class ActionModule(nn.Module, abc.ABC):
 @register_action_module("oft_mlp")
 class OFTMLPActionModule(ActionModule):
     """OpenVLA-OFT style head: one forward pass decodes the whole chunk in parallel."""
+
+    supports_rl = True
 
     def __init__(self, config: ActionModuleConfig) -> None:
         super().__init__(config)
@@ -291,10 +318,13 @@ class OFTMLPActionModule(ActionModule):
     def predict(
         self, features: BackboneFeatures, state: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        # Deterministic regression head: the generator is accepted for a uniform API.
+        # Deterministic regression head (the policy mean): the generator is accepted for a uniform API.
         self._check_inputs(features, state)
         with torch.no_grad():
             return self(features, state)
+
+    def policy_mean(self, features: BackboneFeatures, state: torch.Tensor) -> torch.Tensor:
+        return self(features, state)
 
 
 def _timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) -> torch.Tensor:

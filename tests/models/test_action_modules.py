@@ -249,3 +249,25 @@ def test_module_learns_a_fixed_mapping(kind: str) -> None:
     assert after * 5 <= before, (before, after)
     # Sampling must agree with training (catches sign/direction errors in the Euler loop).
     assert predict_error() * 5 <= before_pred
+
+
+def test_stochastic_oft_head_is_a_gaussian_policy_around_its_prediction() -> None:
+    cfg = _config("oft_mlp", stochastic=True, value_head=True)
+    module = build_action_module(cfg)
+    features = _random_features(3, 5, cfg.feature_dim, seed=7)
+    state = torch.randn(3, cfg.state_dim)
+    dist = module.action_distribution(features, state)
+    assert dist.mean.shape == (3, cfg.action_chunk, cfg.action_dim)
+    torch.testing.assert_close(dist.mean, module.predict(features, state))
+    actions = dist.sample()
+    log_prob = dist.log_prob(actions).sum(dim=(-1, -2))
+    log_prob.sum().backward()
+    assert module.log_std.grad is not None and module.log_std.grad.abs().sum() > 0
+
+
+def test_rl_needs_a_kind_with_a_tractable_density() -> None:
+    with pytest.raises(ValueError, match="stochastic=True.*flow_matching.*oft_mlp"):
+        build_action_module(_config("flow_matching", stochastic=True))
+    with pytest.raises(RuntimeError, match="stochastic=False"):
+        module = build_action_module(_config("oft_mlp"))
+        module.action_distribution(_random_features(1, 2, module.config.feature_dim, 0), torch.zeros(1, 4))
