@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -69,6 +69,29 @@ class DatasetSpec(_Strict):
     repo_id: str = Field(min_length=1)
 
 
+class EnvironmentSpec(_Strict):
+    """A simulator task the tenant's RL rollouts (and evaluations) run in."""
+
+    simulator: str = Field(min_length=1)  # a name in joynexus.envs registry
+    task: str = Field(min_length=1)  # the simulator's task id, e.g. PushCube-v1
+    control_mode: str | None = None
+    reward_mode: str | None = None
+    max_episode_steps: int | None = Field(default=None, ge=1, le=100_000)
+    num_envs: int = Field(default=2, ge=1, le=16)  # parallel sessions per rollout
+    horizon: int = Field(default=32, ge=1, le=4096)  # policy steps per session per rollout
+    seed: int = Field(default=0, ge=0)
+
+
+class RLSpec(_Strict):
+    advantage: Literal["gae", "grpo"] = "gae"
+    gamma: float = Field(default=0.99, gt=0, le=1)
+    gae_lambda: float = Field(default=0.95, ge=0, le=1)
+    clip: float = Field(default=0.2, gt=0, le=1)
+    ppo_epochs: int = Field(default=4, ge=1, le=64)
+    value_coef: float = Field(default=0.5, ge=0)
+    entropy_coef: float = Field(default=0.0, ge=0)
+
+
 class SchedulingSpec(_Strict):
     priority: int = Field(default=0, ge=-100, le=100)
     max_in_flight_jobs: int = Field(default=2, ge=1, le=64)
@@ -91,6 +114,8 @@ class WorkloadSpec(_Strict):
     action_module: ActionModuleSpec = ActionModuleSpec()
     observation: ObservationSpec
     dataset: DatasetSpec | None = Field(default=None, validate_default=True)
+    environment: EnvironmentSpec | None = Field(default=None, validate_default=True)
+    rl: RLSpec = RLSpec()
     scheduling: SchedulingSpec = SchedulingSpec()
     training: TrainingSpec = TrainingSpec()
 
@@ -101,6 +126,15 @@ class WorkloadSpec(_Strict):
         if dataset is None and info.data.get("task") is TaskType.SFT:
             raise ValueError("dataset is required when task is 'sft'")
         return dataset
+
+    @field_validator("environment")
+    @classmethod
+    def _rl_needs_an_environment(
+        cls, environment: EnvironmentSpec | None, info: ValidationInfo
+    ) -> EnvironmentSpec | None:
+        if environment is None and info.data.get("task") is TaskType.RL:
+            raise ValueError("environment is required when task is 'rl'")
+        return environment
 
     def vla_schema(self) -> VLASchema:
         obs = self.observation

@@ -7,6 +7,7 @@ training policy in ONE transaction — a rejected spec leaves no tenant, policy 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,8 @@ class TenantBackendConfig(BaseModel):
     samples_per_job: int
     checkpoint_every_jobs: int
     seed: int
+    environment: dict[str, Any] | None = None  # an EnvironmentSpec as a dict (RL tenants)
+    rl: dict[str, Any] | None = None  # an RLSpec as a dict (RL tenants)
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,18 @@ class TenantExists(SpecError):
 class SpecCompiler:
     """Checks a spec against the backend's capabilities and compiles it; touches no state."""
 
-    def __init__(self, capabilities: BackendCapabilities, *, validate_datasets: bool = True):
+    def __init__(
+        self,
+        capabilities: BackendCapabilities,
+        *,
+        validate_datasets: bool = True,
+        environment_probe: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ):
         self.capabilities = capabilities
         self.validate_datasets = validate_datasets
+        # Given a simulator config, returns its spec (cameras, image_size, state_dim, action_dim):
+        # the Environment Service opens a session to answer. None: environments are not checked.
+        self.environment_probe = environment_probe
 
     def compile(self, spec: WorkloadSpec) -> TenantBackendConfig:
         """Check the spec against the backend (raising SpecError naming every bad field) and compile it."""
@@ -125,6 +137,9 @@ class SpecCompiler:
                 state_dim=obs.state_dim,
                 action_dim=obs.action_dim,
                 action_chunk=obs.action_chunk,
+                # RL needs a policy density (PPO ratios) and, for GAE, a critic.
+                stochastic=spec.task is TaskType.RL,
+                value_head=spec.task is TaskType.RL and spec.rl.advantage == "gae",
             )
         except ValidationError as error:
             for item in error.errors():
@@ -142,6 +157,8 @@ class SpecCompiler:
             )
         if spec.dataset is not None and not problems:
             problems.extend(self._dataset_problems(spec))
+        if spec.environment is not None and not problems:
+            problems.extend(self._environment_problems(spec))
         if problems:
             raise SpecError(problems)
         assert module_config is not None
@@ -163,7 +180,34 @@ class SpecCompiler:
             samples_per_job=spec.training.samples_per_job,
             checkpoint_every_jobs=spec.training.checkpoint_every_jobs,
             seed=spec.training.seed,
+            environment=spec.environment.model_dump(mode="json") if spec.environment else None,
+            rl=spec.rl.model_dump(mode="json") if spec.task is TaskType.RL else None,
         )
+
+    def _environment_problems(self, spec: WorkloadSpec) -> list[tuple[str, str]]:
+        """The tenant's observation interface must be what the simulator task produces."""
+        from joynexus.envs import available_simulators
+
+        env, obs = spec.environment, spec.observation
+        assert env is not None
+        if env.simulator not in available_simulators():
+            return [("environment.simulator", f"unknown simulator {env.simulator!r}; known: {available_simulators()}")]
+        if self.environment_probe is None:
+            return []
+        try:
+            sim = self.environment_probe(simulator_config(spec))
+        except Exception as error:  # the simulator refused the task (asset download, bad task id, ...)
+            return [("environment.task", _first_line(error))]
+        problems = []
+        if tuple(sim["cameras"]) != tuple(obs.cameras):
+            problems.append(("observation.cameras", f"{obs.cameras} but the simulator renders {list(sim['cameras'])}"))
+        for field, ours, theirs in (
+            ("observation.state_dim", obs.state_dim, sim["state_dim"]),
+            ("observation.action_dim", obs.action_dim, sim["action_dim"]),
+        ):
+            if ours != theirs:
+                problems.append((field, f"{ours} but {env.simulator}/{env.task} has {theirs}"))
+        return problems
 
     def _dataset_problems(self, spec: WorkloadSpec) -> list[tuple[str, str]]:
         from joynexus.data.lerobot_dataset import inspect_dataset
@@ -198,10 +242,13 @@ class TenantCreator:
         capabilities: BackendCapabilities,
         *,
         validate_datasets: bool = True,
+        environment_probe: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ):
         self.store = store
         self.scheduler = scheduler
-        self.compiler = SpecCompiler(capabilities, validate_datasets=validate_datasets)
+        self.compiler = SpecCompiler(
+            capabilities, validate_datasets=validate_datasets, environment_probe=environment_probe
+        )
 
     def create(self, spec: WorkloadSpec | dict[str, Any] | str | Path) -> Tenant:
         if not isinstance(spec, WorkloadSpec):
@@ -245,6 +292,28 @@ class TenantCreator:
 
         with self.store.transaction() as session:
             return [_tenant_of(r) for r in session.scalars(select(TenantRecord).order_by(TenantRecord.created_at))]
+
+
+def simulator_config(spec: WorkloadSpec | TenantBackendConfig, seed_offset: int = 0) -> dict[str, Any]:
+    """The Environment Service session config of a tenant's environment (a SimulatorConfig dict)."""
+    if isinstance(spec, WorkloadSpec):
+        env, cameras, image_size = spec.environment, spec.observation.cameras, spec.observation.image_size
+        env = env.model_dump() if env is not None else None
+    else:
+        env, cameras, image_size = spec.environment, spec.cameras, spec.image_size
+    if env is None:
+        raise ValueError("environment: this tenant declares no simulator environment")
+    config = {
+        "simulator": env["simulator"],
+        "task": env["task"],
+        "seed": env["seed"] + seed_offset,
+        "image_size": list(image_size),
+        "cameras": list(cameras),
+        "max_episode_steps": env["max_episode_steps"],
+        "reward_mode": env["reward_mode"],
+        "control_mode": env["control_mode"],
+    }
+    return config
 
 
 def _tenant_of(record: TenantRecord) -> Tenant:

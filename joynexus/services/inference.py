@@ -61,6 +61,7 @@ class _Pinned:
 
     state: ServingState
     seeds: list[int] | None
+    sample: bool = False
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -172,10 +173,15 @@ class InferenceModelService:
         policy_version: int | None = None,
         session_id: str | None = None,
         seeds: list[int] | None = None,
+        sample: bool = False,
     ) -> Future:
         """Enqueue a request and return its future (the hook rollout loops call per env step).
-        The version is resolved now, so the request is served by exactly that version."""
+        The version is resolved now, so the request is served by exactly that version.
+        `sample=True` draws from the tenant's Gaussian policy and returns log-probabilities
+        (RL rollouts); otherwise the deterministic action (evaluation, serving)."""
         state = self._resolve(tenant_id, policy_version)
+        if sample and state.module.log_std is None:
+            raise ValueError(f"sample: tenant {tenant_id!r}'s module is not a stochastic policy (not an RL tenant)")
         observations = [o if isinstance(o, Observation) else Observation(**o) for o in observations]
         self._check_observations(state, observations)
         if seeds is not None and len(seeds) != len(observations):
@@ -187,7 +193,7 @@ class InferenceModelService:
             observations=observations,
             policy_version=state.version,
             session_id=session_id,
-            context=_Pinned(state, seeds),
+            context=_Pinned(state, seeds, sample),
         )
         return self.queue.enqueue(request)
 
@@ -263,8 +269,22 @@ class InferenceModelService:
         pinned: _Pinned = request.context
         module = pinned.state.module
         state = torch.stack([_as_tensor(obs.state) for obs in request.observations])
+        log_probs = None
         with torch.inference_mode():
-            if pinned.seeds is None:
+            if pinned.sample:
+                dist = module.action_distribution(features, state)
+                if pinned.seeds is None:
+                    noise = torch.randn(dist.mean.shape)
+                else:
+                    noise = torch.stack(
+                        [
+                            torch.randn(dist.mean.shape[1:], generator=torch.Generator().manual_seed(s))
+                            for s in pinned.seeds
+                        ]
+                    )
+                actions = dist.mean + dist.stddev * noise
+                log_probs = dist.log_prob(actions).sum(dim=(-1, -2))
+            elif pinned.seeds is None:
                 actions = module.predict(features, state)
             else:  # per-observation generators: the same draws whether served alone or grouped
                 actions = torch.cat(
@@ -281,6 +301,7 @@ class InferenceModelService:
             "policy_version": pinned.state.version,
             "actions": actions.numpy(),
             "values": None if values is None else values.numpy(),
+            "log_probs": None if log_probs is None else log_probs.numpy(),
             "batch_samples": len(images),
         }
 
