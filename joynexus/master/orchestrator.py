@@ -17,6 +17,7 @@ from joynexus.registry import ExperimentTracker
 from joynexus.runtime import Settings, call, init_ray
 from joynexus.scheduling.training_queue import TrainingQueueClient, training_queue_actor
 from joynexus.scheduling.training_scheduler import TrainingScheduler
+from joynexus.services.environment import environment_service_actor
 from joynexus.services.inference import inference_service_actor
 from joynexus.services.training import BackboneSource, training_service_actor
 
@@ -31,6 +32,7 @@ class Deployment:
     queue: TrainingQueueClient
     training_service: Any  # Ray actor handle of TrainingModelService
     inference_service: Any  # Ray actor handle of InferenceModelService
+    environment_service: Any  # Ray actor handle of EnvironmentService
     creator: TenantCreator
     tracker: ExperimentTracker
 
@@ -51,18 +53,22 @@ class Deployment:
         inference = inference_service_actor(
             source, num_threads=settings.torch_threads, namespace=settings.ray_namespace
         )
+        environment = environment_service_actor(namespace=settings.ray_namespace)
         caps = BaseModelCapabilities(**_capabilities_fields(call(service, "capabilities")))
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
-        creator = TenantCreator(store, scheduler, BackendCapabilities.single(caps))
+        creator = TenantCreator(
+            store, scheduler, BackendCapabilities.single(caps), environment_probe=_probe(environment)
+        )
         tracker = ExperimentTracker(settings.resolved_mlflow_uri(), artifact_location=_artifact_location(settings))
-        return cls(settings, store, scheduler, queue, service, inference, creator, tracker)
+        return cls(settings, store, scheduler, queue, service, inference, environment, creator, tracker)
 
     @classmethod
     def in_process(cls, settings: Settings | None = None) -> Deployment:
         """The same deployment with every service a local object in this process (no Ray): for
         tests and for embedding the services in one process."""
         from joynexus.scheduling.training_queue import TrainingQueue
+        from joynexus.services.environment import EnvironmentService
         from joynexus.services.inference import InferenceModelService
         from joynexus.services.training import TrainingModelService
 
@@ -74,17 +80,36 @@ class Deployment:
             source, settings.checkpoint_root, queue=queue, num_threads=settings.torch_threads
         )
         inference = InferenceModelService(source, num_threads=settings.torch_threads)
+        environment = EnvironmentService()
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
-        creator = TenantCreator(store, scheduler, BackendCapabilities.single(service.capabilities()))
+        creator = TenantCreator(
+            store, scheduler, BackendCapabilities.single(service.capabilities()), environment_probe=_probe(environment)
+        )
         tracker = ExperimentTracker(settings.resolved_mlflow_uri(), artifact_location=_artifact_location(settings))
-        return cls(settings, store, scheduler, TrainingQueueClient(queue), service, inference, creator, tracker)
+        return cls(
+            settings, store, scheduler, TrainingQueueClient(queue), service, inference, environment, creator, tracker
+        )
 
     def shutdown(self) -> None:
+        call(self.environment_service, "close_all")  # simulator worker processes never outlive us
         close = getattr(self.inference_service, "close", None)
         if callable(close) and not hasattr(close, "remote"):
             close()  # stop the local batching worker; a Ray actor goes with its cluster
         self.store.dispose()
+
+
+def _probe(environment: Any) -> Any:
+    """Ask the Environment Service what a simulator config produces (a short-lived session)."""
+
+    def probe(config: dict[str, Any]) -> dict[str, Any]:
+        session = call(environment, "open_session", "joynexus-probe", "spec-check", config)
+        try:
+            return call(environment, "spec", "joynexus-probe", session)
+        finally:
+            call(environment, "close", "joynexus-probe", session)
+
+    return probe
 
 
 def _backbone_source(settings: Settings) -> BackboneSource:

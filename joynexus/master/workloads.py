@@ -14,6 +14,7 @@ streaming.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +31,8 @@ from joynexus.master.tenant_creator import Tenant
 from joynexus.runtime import call
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
 from joynexus.services.actor_loop import ActorLoop, ActorOutcome
+from joynexus.services.advantage_stage import AdvantageStage
+from joynexus.services.rollout import RolloutProducer, evaluate_policy
 from joynexus.services.sft_producer import SFTProducer
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class WorkloadStatus(BaseModel):
     created_at: str | None = None
     started_at: str | None = None
     finished_at: str | None = None
+    result: dict[str, Any] | None = None  # evaluation workloads: success rate, returns, lengths
 
 
 class UnknownWorkload(KeyError):
@@ -83,6 +87,7 @@ class _Active:
     version: int = 0
     run_id: str | None = None
     failures: list[str] = field(default_factory=list)
+    producer: Any = None
 
 
 class WorkloadManager:
@@ -92,6 +97,7 @@ class WorkloadManager:
         *,
         max_running: int = 8,
         max_failures_per_workload: int = 3,
+        max_concurrent_rollouts: int = 4,
         admission_check: Callable[[str], None] | None = None,  # raises AdmissionRefused to stop new work
         on_event: Callable[[dict[str, Any]], None] | None = None,
     ):
@@ -108,6 +114,8 @@ class WorkloadManager:
         self._seq = 0
         self._stop = threading.Event()
         self._actor_thread: threading.Thread | None = None
+        self._stage_thread: threading.Thread | None = None
+        self._rollout_slots = threading.BoundedSemaphore(max_concurrent_rollouts)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> WorkloadManager:
@@ -115,6 +123,14 @@ class WorkloadManager:
             actor = ActorLoop(self.dep.scheduler, self.dep.training_service, on_outcome=self._on_outcome)
             self._actor_thread = threading.Thread(target=actor.run, args=(self._stop,), name="actor-loop", daemon=True)
             self._actor_thread.start()
+        if self._stage_thread is None:
+            stage = AdvantageStage(
+                self.dep.scheduler, self.dep.queue, lambda tenant_id: self.dep.creator.get(tenant_id).backend_config
+            )
+            self._stage_thread = threading.Thread(
+                target=stage.run, args=(self._stop,), name="advantage-stage", daemon=True
+            )
+            self._stage_thread.start()
         return self
 
     def stop(self) -> None:
@@ -123,9 +139,10 @@ class WorkloadManager:
         for workload_id in active:
             self.cancel(workload_id)
         self._stop.set()
-        if self._actor_thread is not None:
-            self._actor_thread.join(timeout=60)
-            self._actor_thread = None
+        for thread in (self._actor_thread, self._stage_thread):
+            if thread is not None:
+                thread.join(timeout=60)
+        self._actor_thread = self._stage_thread = None
 
     # -- API --------------------------------------------------------------------------------
     def submit(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadStatus:
@@ -133,8 +150,11 @@ class WorkloadManager:
         the spec's completion target)."""
         tenant = self.dep.creator.get(tenant_id)
         task = tenant.spec.task.value
-        if task != "sft":
-            raise ValueError(f"task: workloads of type {task!r} are not supported by this Master Service yet")
+        if task not in ("sft", "rl"):
+            raise ValueError(
+                f"task: tenant {tenant_id!r} is a {task!r} tenant; training workloads run 'sft' or 'rl' tenants "
+                "(evaluate any tenant with evaluate())"
+            )
         target = jobs if jobs is not None else tenant.spec.scheduling.completion_target
         if target is None or target < 1:
             raise ValueError("jobs: give the number of training jobs (>= 1); the spec has no completion_target")
@@ -152,6 +172,89 @@ class WorkloadManager:
             self._events[workload_id] = []
         self._emit(workload_id, "queued", target_jobs=target)
         self._admit()
+        return self.get(workload_id)
+
+    def evaluate(
+        self,
+        tenant_id: str,
+        *,
+        version: int | str = "latest",
+        episodes: int = 4,
+        environment: dict[str, Any] | None = None,
+    ) -> WorkloadStatus:
+        """Start an evaluation workload (paper 4.2): episodes through the Inference Queue and the
+        Environment Service at ONE policy version, resolved once at the start. No training job,
+        no partition, no version change. `environment` overrides the tenant's declared one."""
+        tenant = self.dep.creator.get(tenant_id)
+        config = tenant.backend_config
+        if environment is not None:
+            from joynexus.spec import EnvironmentSpec
+
+            config = config.model_copy(update={"environment": EnvironmentSpec(**environment).model_dump(mode="json")})
+        if config.environment is None:
+            raise ValueError(f"environment: tenant {tenant_id!r} declares none; pass one to evaluate in")
+        if episodes < 1:
+            raise ValueError(f"episodes: expected >= 1, got {episodes}")
+        if self.admission_check is not None:
+            self.admission_check(tenant_id)
+        if call(self.dep.inference_service, "latest_version", tenant_id) is None:
+            # Never served yet (e.g. an SFT tenant): serve its current trained state, read-only.
+            call(self.dep.training_service, "add_tenant", tenant.backend_config)
+            self._publish_weights(tenant_id)
+        resolved = call(self.dep.inference_service, "latest_version", tenant_id) if version == "latest" else version
+        workload_id = f"ev-{uuid.uuid4().hex[:12]}"
+        with self.dep.store.transaction() as s:
+            s.add(
+                WorkloadRecord(
+                    workload_id=workload_id, tenant_id=tenant_id, task="eval", state=RUNNING, target_jobs=0,
+                    version=resolved, started_at=utcnow(),
+                )
+            )  # fmt: skip
+        with self._lock:
+            self._events[workload_id] = []
+        self._emit(workload_id, "started", version=resolved, episodes=episodes)
+
+        def run() -> None:
+            run_id = None
+            try:
+                run_id = self.dep.tracker.start_workload_run(
+                    tenant_id,
+                    workload_id,
+                    {"policy_version": resolved, "episodes": episodes, **config.environment},
+                    tags={"task": "eval"},
+                )
+                result = evaluate_policy(
+                    config, self.dep.environment_service, self.dep.inference_service, version=resolved,
+                    episodes=episodes,
+                )  # fmt: skip
+                metrics = {
+                    "eval/success_rate": result.success_rate,
+                    "eval/mean_return": result.mean_return,
+                    "eval/mean_length": result.mean_length,
+                }
+                self.dep.tracker.log_metrics(run_id, metrics, step=resolved)
+                self.dep.tracker.end_run(run_id, "FINISHED")
+                summary = {**dataclasses.asdict(result), "returns": list(result.returns)}
+                with self.dep.store.transaction() as s:
+                    record = s.get(WorkloadRecord, workload_id)
+                    record.state, record.finished_at, record.result, record.run_id = (
+                        WORKLOAD_COMPLETED,
+                        utcnow(),
+                        summary,
+                        run_id,
+                    )
+                self._emit(workload_id, WORKLOAD_COMPLETED, result=summary)
+            except Exception as error:
+                reason = f"{type(error).__name__}: {error}"
+                log.warning("evaluation %s failed: %s", workload_id, reason)
+                if run_id is not None:
+                    self.dep.tracker.end_run(run_id, "FAILED")
+                with self.dep.store.transaction() as s:
+                    record = s.get(WorkloadRecord, workload_id)
+                    record.state, record.finished_at, record.error = WORKLOAD_FAILED, utcnow(), reason
+                self._emit(workload_id, WORKLOAD_FAILED, error=reason)
+
+        threading.Thread(target=run, name=f"evaluation-{tenant_id}", daemon=True).start()
         return self.get(workload_id)
 
     def get(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
@@ -234,6 +337,7 @@ class WorkloadManager:
             "created_at": _iso(record.created_at),
             "started_at": _iso(record.started_at),
             "finished_at": _iso(record.finished_at),
+            "result": record.result,
         }
         return WorkloadStatus(**{**base, **live})
 
@@ -286,32 +390,64 @@ class WorkloadManager:
             max_policy_staleness=sched.max_policy_staleness,
         )
         active.run_id = dep.tracker.start_workload_run(
-            tenant.tenant_id, active.workload_id, _run_params(tenant, active.target_jobs), tags={"task": "sft"}
+            tenant.tenant_id,
+            active.workload_id,
+            _run_params(tenant, active.target_jobs),
+            tags={"task": tenant.spec.task.value},
         )
         with dep.store.transaction() as s:
             record = s.get(WorkloadRecord, active.workload_id)
             record.state, record.started_at, record.run_id = RUNNING, utcnow(), active.run_id
-        assert tenant.spec.dataset is not None
-        producer = SFTProducer.from_dataset(
-            tenant.backend_config,
-            dep.scheduler,
-            dep.queue,
-            tenant.spec.dataset.root,
-            tenant.spec.dataset.repo_id,
-            job_metadata={"workload_id": active.workload_id},
-        )
+        if tenant.spec.task.value == "rl":
+            self._publish_weights(tenant.tenant_id)  # rollouts act with the current version
+            producer: Any = RolloutProducer(
+                tenant.backend_config,
+                dep.scheduler,
+                dep.queue,
+                dep.environment_service,
+                dep.inference_service,
+                job_metadata={"workload_id": active.workload_id},
+                rollout_slots=self._rollout_slots,
+            )
+        else:
+            assert tenant.spec.dataset is not None
+            producer = SFTProducer.from_dataset(
+                tenant.backend_config,
+                dep.scheduler,
+                dep.queue,
+                tenant.spec.dataset.root,
+                tenant.spec.dataset.repo_id,
+                job_metadata={"workload_id": active.workload_id},
+            )
 
         def produce() -> None:
-            try:
-                producer.run(active.stop)
-            except Exception as error:  # the tenant's data broke: fail this workload only
-                log.warning("producer of workload %s failed: %s", active.workload_id, error)
-                self._finish(active.workload_id, WORKLOAD_FAILED, error=f"producer: {type(error).__name__}: {error}")
+            failures = 0
+            while not active.stop.is_set():
+                try:
+                    producer.run(active.stop)
+                    return
+                except Exception as error:
+                    # A failed rollout (e.g. a crashed simulator worker) failed only its own job;
+                    # the producer starts over with fresh sessions, up to the failure budget.
+                    failures += 1
+                    reason = f"producer: {type(error).__name__}: {error}"
+                    log.warning("workload %s: %s", active.workload_id, reason)
+                    self._emit(active.workload_id, "producer_failed", reason=reason)
+                    if failures >= self.max_failures or tenant.spec.task.value != "rl":
+                        self._finish(active.workload_id, WORKLOAD_FAILED, error=reason)
+                        return
 
-        thread = threading.Thread(target=produce, name=f"sft-producer-{tenant.tenant_id}", daemon=True)
+        kind = "rollout" if tenant.spec.task.value == "rl" else "sft"
+        thread = threading.Thread(target=produce, name=f"{kind}-producer-{tenant.tenant_id}", daemon=True)
         active.threads.append(thread)
+        active.producer = producer
         self._emit(active.workload_id, "started", version=active.version)
         thread.start()
+
+    def _publish_weights(self, tenant_id: str) -> int:
+        """Training -> inference weight sync (paper A.1): the only cross-queue dependency."""
+        payload = call(self.dep.training_service, "export_params", tenant_id)
+        return call(self.dep.inference_service, "load_weights", payload)["version"]
 
     def _on_outcome(self, outcome: ActorOutcome) -> None:
         workload_id = outcome.job.metadata.get("workload_id")
@@ -344,6 +480,15 @@ class WorkloadManager:
                 {"policy_version": active.version, "jobs_completed": active.completed_jobs},
                 step=active.optimizer_steps,
             )
+            if outcome.job.task_type == "rl":
+                self._publish_weights(active.tenant.tenant_id)  # later rollouts act with the update
+                rollout = active.producer.stats.summary() if active.producer is not None else {}
+                rl_metrics = {**outcome.metrics.get("rl_stats", {})}
+                if rollout.get("episodes"):
+                    rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})
+                if rl_metrics:
+                    self.dep.tracker.log_metrics(active.run_id, rl_metrics, step=active.optimizer_steps)
+                self._emit(workload_id, "rl_update", version=active.version, **rl_metrics)
             self._emit(
                 workload_id, "job_completed", job_id=outcome.job.job_id, version=active.version,
                 completed_jobs=active.completed_jobs, target_jobs=active.target_jobs,

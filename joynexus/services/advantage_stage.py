@@ -1,0 +1,85 @@
+"""The advantage stage (paper Appendix A.5): leases RL jobs waiting for advantages, reads their
+rollout partitions through the Training Queue's metadata/data interface, computes returns and
+advantages with the tenant's estimator (PPO-style GAE or GRPO-style group-relative), writes them
+back against the same samples, and marks the job ready for the actor."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from joynexus.algorithms.rl import gae, grpo_advantages
+from joynexus.master.tenant_creator import TenantBackendConfig
+from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_scheduler import (
+    COMPUTING_ADVANTAGES,
+    NEEDS_ADVANTAGES,
+    READY,
+    TrainingJob,
+    TrainingScheduler,
+)
+
+log = logging.getLogger(__name__)
+
+ADVANTAGE_INPUT_FIELDS = ("reward", "value", "done", "bootstrap_value")
+
+
+def compute_advantages(data: dict[str, np.ndarray], num_envs: int, horizon: int, rl: dict) -> dict[str, np.ndarray]:
+    """Rows are time-major (row = t * num_envs + env); returns flat `advantage` and `return`."""
+    shape = (horizon, num_envs)
+    rewards = np.asarray(data["reward"], dtype=np.float32).reshape(shape)
+    dones = np.asarray(data["done"], dtype=bool).reshape(shape)
+    if rl["advantage"] == "grpo":
+        advantages, returns = grpo_advantages(rewards, dones, gamma=rl["gamma"])
+    else:
+        values = np.asarray(data["value"], dtype=np.float32).reshape(shape)
+        last = np.asarray(data["bootstrap_value"], dtype=np.float32).reshape(shape)[-1]
+        advantages, returns = gae(rewards, values, dones, last, gamma=rl["gamma"], lam=rl["gae_lambda"])
+    return {"advantage": advantages.reshape(-1), "return": returns.reshape(-1)}
+
+
+class AdvantageStage:
+    def __init__(
+        self,
+        scheduler: TrainingScheduler,
+        queue: TrainingQueueClient,
+        tenant_config: Callable[[str], TenantBackendConfig],
+        *,
+        owner: str = "advantage-0",
+    ):
+        self.scheduler, self.queue = scheduler, queue
+        self.tenant_config = tenant_config
+        self.owner = owner
+
+    def step(self) -> TrainingJob | None:
+        """Process one waiting job (None when there is none)."""
+        job = self.scheduler.lease_stage(state=NEEDS_ADVANTAGES, leased_state=COMPUTING_ADVANTAGES, owner=self.owner)
+        if job is None:
+            return None
+        try:
+            rl = self.tenant_config(job.tenant_id).rl
+            if rl is None:
+                raise ValueError(f"tenant {job.tenant_id!r} has no rl section")
+            meta = self.queue.get_meta(
+                job.partition_id, ADVANTAGE_INPUT_FIELDS, job.sample_count, "compute_advantages_and_returns"
+            )
+            if meta is None or meta.size != job.sample_count:
+                raise ValueError(f"partition {job.partition_id} holds {0 if meta is None else meta.size} samples, "
+                                 f"the job planned {job.sample_count}")  # fmt: skip
+            derived = compute_advantages(
+                self.queue.get_data(meta), int(job.metadata["num_envs"]), int(job.metadata["horizon"]), rl
+            )
+            self.queue.put(job.partition_id, derived, metadata=meta)
+        except Exception as error:
+            reason = f"advantages: {type(error).__name__}: {error}"
+            log.warning("job %s: %s", job.job_id, reason)
+            return self.scheduler.fail(job.job_id, reason)
+        return self.scheduler.mark(job.job_id, READY)
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        while not stop.is_set():
+            if self.step() is None:
+                stop.wait(idle_wait_s)

@@ -1,0 +1,355 @@
+"""RL rollout producer (paper Fig. 6 left, Appendix A.4) and evaluation (section 4.2).
+
+The producer records the tenant's current serving version, reserves an RL job (sample count =
+envs x horizon), runs the rollout — every env step's observation goes through the Inference Queue,
+where it is group-batched with other tenants' requests — writes the trajectory partition with
+tenant, schema and behavior-version annotations, and marks it for the advantage stage.
+
+Evaluation runs episodes the same way at ONE resolved policy version with deterministic actions;
+it creates no training job and no partition and never changes the tenant's version.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from joynexus.master.tenant_creator import TenantBackendConfig, simulator_config
+from joynexus.runtime import call
+from joynexus.scheduling.inference_queue import Observation
+from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
+
+
+def predict_many(
+    inference: Any,
+    tenant_id: str,
+    observations: list[Observation],
+    *,
+    policy_version: int | None,
+    sample: bool,
+    session_ids: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """One request per observation, all in flight at once, so the Inference Scheduler can batch
+    them with each other and with other tenants' requests."""
+    sessions = session_ids or [None] * len(observations)
+    submit = getattr(inference, "submit", None)
+    if submit is not None and not hasattr(submit, "remote"):  # a local service: futures
+        futures = [
+            submit(tenant_id, [obs], policy_version=policy_version, session_id=sid, sample=sample)
+            for obs, sid in zip(observations, sessions, strict=True)
+        ]
+        return [f.result(timeout=120) for f in futures]
+    import ray
+
+    refs = [
+        inference.predict.remote(tenant_id, [obs], policy_version=policy_version, session_id=sid, sample=sample)
+        for obs, sid in zip(observations, sessions, strict=True)
+    ]
+    return ray.get(refs)
+
+
+def to_observation(raw: dict[str, Any], cameras: tuple[str, ...], instruction: str) -> Observation:
+    images = raw.get("images") or {}
+    missing = [c for c in cameras if c not in images]
+    if missing:
+        raise ValueError(f"observation: the simulator did not render cameras {missing}; it gave {sorted(images)}")
+    return Observation(
+        images=tuple(np.asarray(images[c], dtype=np.float32) for c in cameras),
+        state=np.asarray(raw["state"], dtype=np.float32),
+        instruction=raw.get("instruction") or instruction,
+    )
+
+
+@dataclass
+class EpisodeStats:
+    returns: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    successes: list[bool] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        if not self.returns:
+            return {"episodes": 0}
+        return {
+            "episodes": len(self.returns),
+            "mean_return": float(np.mean(self.returns)),
+            "success_rate": float(np.mean(self.successes)),
+            "mean_length": float(np.mean(self.lengths)),
+        }
+
+
+class _EnvGroup:
+    """A tenant's `n` environment sessions with their running episodes."""
+
+    def __init__(self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0):
+        self.env, self.config = env, config
+        self.ids: list[str] = []
+        try:
+            for i in range(n):
+                sim = simulator_config(config, seed_offset=seed_offset + i)
+                self.ids.append(call(env, "open_session", config.tenant_id, rollout_id, sim))
+        except BaseException:
+            self.close()
+            raise
+        spec = call(env, "spec", config.tenant_id, self.ids[0])
+        # Policies act in [-1, 1] per action dimension; the simulator's own bounds may differ
+        # (gym-pusht takes pixel targets in [0, 512]), so actions are mapped affinely.
+        self.low = np.asarray(spec["action_low"], dtype=np.float32)
+        self.high = np.asarray(spec["action_high"], dtype=np.float32)
+        self.obs = [self._obs(call(env, "reset", config.tenant_id, sid)) for sid in self.ids]
+        self.episode_return = [0.0] * n
+        self.episode_length = [0] * n
+
+    def _obs(self, raw: dict[str, Any]) -> Observation:
+        return to_observation(raw, self.config.cameras, self.config.instruction)
+
+    def act(self, chunks: list[np.ndarray], stats: EpisodeStats) -> tuple[np.ndarray, np.ndarray]:
+        """Execute each env's action chunk open-loop (stopping at an episode end); returns each
+        env's summed reward and whether its episode ended. Ended episodes are reset."""
+        n = len(self.ids)
+        rewards, done = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=bool)
+        success = [False] * n
+        chunk_len = chunks[0].shape[0]
+        for k in range(chunk_len):
+            live = {self.ids[i]: self.to_env_action(chunks[i][k]) for i in range(n) if not done[i]}
+            if not live:
+                break
+            results = call(self.env, "batch_step", self.config.tenant_id, live)
+            for i, sid in enumerate(self.ids):
+                if sid not in results:
+                    continue
+                result = results[sid]
+                if "error" in result:
+                    raise RuntimeError(f"environment session {sid} failed: {result['error']}")
+                rewards[i] += float(result["reward"])
+                self.episode_length[i] += 1
+                success[i] = success[i] or bool(result.get("success"))
+                if result["terminated"] or result["truncated"]:
+                    done[i] = True
+                self.obs[i] = self._obs(result["observation"])
+        for i in range(n):
+            self.episode_return[i] += float(rewards[i])
+            if done[i]:
+                stats.returns.append(self.episode_return[i])
+                stats.lengths.append(self.episode_length[i])
+                stats.successes.append(success[i])
+                self.episode_return[i], self.episode_length[i] = 0.0, 0
+                self.obs[i] = self._obs(call(self.env, "reset", self.config.tenant_id, self.ids[i]))
+        return rewards, done
+
+    def to_env_action(self, action: np.ndarray) -> np.ndarray:
+        unit = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
+        return self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
+
+    def close(self) -> None:
+        for sid in self.ids:
+            try:
+                call(self.env, "close", self.config.tenant_id, sid)
+            except Exception:  # a failed session is already gone
+                pass
+        self.ids = []
+
+
+class RolloutProducer:
+    def __init__(
+        self,
+        config: TenantBackendConfig,
+        scheduler: TrainingScheduler,
+        queue: TrainingQueueClient,
+        environment: Any,  # EnvironmentService or its Ray actor handle
+        inference: Any,  # InferenceModelService or its Ray actor handle
+        *,
+        job_metadata: dict[str, Any] | None = None,
+        rollout_slots: threading.Semaphore | None = None,  # the global concurrent-rollout limit
+    ):
+        if config.environment is None or config.rl is None:
+            raise ValueError(f"tenant {config.tenant_id!r} is not an RL tenant (no environment / rl section)")
+        self.config = config
+        self.scheduler, self.queue = scheduler, queue
+        self.env, self.inference = environment, inference
+        self.job_metadata = dict(job_metadata or {})
+        self.rollout_slots = rollout_slots
+        self.num_envs = int(config.environment["num_envs"])
+        self.horizon = int(config.environment["horizon"])
+        self._envs: _EnvGroup | None = None
+        self.stats = EpisodeStats()
+
+    def produce_once(self) -> TrainingJob | None:
+        cfg = self.config
+        version = call(self.inference, "latest_version", cfg.tenant_id)
+        if version is None:
+            raise RuntimeError(f"tenant {cfg.tenant_id!r} has no policy version being served; publish one first")
+        job = self.scheduler.reserve(
+            tenant_id=cfg.tenant_id,
+            task_type="rl",
+            sample_count=self.num_envs * self.horizon,
+            behavior_policy_version=version,
+            producer_role="rollout",
+            consumer_role="actor",
+            metadata={
+                **self.job_metadata,
+                "schema_signature": cfg.schema_signature,
+                "num_envs": self.num_envs,
+                "horizon": self.horizon,
+            },
+        )
+        if job is None:
+            return None
+        try:
+            if self.rollout_slots is not None:
+                self.rollout_slots.acquire()
+            try:
+                data = self._rollout(version)
+            finally:
+                if self.rollout_slots is not None:
+                    self.rollout_slots.release()
+            self.queue.put(
+                job.partition_id,
+                data,
+                annotations={
+                    "tenant_id": cfg.tenant_id,
+                    "schema_signature": cfg.schema_signature,
+                    "behavior_policy_version": version,
+                },
+            )
+        except Exception as error:
+            self.queue.clear(job.partition_id)
+            self.scheduler.fail(job.job_id, f"rollout: {type(error).__name__}: {error}")
+            self.close()  # sessions may be broken; the next rollout opens fresh ones
+            raise
+        return self.scheduler.mark(job.job_id, NEEDS_ADVANTAGES)
+
+    def _rollout(self, version: int) -> dict[str, Any]:
+        cfg = self.config
+        if self._envs is None:
+            self._envs = _EnvGroup(self.env, cfg, f"{cfg.tenant_id}-{uuid.uuid4().hex[:8]}", self.num_envs)
+        envs = self._envs
+        columns: dict[str, list[Any]] = {k: [] for k in ("images", "state", "action", "log_prob", "value", "reward")}
+        columns["done"] = []
+        for _t in range(self.horizon):
+            preds = predict_many(
+                self.inference, cfg.tenant_id, envs.obs, policy_version=version, sample=True, session_ids=envs.ids
+            )
+            for obs, pred in zip(envs.obs, preds, strict=True):
+                columns["images"].append(np.stack(obs.images))
+                columns["state"].append(obs.state)
+                columns["action"].append(pred["actions"][0])
+                columns["log_prob"].append(float(pred["log_probs"][0]))
+                columns["value"].append(float(pred["values"][0]) if pred["values"] is not None else 0.0)
+            rewards, done = envs.act([p["actions"][0] for p in preds], self.stats)
+            columns["reward"].extend(rewards.tolist())
+            columns["done"].extend(done.tolist())
+        last = predict_many(self.inference, cfg.tenant_id, envs.obs, policy_version=version, sample=False)
+        bootstrap = np.zeros(self.num_envs * self.horizon, dtype=np.float32)
+        if last[0]["values"] is not None:  # the value of where each env stands after the horizon
+            bootstrap[-self.num_envs :] = [float(p["values"][0]) for p in last]
+        n = self.num_envs * self.horizon
+        chunk = cfg.action_chunk
+        return {
+            "images": np.stack(columns["images"]).astype(np.float32),
+            "state": np.stack(columns["state"]).astype(np.float32).reshape(n, cfg.state_dim),
+            "action": np.stack(columns["action"]).astype(np.float32),
+            "action_is_pad": np.zeros((n, chunk), dtype=bool),
+            "log_prob": np.asarray(columns["log_prob"], dtype=np.float32),
+            "value": np.asarray(columns["value"], dtype=np.float32),
+            "reward": np.asarray(columns["reward"], dtype=np.float32),
+            "done": np.asarray(columns["done"], dtype=bool),
+            "bootstrap_value": bootstrap,
+            "task": [cfg.instruction] * n,
+            # Every sample carries its tenant, schema and behavior version (paper A.4).
+            "tenant_id": [cfg.tenant_id] * n,
+            "schema_signature": [cfg.schema_signature] * n,
+            "behavior_policy_version": np.full(n, version, dtype=np.int64),
+        }
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> int:
+        """Launch the next rollout as soon as the tenant has capacity; no cross-tenant barrier."""
+        produced = 0
+        try:
+            while not stop.is_set():
+                if self.produce_once() is not None:
+                    produced += 1
+                    continue
+                if self.target_reached():
+                    break
+                stop.wait(idle_wait_s)
+        finally:
+            self.close()
+        return produced
+
+    def target_reached(self) -> bool:
+        policy = self.scheduler.policy(self.config.tenant_id, "rl")
+        if policy.completion_target is None:
+            return False
+        return self.scheduler.counts(self.config.tenant_id).get("completed", 0) >= policy.completion_target
+
+    def close(self) -> None:
+        if self._envs is not None:
+            self._envs.close()
+            self._envs = None
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    tenant_id: str
+    policy_version: int
+    simulator: str
+    task: str
+    episodes: int
+    success_rate: float
+    mean_return: float
+    mean_length: float
+    returns: tuple[float, ...]
+
+
+def evaluate_policy(
+    config: TenantBackendConfig,
+    environment: Any,
+    inference: Any,
+    *,
+    version: int | str = "latest",
+    episodes: int = 4,
+    num_envs: int | None = None,
+    seed_offset: int = 10_000,
+) -> EvaluationResult:
+    """Run `episodes` episodes of the tenant's environment task at ONE policy version, resolved
+    once here (so a benchmark never mixes revisions while the tenant keeps training)."""
+    if episodes < 1:
+        raise ValueError(f"episodes: expected >= 1, got {episodes}")
+    if version == "latest":
+        resolved = call(inference, "latest_version", config.tenant_id)
+        if resolved is None:
+            raise ValueError(f"version: tenant {config.tenant_id!r} has no policy version being served")
+    elif isinstance(version, int) and not isinstance(version, bool):
+        resolved = version
+    else:
+        raise ValueError(f"version: expected an int or 'latest', got {version!r}")
+    if config.environment is None:
+        raise ValueError(f"tenant {config.tenant_id!r} declares no environment to evaluate in")
+    n = min(episodes, num_envs or int(config.environment["num_envs"]))
+    stats = EpisodeStats()
+    envs = _EnvGroup(environment, config, f"eval-{uuid.uuid4().hex[:8]}", n, seed_offset=seed_offset)
+    try:
+        while len(stats.returns) < episodes:
+            preds = predict_many(
+                inference, config.tenant_id, envs.obs, policy_version=resolved, sample=False, session_ids=envs.ids
+            )
+            envs.act([p["actions"][0] for p in preds], stats)
+    finally:
+        envs.close()
+    returns = stats.returns[:episodes]
+    return EvaluationResult(
+        tenant_id=config.tenant_id,
+        policy_version=int(resolved),
+        simulator=config.environment["simulator"],
+        task=config.environment["task"],
+        episodes=len(returns),
+        success_rate=float(np.mean(stats.successes[:episodes])),
+        mean_return=float(np.mean(returns)),
+        mean_length=float(np.mean(stats.lengths[:episodes])),
+        returns=tuple(returns),
+    )

@@ -1,0 +1,164 @@
+"""The RL closed loop on a real simulator (gym-pusht): Table 4 sequences for RL jobs, stale drops,
+failures with their partitions cleared, version bookkeeping, and read-only evaluation."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from joynexus.master.orchestrator import Deployment
+from joynexus.master.workloads import WorkloadManager
+from joynexus.runtime import Settings, call
+from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY
+from joynexus.services.actor_loop import ActorLoop
+from joynexus.services.advantage_stage import AdvantageStage
+from joynexus.services.rollout import RolloutProducer, evaluate_policy
+from tests.helpers import TINY_MODEL_ID
+
+
+def rl_spec(tenant: str, *, staleness: int | None = None, advantage: str = "gae", jobs: int = 4) -> dict:
+    return {
+        "tenant": tenant,
+        "base_model": TINY_MODEL_ID,
+        "task": "rl",
+        "action_module": {"kind": "oft_mlp", "size": "tiny"},
+        "observation": {"cameras": ["top"], "image_size": [32, 32], "state_dim": 2, "action_dim": 2,
+                        "instruction": "push the T-shaped block onto the target"},
+        "environment": {"simulator": "pusht", "task": "PushT-v0", "num_envs": 2, "horizon": 6},
+        "rl": {"advantage": advantage, "ppo_epochs": 2},
+        "scheduling": {"max_in_flight_jobs": 2, "completion_target": jobs, "max_policy_staleness": staleness},
+        "training": {"samples_per_job": 12, "microbatch_size": 6},
+    }  # fmt: skip
+
+
+@pytest.fixture
+def dep(tmp_path):
+    deployment = Deployment.in_process(Settings(data_dir=tmp_path / "data", torch_threads=1))
+    yield deployment
+    deployment.shutdown()
+
+
+def parts(dep, tenant_id: str):
+    tenant = dep.creator.get(tenant_id)
+    call(dep.training_service, "add_tenant", tenant.backend_config)
+    payload = dep.training_service.export_params(tenant_id)
+    dep.inference_service.load_weights(payload)
+    producer = RolloutProducer(
+        tenant.backend_config, dep.scheduler, dep.queue, dep.environment_service, dep.inference_service
+    )
+    stage = AdvantageStage(dep.scheduler, dep.queue, lambda t: dep.creator.get(t).backend_config)
+    return tenant, producer, stage, ActorLoop(dep.scheduler, dep.training_service)
+
+
+def test_rl_job_goes_reserved_advantages_ready_leased_completed(dep):
+    dep.creator.create(rl_spec("pusher"))
+    tenant, producer, stage, actor = parts(dep, "pusher")
+    try:
+        job = producer.produce_once()
+        assert job.state == NEEDS_ADVANTAGES and job.behavior_policy_version == 0
+        described = dep.queue.describe(job.partition_id)
+        assert described["num_samples"] == 12
+        assert described["annotations"] == {"tenant_id": "pusher", "schema_signature": tenant.schema_signature,
+                                            "behavior_policy_version": 0}  # fmt: skip
+        assert actor.step(wait_s=0.01) is None  # not ready before its advantages
+        assert stage.step().state == READY
+        assert {"advantage", "return"} <= set(dep.queue.describe(job.partition_id)["fields"])
+        outcome = actor.step()
+        assert outcome.state == COMPLETED and outcome.metrics["samples"] == 12
+        assert len(outcome.metrics["losses"]) == 2 * 2  # 12 samples / microbatch 6, two PPO epochs
+        assert {"rl/clip_fraction", "rl/value_loss"} <= set(outcome.metrics["rl_stats"])
+        assert not dep.queue.has_partition(job.partition_id)
+        assert dep.training_service.policy_version("pusher") == 1
+        assert dep.inference_service.versions("pusher") == [0]  # published by the workload, not the actor
+    finally:
+        producer.close()
+
+
+def test_a_stale_rl_job_is_dropped_and_its_partition_cleared(dep):
+    dep.creator.create(rl_spec("stale", staleness=0))
+    _, producer, stage, actor = parts(dep, "stale")
+    try:
+        first, second = producer.produce_once(), producer.produce_once()
+        assert first.behavior_policy_version == second.behavior_policy_version == 0
+        stage.step(), stage.step()
+        assert actor.step().state == COMPLETED  # actor now at v1
+        outcome = actor.step()  # 1 - 0 > Δmax = 0
+        assert outcome.state == DROPPED and outcome.reason == "policy_stale"
+        final = dep.scheduler.get(second.job_id)
+        assert final.state == DROPPED and final.terminal_reason == "policy_stale"
+        assert not dep.queue.has_partition(second.partition_id)
+        assert dep.training_service.policy_version("stale") == 1  # the drop trained nothing
+    finally:
+        producer.close()
+
+
+def test_a_crashing_simulator_fails_only_its_own_rollout(dep):
+    dep.creator.create(rl_spec("crashy"))
+    dep.creator.create(rl_spec("steady"))
+    _, crashy, _, _ = parts(dep, "crashy")
+    _, steady, _, _ = parts(dep, "steady")
+    try:
+        crashy.produce_once()  # sessions are open now
+        pid = dep.environment_service.sessions("crashy")[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="failed"):
+            crashy.produce_once()
+        failed = [j for j in dep.scheduler.jobs(tenant_id="crashy") if j.state == FAILED]
+        assert len(failed) == 1 and failed[0].terminal_reason.startswith("rollout:")
+        assert not dep.queue.has_partition(failed[0].partition_id)
+        assert steady.produce_once().state == NEEDS_ADVANTAGES  # the other tenant carries on
+        assert crashy.produce_once() is not None  # and the crashed one recovers with fresh sessions
+    finally:
+        crashy.close()
+        steady.close()
+
+
+def test_an_advantage_failure_fails_the_job_and_clears_it(dep):
+    dep.creator.create(rl_spec("broken"))
+    _, producer, stage, _ = parts(dep, "broken")
+    try:
+        job = producer.produce_once()
+        dep.queue.handle._partitions[job.partition_id].fields.pop("reward")  # corrupt the rollout
+        failed = stage.step()
+        assert failed.state == FAILED and "advantages" in failed.terminal_reason
+        assert not dep.queue.has_partition(job.partition_id)
+    finally:
+        producer.close()
+
+
+def test_evaluation_resolves_one_version_and_changes_nothing(dep):
+    dep.creator.create(rl_spec("judged"))
+    tenant, producer, stage, actor = parts(dep, "judged")
+    producer.close()
+    jobs_before = dep.scheduler.counts()
+    result = evaluate_policy(
+        tenant.backend_config, dep.environment_service, dep.inference_service, version="latest", episodes=2
+    )
+    assert result.policy_version == 0 and result.episodes == 2 and len(result.returns) == 2
+    assert 0.0 <= result.success_rate <= 1.0 and result.mean_length > 0
+    assert dep.scheduler.counts() == jobs_before and dep.queue.partitions() == []
+    assert dep.training_service.policy_version("judged") == 0 and dep.inference_service.versions("judged") == [0]
+    assert dep.environment_service.sessions("judged") == []
+    with pytest.raises(ValueError, match="version"):
+        evaluate_policy(tenant.backend_config, dep.environment_service, dep.inference_service, version="newest")
+
+
+def test_rl_workload_publishes_each_update_and_evaluation_runs_beside_it(dep):
+    dep.creator.create(rl_spec("learner", advantage="grpo", jobs=2))
+    manager = WorkloadManager(dep).start()
+    try:
+        workload = manager.submit("learner", jobs=2)
+        status = manager.wait(workload.workload_id, timeout_s=300)
+        assert status.state == "completed", status.error
+        assert status.version == 2 and dep.inference_service.versions("learner")[-1] == 2
+        kinds = [e["kind"] for e in manager.events(workload.workload_id)]
+        assert kinds.count("rl_update") == 2
+        evaluation = manager.wait(manager.evaluate("learner", episodes=2).workload_id, timeout_s=300)
+        assert evaluation.state == "completed" and evaluation.result["policy_version"] == 2
+        assert dep.training_service.policy_version("learner") == 2
+    finally:
+        manager.stop()
+    assert np.isfinite(evaluation.result["mean_return"])
