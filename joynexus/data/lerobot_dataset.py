@@ -52,7 +52,7 @@ def camera_feature_key(camera: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     """Hide HF ``datasets`` "Map" progress bars that lerobot triggers, then restore the setting."""
     import datasets
 
@@ -109,6 +109,42 @@ def _render_camera(
     return (np.clip(img, 0.0, 1.0) * 255).astype(np.uint8)
 
 
+def dataset_features(
+    cameras: Sequence[str], image_size: tuple[int, int], state_dim: int, action_dim: int
+) -> dict[str, dict[str, Any]]:
+    """LeRobot feature specs for camera images (HWC, image mode), the state and the action."""
+    height, width = int(image_size[0]), int(image_size[1])
+    features: dict[str, dict[str, Any]] = {}
+    for cam in cameras:
+        features[CAMERA_KEY_PREFIX + cam] = {
+            "dtype": "image",
+            "shape": (height, width, 3),
+            "names": ["height", "width", "channels"],
+        }
+    features[STATE_KEY] = {"dtype": "float32", "shape": (state_dim,), "names": [f"s{i}" for i in range(state_dim)]}
+    features[ACTION_KEY] = {"dtype": "float32", "shape": (action_dim,), "names": [f"a{i}" for i in range(action_dim)]}
+    return features
+
+
+def create_image_dataset(
+    root: str | Path, repo_id: str, fps: int, features: dict[str, dict[str, Any]], robot_type: str
+) -> Any:
+    """An empty image-mode v3.0 LeRobotDataset at `root` (call add_frame / save_episode / finalize)."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    return LeRobotDataset.create(
+        repo_id=repo_id,
+        fps=fps,
+        features=features,
+        root=root,
+        robot_type=robot_type,
+        use_videos=False,
+        image_writer_threads=0,
+        image_writer_processes=0,
+        video_backend="pyav",  # no torchcodec here; naming it skips lerobot's fallback warning
+    )
+
+
 def write_synthetic_dataset(
     root: str | Path,
     repo_id: str,
@@ -158,26 +194,8 @@ def write_synthetic_dataset(
     if root.exists():
         raise FileExistsError(f"root: {root} already exists; LeRobot datasets are written to a new folder")
 
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset
-
     height, width = int(image_size[0]), int(image_size[1])
-    features: dict[str, dict[str, Any]] = {}
-    for cam in cameras:
-        features[CAMERA_KEY_PREFIX + cam] = {
-            "dtype": "image",
-            "shape": (height, width, 3),
-            "names": ["height", "width", "channels"],
-        }
-    features[STATE_KEY] = {
-        "dtype": "float32",
-        "shape": (state_dim,),
-        "names": [f"s{i}" for i in range(state_dim)],
-    }
-    features[ACTION_KEY] = {
-        "dtype": "float32",
-        "shape": (action_dim,),
-        "names": [f"a{i}" for i in range(action_dim)],
-    }
+    features = dataset_features(cameras, (height, width), state_dim, action_dim)
 
     rng = np.random.default_rng(seed)
     # Moderate gain keeps tanh in its near-linear range: smooth, learnable targets.
@@ -185,19 +203,9 @@ def write_synthetic_dataset(
     bias = rng.normal(0.0, 0.1, size=(action_dim,))
     omega = 2 * np.pi / max(8.0, 2.0 * fps)  # one revolution every ~2 s of demonstration
 
-    ds = LeRobotDataset.create(
-        repo_id=repo_id,
-        fps=fps,
-        features=features,
-        root=root,
-        robot_type="synthetic",
-        use_videos=False,
-        image_writer_threads=0,
-        image_writer_processes=0,
-        video_backend="pyav",  # no torchcodec here; naming it skips lerobot's fallback warning
-    )
+    ds = create_image_dataset(root, repo_id, fps, features, robot_type="synthetic")
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    with _quiet_datasets(), contextlib.ExitStack() as stack:
+    with quiet_datasets(), contextlib.ExitStack() as stack:
         # v3.0 keeps parquet writers open; finalize() flushes data + episode metadata.
         stack.callback(ds.finalize)
         for _ in range(num_episodes):
@@ -371,7 +379,7 @@ class LeRobotDemoSource:
         self.cameras = cameras
         self.action_chunk = int(action_chunk)
         fps = self.info.fps
-        with _quiet_datasets():
+        with quiet_datasets():
             self._ds = LeRobotDataset(
                 repo_id,
                 root=self.root,
