@@ -1,0 +1,323 @@
+"""One interface over the simulators the Environment Service can run (paper 4.1.2).
+
+A LeRobot-style registry maps a config's ``simulator`` name to an adapter class, so adding a
+simulator is one decorated class. Adapters import their simulator lazily (in ``__init__``), so the
+registry itself is cheap to import: the service's parent process never loads a physics engine.
+
+Every adapter speaks the same observation format, whatever the simulator gives natively:
+images are float32 CHW in [0, 1] keyed by camera name, state is a flat float32 vector, and each
+task carries a natural-language instruction.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, TypeVar
+
+import numpy as np
+import pydantic
+
+__all__ = [
+    "SIMULATORS",
+    "AssetDownloadRefused",
+    "EnvObservation",
+    "RewardMode",
+    "SimulatorAdapter",
+    "SimulatorConfig",
+    "SimulatorSpec",
+    "StepResult",
+    "SimulatorUnavailable",
+    "available_simulators",
+    "build_simulator",
+    "hwc_uint8_to_chw_float",
+    "register_simulator",
+    "scalar_info",
+    "validate_action",
+]
+
+RewardMode = Literal["dense", "sparse", "normalized_dense"]
+
+
+class AssetDownloadRefused(ValueError):
+    """The task needs assets that are not on disk; we never download (or prompt) on a service host."""
+
+    def __init__(self, simulator: str, task: str, missing: list[str] | tuple[str, ...], hint: str = "") -> None:
+        self.simulator, self.task, self.missing, self.hint = simulator, task, tuple(missing), hint
+        shown = list(self.missing[:5]) + ([f"and {len(self.missing) - 5} more"] if len(self.missing) > 5 else [])
+        what = ", ".join(shown) or "unknown assets"
+        super().__init__(
+            f"task={task!r} of simulator {simulator!r} needs an asset download ({what}), which this service "
+            f"refuses: pick a task whose assets ship with the package{hint}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles with its own arguments (Ray, multiprocessing)
+        return (type(self), (self.simulator, self.task, self.missing, self.hint))
+
+
+class SimulatorUnavailable(RuntimeError):
+    """The simulator cannot run on this host (missing system library, no Vulkan device, ...)."""
+
+
+SIMULATORS: dict[str, type[SimulatorAdapter]] = {}
+
+_A = TypeVar("_A", bound="type[SimulatorAdapter]")
+
+
+def register_simulator(name: str) -> Callable[[_A], _A]:
+    """Class decorator: make ``cls`` buildable from ``SimulatorConfig(simulator=name)``."""
+
+    def decorator(cls: _A) -> _A:
+        if not (isinstance(cls, type) and issubclass(cls, SimulatorAdapter)):
+            raise TypeError(f"@register_simulator({name!r}) must decorate a SimulatorAdapter subclass, got {cls!r}")
+        existing = SIMULATORS.get(name)
+        # Re-registering the same class (module reload, or a spawned worker re-importing) is fine.
+        if existing is not None and (existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"simulator {name!r} is already registered to {existing.__qualname__}")
+        cls.name = name
+        SIMULATORS[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_simulators() -> list[str]:
+    """Registered simulator names, sorted."""
+    return sorted(SIMULATORS)
+
+
+def _unknown_simulator_error(name: str) -> ValueError:
+    return ValueError(f"simulator={name!r} is not a registered simulator; allowed simulators: {available_simulators()}")
+
+
+class SimulatorConfig(pydantic.BaseModel):
+    """What a session runs. Frozen so it can be stored and shipped to a worker as JSON."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    simulator: str
+    task: str = pydantic.Field(min_length=1, description="the simulator's task id, e.g. PushCube-v1")
+    seed: int = pydantic.Field(default=0, ge=0, description="seed of the first reset() without a seed")
+    image_size: tuple[pydantic.PositiveInt, pydantic.PositiveInt] = pydantic.Field(
+        default=(64, 64), description="(H, W) of every camera image"
+    )
+    cameras: tuple[str, ...] = pydantic.Field(default=(), description="cameras to render; empty = state only")
+    max_episode_steps: pydantic.PositiveInt | None = pydantic.Field(
+        default=None, description="truncation horizon; None = the task's own default"
+    )
+    reward_mode: RewardMode | None = pydantic.Field(default=None, description="None = the simulator's default")
+    control_mode: str | None = pydantic.Field(
+        default=None, description="simulator controller (ManiSkill e.g. pd_ee_delta_pose); None = default"
+    )
+
+    @pydantic.field_validator("simulator")
+    @classmethod
+    def _simulator_registered(cls, value: str) -> str:
+        if value not in SIMULATORS:
+            raise _unknown_simulator_error(value)
+        return value
+
+    @pydantic.field_validator("cameras")
+    @classmethod
+    def _cameras_unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"cameras={list(value)!r} lists a camera twice")
+        return value
+
+
+@dataclass(frozen=True)
+class SimulatorSpec:
+    """The model-facing interface of one session: what observations look like and what actions it takes."""
+
+    simulator: str
+    task: str
+    instruction: str
+    cameras: tuple[str, ...]
+    image_size: tuple[int, int]
+    state_dim: int
+    action_dim: int
+    action_low: tuple[float, ...]
+    action_high: tuple[float, ...]
+    max_episode_steps: int
+    reward_mode: str
+    control_mode: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (lists instead of tuples)."""
+        return {
+            "simulator": self.simulator,
+            "task": self.task,
+            "instruction": self.instruction,
+            "cameras": list(self.cameras),
+            "image_size": list(self.image_size),
+            "state_dim": self.state_dim,
+            "action_dim": self.action_dim,
+            "action_low": list(self.action_low),
+            "action_high": list(self.action_high),
+            "max_episode_steps": self.max_episode_steps,
+            "reward_mode": self.reward_mode,
+            "control_mode": self.control_mode,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SimulatorSpec:
+        return cls(
+            simulator=data["simulator"],
+            task=data["task"],
+            instruction=data["instruction"],
+            cameras=tuple(data["cameras"]),
+            image_size=(int(data["image_size"][0]), int(data["image_size"][1])),
+            state_dim=int(data["state_dim"]),
+            action_dim=int(data["action_dim"]),
+            action_low=tuple(float(x) for x in data["action_low"]),
+            action_high=tuple(float(x) for x in data["action_high"]),
+            max_episode_steps=int(data["max_episode_steps"]),
+            reward_mode=data["reward_mode"],
+            control_mode=data.get("control_mode"),
+        )
+
+
+@dataclass
+class EnvObservation:
+    images: dict[str, np.ndarray]  # camera -> float32 (3, H, W) in [0, 1]
+    state: np.ndarray  # float32 (state_dim,)
+    instruction: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"images": dict(self.images), "state": self.state, "instruction": self.instruction}
+
+
+@dataclass
+class StepResult:
+    observation: EnvObservation
+    reward: float
+    terminated: bool
+    truncated: bool
+    success: bool
+    info: dict[str, bool | int | float | str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "observation": self.observation.to_dict(),
+            "reward": self.reward,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
+            "success": self.success,
+            "info": dict(self.info),
+        }
+
+
+def hwc_uint8_to_chw_float(image: Any) -> np.ndarray:
+    """(H, W, 3) uint8 (numpy or torch, optionally with a leading batch of 1) -> (3, H, W) float32 in [0, 1]."""
+    arr = image.cpu().numpy() if hasattr(image, "cpu") else np.asarray(image)
+    if arr.ndim == 4 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 3 or arr.shape[-1] < 3:
+        raise ValueError(f"expected an (H, W, 3) image, got shape {arr.shape}")
+    return np.ascontiguousarray(arr[..., :3].transpose(2, 0, 1), dtype=np.float32) / np.float32(255.0)
+
+
+def validate_action(action: Any, action_dim: int) -> np.ndarray:
+    """Coerce to float32 (action_dim,), or raise ValueError naming what was expected and what came."""
+    expected = f"expected a finite float vector of shape ({action_dim},)"
+    try:
+        arr = np.asarray(action, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"action: {expected}, got {type(action).__name__} that is not numeric ({exc})") from None
+    if arr.shape != (action_dim,):
+        raise ValueError(f"action: {expected}, got shape {arr.shape}")
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise ValueError(f"action: {expected}, got non-finite values at indices {bad.tolist()}: {arr[bad].tolist()}")
+    return arr.astype(np.float32)
+
+
+def scalar_info(info: Mapping[str, Any]) -> dict[str, bool | int | float | str]:
+    """Keep the JSON-able scalars of a simulator's info dict (1-element tensors/arrays included)."""
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in info.items():
+        if hasattr(value, "cpu"):  # torch tensor, without importing torch here
+            value = value.cpu().numpy()
+        if isinstance(value, np.ndarray):
+            if value.size != 1:
+                continue
+            value = value.reshape(()).item()
+        elif isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, bool | int | str):
+            out[str(key)] = value
+        elif isinstance(value, float) and math.isfinite(value):
+            out[str(key)] = value
+    return out
+
+
+class SimulatorAdapter(abc.ABC):
+    """One simulator instance running one task, speaking `EnvObservation` / `StepResult`.
+
+    Subclasses implement `_reset` / `_step` on a validated, clipped action; this base class counts
+    steps, applies the episode horizon, and checks the action against the spec.
+    """
+
+    name: ClassVar[str] = ""
+    spec: SimulatorSpec
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.config = config
+        self._seeded = False
+        self._elapsed = 0
+        self._needs_reset = True
+
+    def reset(self, seed: int | None = None) -> EnvObservation:
+        # The first reset without a seed uses the config's, so a session is reproducible by default;
+        # later unseeded resets continue the simulator's own RNG stream (gymnasium semantics).
+        if seed is None and not self._seeded:
+            seed = self.config.seed
+        if seed is not None:
+            if not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0:
+                raise ValueError(f"seed: expected a non-negative int or None, got {seed!r}")
+            seed = int(seed)
+            self._seeded = True
+        obs = self._reset(seed)
+        self._elapsed = 0
+        self._needs_reset = False
+        return obs
+
+    def step(self, action: np.ndarray) -> StepResult:
+        if self._needs_reset:
+            raise RuntimeError(f"{self.name} {self.spec.task}: call reset() before step()")
+        act = validate_action(action, self.spec.action_dim)
+        # Policies (e.g. Gaussian samples) overshoot the bounds; clip like the simulators' controllers do.
+        act = np.clip(act, np.asarray(self.spec.action_low, np.float32), np.asarray(self.spec.action_high, np.float32))
+        result = self._step(act)
+        self._elapsed += 1
+        result.info["elapsed_steps"] = self._elapsed
+        if self._elapsed >= self.spec.max_episode_steps:
+            result.truncated = True
+        return result
+
+    @abc.abstractmethod
+    def _reset(self, seed: int | None) -> EnvObservation: ...
+
+    @abc.abstractmethod
+    def _step(self, action: np.ndarray) -> StepResult: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> SimulatorAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_simulator(config: SimulatorConfig | Mapping[str, Any]) -> SimulatorAdapter:
+    """Instantiate the registered adapter for ``config.simulator`` (this loads the simulator)."""
+    if not isinstance(config, SimulatorConfig):
+        config = SimulatorConfig.model_validate(config)
+    cls = SIMULATORS.get(config.simulator)
+    if cls is None:  # only reachable for configs built with model_construct()
+        raise _unknown_simulator_error(config.simulator)
+    return cls(config)
