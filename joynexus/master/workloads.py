@@ -482,7 +482,7 @@ class WorkloadManager:
             )
             if outcome.job.task_type == "rl":
                 self._publish_weights(active.tenant.tenant_id)  # later rollouts act with the update
-                rollout = active.producer.stats.summary() if active.producer is not None else {}
+                rollout = active.producer.stats.drain() if active.producer is not None else {}
                 rl_metrics = {**outcome.metrics.get("rl_stats", {})}
                 if rollout.get("episodes"):
                     rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})

@@ -248,6 +248,9 @@ def _worker_main(conn: Connection, adapter_module: str, config_json: str) -> Non
             adapter.close()
         except Exception:
             pass
+        # Leave at once: interpreter shutdown can wait on a simulator's own non-daemon threads
+        # (seen with gym-pusht / pygame), which made every close() sit out its grace period.
+        os._exit(0)
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -71,6 +71,12 @@ class EpisodeStats:
     lengths: list[int] = field(default_factory=list)
     successes: list[bool] = field(default_factory=list)
 
+    def drain(self) -> dict[str, float]:
+        """Summary of the episodes finished since the last drain, then forget them."""
+        summary = self.summary()
+        self.returns, self.lengths, self.successes = [], [], []
+        return summary
+
     def summary(self) -> dict[str, float]:
         if not self.returns:
             return {"episodes": 0}
