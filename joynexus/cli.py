@@ -28,9 +28,13 @@ def demo(
     data_dir: Path = typer.Option(Path("var"), help="Where the store, datasets, checkpoints and MLflow live."),
     jobs: int = typer.Option(12, min=1, help="Training jobs per tenant in this run."),
     samples_per_job: int = typer.Option(64, min=1, help="Demonstration samples per training job."),
+    simulators: bool = typer.Option(
+        True, help="Include the simulator tenants (RL, SFT on recorded demos, evaluation)."
+    ),
+    rl_jobs: int = typer.Option(20, min=1, help="PPO updates of the PushT-reach RL tenant."),
 ) -> None:
-    """Run the main job: three SFT tenants with different schemas on one resident backbone."""
-    from joynexus.demo import DEMO_TENANTS, run_demo
+    """Run the main job: SFT, RL and evaluation side by side on one resident backbone per service."""
+    from joynexus.demo import run_demo
     from joynexus.runtime import Settings
 
     settings = Settings(data_dir=data_dir.resolve())
@@ -42,16 +46,12 @@ def demo(
         TimeElapsedColumn(),
         console=console,
     )
-    bars = {
-        t.tenant: progress.add_task("", total=jobs, tenant=t.tenant, loss="   -   ", version=0) for t in DEMO_TENANTS
-    }
+    bars: dict[str, int] = {}
     workload_tenant: dict[str, str] = {}
 
     def on_event(event: dict) -> None:
-        if event["kind"] == "queued":
-            return
         tenant = workload_tenant.get(event["workload_id"])
-        if tenant is None:
+        if tenant is None or tenant not in bars:
             return
         if event["kind"] == "step":
             progress.update(bars[tenant], loss=f"{event['loss']:.4f}")
@@ -60,18 +60,28 @@ def demo(
 
     def on_stage(message: str) -> None:
         progress.console.log(message)
-        if message.startswith("workload "):  # "workload <id> of <tenant>: ..."
+        if message.startswith("workload "):  # "workload <id> of <tenant>: <n> <TASK> jobs"
             words = message.split()
-            workload_tenant[words[1]] = words[3].rstrip(":")
+            tenant = words[3].rstrip(":")
+            workload_tenant[words[1]] = tenant
+            bars[tenant] = progress.add_task("", total=int(words[4]), tenant=tenant, loss="   -   ", version=0)
 
     with progress:
         result = run_demo(
-            settings, jobs_per_tenant=jobs, samples_per_job=samples_per_job, on_event=on_event, on_stage=on_stage
+            settings,
+            jobs_per_tenant=jobs,
+            samples_per_job=samples_per_job,
+            simulators=simulators,
+            rl_jobs=rl_jobs,
+            on_event=on_event,
+            on_stage=on_stage,
         )
 
-    table = Table(title=f"main job: {len(result.tenants)} SFT tenants, {result.seconds:.1f} s on one backbone")
-    for column in ("tenant", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss", "version",
-                   "MLflow model"):  # fmt: skip
+    table = Table(
+        title=f"main job: {len(result.tenants)} tenants, {result.seconds:.1f} s, one backbone per model service"
+    )
+    for column in ("tenant", "task", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss",
+                   "version", "MLflow model"):  # fmt: skip
         table.add_column(column)
     failed = False
     for tenant in result.tenants:
@@ -82,6 +92,7 @@ def demo(
         last = sum(losses[-3:]) / max(1, len(losses[-3:]))
         table.add_row(
             tenant.tenant_id,
+            tenant.spec.task.value,
             tenant.backend_config.action_module["kind"],
             tenant.schema_signature[:16],
             status.workload_id,
@@ -95,6 +106,21 @@ def demo(
         if status.error:
             console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
     console.print(table)
+    if result.evaluations:
+        evals = Table(title="evaluation in the simulator (deterministic policy, one version per run)")
+        for column in ("tenant", "simulator / task", "before: version", "return", "success", "after: version",
+                       "return", "success"):  # fmt: skip
+            evals.add_column(column)
+        for tenant_id, pair in result.evaluations.items():
+            cells = [tenant_id]
+            for when in ("before", "after"):
+                r = pair[when].result
+                if when == "before":
+                    cells.append(f"{r['simulator']}/{r['task']}" if r else "-")
+                cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", f"{r['success_rate']:.0%}"] if r else [
+                    pair[when].state, "-", "-"]  # fmt: skip
+            evals.add_row(*cells)
+        console.print(evals)
     info = result.backbone
     console.print(
         f"backbone [bold]{info['model_id']}[/]: {info['parameter_count']:,} frozen parameters, "
@@ -111,6 +137,12 @@ def demo(
     )
     if failed:
         raise typer.Exit(code=1)
+
+
+# The tenant API's commands: serve, tenant, workload, versions, export, usage (joynexus/api/cli.py).
+from joynexus.api.cli import register as _register_api_commands  # noqa: E402
+
+_register_api_commands(app)
 
 
 if __name__ == "__main__":

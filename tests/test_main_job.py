@@ -39,16 +39,29 @@ def test_the_training_queue_is_shared_between_processes(local_ray):
 
 def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_ray, tmp_path):
     settings = Settings(data_dir=tmp_path, ray_namespace=f"test-{uuid.uuid4().hex[:8]}", torch_threads=1)
-    result = run_demo(settings, jobs_per_tenant=3, samples_per_job=32)
+    result = run_demo(
+        settings, jobs_per_tenant=3, samples_per_job=32, rl_jobs=2, maniskill_jobs=1, demo_episodes=6, eval_episodes=2
+    )
     assert result.backbone["instances_created"] == 1
-    assert len({t.schema_signature for t in result.tenants}) == len(DEMO_TENANTS)
+    assert len({t.schema_signature for t in result.tenants}) == len(DEMO_TENANTS) + 2  # reach SFT = reach RL schema
+    assert {t.spec.task.value for t in result.tenants} == {"sft", "rl"}
     from joynexus.registry import ExperimentTracker
 
     tracker = ExperimentTracker(settings.resolved_mlflow_uri())
-    for tenant in result.tenants:
-        status = result.statuses[tenant.tenant_id]
+    for status in result.statuses.values():
         assert status.state == "completed" and status.error is None, status
-        assert status.completed_jobs == 3 and status.version == 3 and status.registered_version == 1
+        assert status.registered_version == 1
+    rl = result.statuses["reacher-rl"]
+    assert rl.task == "rl" and rl.completed_jobs == rl.version == 2
+    assert tracker.metric_history(rl.run_id, "rl/clip_fraction")
+    for name in ("reacher-rl", "reacher-sft", "cube-pusher-rl"):
+        before, after = result.evaluations[name]["before"], result.evaluations[name]["after"]
+        assert before.state == after.state == "completed", (before.error, after.error)
+        assert before.result["policy_version"] == 0 and after.result["policy_version"] == result.statuses[name].version
+        assert before.result["episodes"] == after.result["episodes"] == 2
+    for tenant in result.tenants[: len(DEMO_TENANTS)]:
+        status = result.statuses[tenant.tenant_id]
+        assert status.completed_jobs == 3 and status.version == 3
         history = tracker.metric_history(status.run_id, "train/loss")
         assert len(history) == status.optimizer_steps == 3 * 2  # 32 samples / microbatch 16 per job
         assert [loss for _, loss in history] == pytest.approx(result.losses[tenant.tenant_id])
@@ -57,5 +70,5 @@ def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_
         payload, manifest = tracker.fetch_tenant_payload(tenant.tenant_id, version=1)
         assert manifest.policy_version == 3 and registered_model_name(tenant.tenant_id)
     # A second run continues the same tenants from where they stopped.
-    again = run_demo(settings, jobs_per_tenant=1, samples_per_job=32)
+    again = run_demo(settings, jobs_per_tenant=1, samples_per_job=32, simulators=False)
     assert all(again.statuses[t.tenant_id].version == 4 for t in again.tenants)

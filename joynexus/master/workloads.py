@@ -116,6 +116,7 @@ class WorkloadManager:
         self._actor_thread: threading.Thread | None = None
         self._stage_thread: threading.Thread | None = None
         self._rollout_slots = threading.BoundedSemaphore(max_concurrent_rollouts)
+        self._finishing: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> WorkloadManager:
@@ -427,6 +428,8 @@ class WorkloadManager:
                     producer.run(active.stop)
                     return
                 except Exception as error:
+                    if active.stop.is_set():
+                        return  # the workload is ending; its jobs were released under it
                     # A failed rollout (e.g. a crashed simulator worker) failed only its own job;
                     # the producer starts over with fresh sessions, up to the failure budget.
                     failures += 1
@@ -509,9 +512,12 @@ class WorkloadManager:
 
     def _finish(self, workload_id: str, state: str, error: str | None = None) -> None:
         with self._lock:
+            if workload_id in self._finishing:
+                return  # another path (a cancel, the last job, a failing producer) is finishing it
+            self._finishing.add(workload_id)
             active = self._active.pop(workload_id, None)
         if active is None and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
-            return  # finished already (e.g. completed while a cancel was on its way)
+            return  # finished already
         registered = None
         if active is not None:
             active.stop.set()

@@ -205,10 +205,14 @@ class InferenceModelService:
         policy_version: int | None = None,
         session_id: str | None = None,
         seeds: list[int] | None = None,
+        sample: bool = False,
         timeout_s: float | None = 60.0,
     ) -> dict[str, Any]:
-        """Actions (and values where the module has a value head) for a tenant's observations."""
-        future = self.submit(tenant_id, observations, policy_version=policy_version, session_id=session_id, seeds=seeds)
+        """Actions (and values where the module has a value head) for a tenant's observations;
+        `sample=True` also returns the log-probabilities of the sampled actions (see `submit`)."""
+        future = self.submit(
+            tenant_id, observations, policy_version=policy_version, session_id=session_id, seeds=seeds, sample=sample
+        )
         return future.result(timeout=timeout_s)
 
     def _check_observations(self, state: ServingState, observations: list[Observation]) -> None:

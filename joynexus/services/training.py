@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,6 +34,8 @@ TRAINING_SERVICE_ACTOR_NAME = "joynexus.training_service"
 
 # Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
 SFT_FIELDS = ("images", "state", "action", "action_is_pad", "task", "tenant_id", "schema_signature")
+# An RL partition adds what the rollout recorded and the advantage stage derived.
+RL_FIELDS = (*SFT_FIELDS, "log_prob", "advantage", "return")
 
 
 class BackboneSource(BaseModel):
@@ -229,14 +232,18 @@ class TrainingModelService:
         started = time.perf_counter()
         losses: list[float] = []
         samples = 0
-        while True:
-            meta = self.queue.get_meta(job.partition_id, SFT_FIELDS, slot.config.microbatch_size, "train")
-            if meta is None:
-                break
-            data = self.queue.get_data(meta)
-            _check_annotations(data, job.tenant_id, slot.config.schema_signature)
-            losses.append(self._step(slot, data))
-            samples += meta.size
+        extra: dict[str, Any] = {}
+        if job.task_type == "rl":
+            losses, samples, extra = self._train_rl_partition(slot, job)
+        else:
+            while True:
+                meta = self.queue.get_meta(job.partition_id, SFT_FIELDS, slot.config.microbatch_size, "train")
+                if meta is None:
+                    break
+                data = self.queue.get_data(meta)
+                _check_annotations(data, job.tenant_id, slot.config.schema_signature)
+                losses.append(self._step(slot, data))
+                samples += meta.size
         if samples == 0:
             raise TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples")
         slot.version += 1
@@ -252,7 +259,71 @@ class TrainingModelService:
             "optimizer_steps": slot.optimizer_steps,
             "seconds": time.perf_counter() - started,
             "checkpoint_version": manifest.policy_version if manifest else None,
+            **extra,
         }
+
+    def _train_rl_partition(self, slot: TenantSlot, job: TrainingJob) -> tuple[list[float], int, dict[str, Any]]:
+        """PPO over a rollout partition (paper A.6): `ppo_epochs` passes of clipped-surrogate updates
+        in microbatches, each pass reading the partition through its own Training Queue cursor.
+        The backbone is frozen, so each sample's features are computed once and reused."""
+        from joynexus.algorithms.rl import ppo_loss
+
+        rl = slot.config.rl
+        if rl is None:
+            raise TenantSlotError(f"tenant {slot.config.tenant_id!r} is not an RL tenant; job {job.job_id} is 'rl'")
+        losses: list[float] = []
+        stats: dict[str, list[float]] = {"clip_fraction": [], "approx_kl": [], "value_loss": [], "entropy": []}
+        features_cache: dict[tuple[int, ...], BackboneFeatures] = {}
+        module = slot.module
+        samples = 0
+        for epoch in range(rl["ppo_epochs"]):
+            while True:
+                meta = self.queue.get_meta(
+                    job.partition_id, RL_FIELDS, slot.config.microbatch_size, f"ppo-epoch-{epoch}"
+                )
+                if meta is None:
+                    break
+                data = self.queue.get_data(meta)
+                _check_annotations(data, job.tenant_id, slot.config.schema_signature)
+                batch = self._prepare(slot, data)
+                if meta.indices not in features_cache:
+                    features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
+                features = features_cache[meta.indices]
+                old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32))
+                advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32))
+                returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32))
+                last: dict[str, Any] = {}
+
+                def compute_loss(
+                    features=features, batch=batch, old=old_log_prob, adv=advantages, ret=returns, last=last
+                ) -> torch.Tensor:
+                    dist = module.action_distribution(features, batch.state)
+                    new_log_prob = dist.log_prob(batch.action).sum(dim=(-1, -2))
+                    values = module.value(features, batch.state) if module.config.value_head else None
+                    out = ppo_loss(
+                        new_log_prob,
+                        old,
+                        adv,
+                        values=values,
+                        returns=ret if values is not None else None,
+                        entropy=dist.entropy().sum(dim=(-1, -2)),
+                        clip=rl["clip"],
+                        value_coef=rl["value_coef"],
+                        entropy_coef=rl["entropy_coef"],
+                    )
+                    last["out"] = out
+                    return out.total
+
+                losses.append(self._update(slot, features, batch, compute_loss=compute_loss))
+                out = last["out"]
+                stats["clip_fraction"].append(float(out.clip_fraction))
+                stats["approx_kl"].append(float(out.approx_kl))
+                stats["value_loss"].append(float(out.value.detach()))
+                stats["entropy"].append(float(out.entropy.detach()))
+                if epoch == 0:
+                    samples += meta.size
+        summary = {f"rl/{k}": float(np.mean(v)) for k, v in stats.items() if v}
+        return losses, samples, {"rl_stats": summary}
 
     def train_group(self, batches: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
         """Group-batched execution (paper 5.2): one optimizer step for each of several tenants from
@@ -334,7 +405,13 @@ class TrainingModelService:
         batch = self._prepare(slot, data)
         return self._update(slot, self.encode(batch.images, batch.instructions), batch)
 
-    def _update(self, slot: TenantSlot, features: BackboneFeatures, batch: _Microbatch) -> float:
+    def _update(
+        self,
+        slot: TenantSlot,
+        features: BackboneFeatures,
+        batch: _Microbatch,
+        compute_loss: Callable[[], torch.Tensor] | None = None,
+    ) -> float:
         """The per-tenant update both paths share: loss, backward, clip, AdamW step, on this slot only.
 
         Anything raised before the optimizer step leaves the slot's parameters, optimizer state and
@@ -343,9 +420,12 @@ class TrainingModelService:
         slot.module.train()
         slot.optimizer.zero_grad(set_to_none=True)
         try:
-            loss = slot.module.loss(
-                features, batch.state, batch.action, batch.action_is_pad, generator=_loss_generator(slot)
-            )
+            if compute_loss is not None:  # an algorithm's own objective (e.g. PPO)
+                loss = compute_loss()
+            else:
+                loss = slot.module.loss(
+                    features, batch.state, batch.action, batch.action_is_pad, generator=_loss_generator(slot)
+                )
             if not torch.isfinite(loss):
                 raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {loss.item()}")
             loss.backward()
@@ -415,6 +495,141 @@ class TrainingModelService:
             optimizer_state=slot.optimizer.state_dict() if include_optim else None,
             extra=self._extra(slot),
         )
+
+    # =======================================================================================
+    # Lower-layer composition primitives: forward_backward + optim_step (used by joynexus/api).
+    # Kept together at the end of the class. They reuse _prepare / encode / _check_annotations /
+    # _loss_generator; forward_backward("default") followed by optim_step is exactly train_batch.
+    # =======================================================================================
+    FORWARD_BACKWARD_LOSSES = ("default", "advantage_weighted", "policy_gradient")
+
+    def forward_backward(self, tenant_id: str, batch: dict[str, Any], loss: str = "default") -> dict[str, Any]:
+        """Loss and gradients of one microbatch, summed into the tenant's pending gradients; no
+        optimizer step, no version change (call `optim_step` to apply them).
+
+        `loss`: "default" is the module's own loss (what train_batch optimizes);
+        "advantage_weighted" is mean_i(advantages[i] * loss_i) over the module's per-sample losses
+        (advantage-weighted regression, any module); "policy_gradient" is
+        -mean_i(advantages[i] * log pi(action_i | obs_i)) under the tenant's Gaussian policy
+        (REINFORCE; stochastic modules, i.e. RL tenants). Both take `batch["advantages"]` of shape
+        (N,). Bad annotations, an unknown loss, bad advantages or a non-finite loss raise and leave
+        the pending gradients as they were.
+        """
+        if loss not in self.FORWARD_BACKWARD_LOSSES:
+            raise ValueError(f"loss: {loss!r} is not one of {list(self.FORWARD_BACKWARD_LOSSES)}")
+        slot = self._slot(tenant_id)
+        _check_annotations(batch, tenant_id, slot.config.schema_signature)
+        pending = self._pending_gradients().get(tenant_id)
+        if pending is not None and pending["optimizer_steps"] != slot.optimizer_steps:
+            pending = None  # a train_batch / train_job step in between zeroed them: start afresh
+        started = time.perf_counter()
+        prepared = self._prepare(slot, batch)
+        weights = None
+        if loss == "policy_gradient" and getattr(slot.module, "log_std", None) is None:
+            raise ValueError(
+                "loss: 'policy_gradient' needs a stochastic policy (an RL tenant's module); "
+                "use 'advantage_weighted' for this module"
+            )
+        if loss != "default":
+            weights = torch.as_tensor(np.asarray(batch.get("advantages"), dtype=np.float32))
+            if weights.shape != (len(prepared),) or not bool(torch.isfinite(weights).all()):
+                raise ValueError(
+                    f"advantages: expected {len(prepared)} finite values (one per sample), "
+                    f"got shape {tuple(weights.shape)}"
+                )
+        features = self.encode(prepared.images, prepared.instructions)
+        # The first microbatch draws exactly what train_batch would; later ones draw fresh values.
+        generator = _loss_generator(slot)
+        if pending is not None:
+            generator.manual_seed((generator.initial_seed() + pending["microbatches"]) % 2**64)
+        slot.module.train()
+        if pending is None:
+            slot.optimizer.zero_grad(set_to_none=True)
+        if weights is None:
+            value = slot.module.loss(
+                features, prepared.state, prepared.action, prepared.action_is_pad, generator=generator
+            )
+        elif loss == "policy_gradient":
+            log_prob = slot.module.action_distribution(features, prepared.state).log_prob(prepared.action)
+            valid = (~prepared.action_is_pad).unsqueeze(-1)
+            per_sample = torch.where(valid, log_prob, torch.zeros_like(log_prob)).sum(dim=(-1, -2))
+            value = -(weights * per_sample).mean()
+        else:
+            per_sample = torch.stack(
+                [
+                    slot.module.loss(
+                        features.select([i]).trimmed(),
+                        prepared.state[i : i + 1],
+                        prepared.action[i : i + 1],
+                        prepared.action_is_pad[i : i + 1],
+                        generator=generator,
+                    )
+                    for i in range(len(prepared))
+                ]
+            )
+            value = (weights * per_sample).mean()
+        if not torch.isfinite(value):
+            raise TenantSlotError(f"tenant {tenant_id!r}: non-finite loss {value.item()}")
+        value.backward()
+        loss_value = float(value.detach())
+        if pending is None:
+            pending = {"optimizer_steps": slot.optimizer_steps, "microbatches": 0, "samples": 0, "losses": []}
+            self._pending_gradients()[tenant_id] = pending
+        pending["microbatches"] += 1
+        pending["samples"] += len(prepared)
+        pending["losses"].append(loss_value)
+        return {
+            "tenant_id": tenant_id,
+            "loss": loss_value,
+            "samples": len(prepared),
+            "accumulated_microbatches": pending["microbatches"],
+            "accumulated_samples": pending["samples"],
+            "version": slot.version,
+            "seconds": time.perf_counter() - started,
+        }
+
+    def optim_step(self, tenant_id: str) -> dict[str, Any]:
+        """Apply the pending gradients of `forward_backward` calls: clip (norm 1.0, as train_batch),
+        AdamW step, zero them, bump the tenant's version."""
+        slot = self._slot(tenant_id)
+        pending = self._pending_gradients().pop(tenant_id, None)
+        if pending is None:
+            raise TenantSlotError(f"tenant {tenant_id!r} has no pending gradients: call forward_backward first")
+        if pending["optimizer_steps"] != slot.optimizer_steps:
+            raise TenantSlotError(
+                f"tenant {tenant_id!r}: the pending gradients were discarded by a train_batch / train_job step "
+                "in between; call forward_backward again"
+            )
+        started = time.perf_counter()
+        grad_norm = torch.nn.utils.clip_grad_norm_(slot.module.parameters(), 1.0)
+        if not torch.isfinite(grad_norm):
+            slot.optimizer.zero_grad(set_to_none=True)
+            raise TenantSlotError(f"tenant {tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
+        slot.optimizer.step()
+        slot.optimizer.zero_grad(set_to_none=True)
+        slot.optimizer_steps += 1
+        slot.samples_trained += pending["samples"]
+        mean_loss = sum(pending["losses"]) / len(pending["losses"])
+        slot.losses.append(mean_loss)
+        slot.version += 1
+        return {
+            "tenant_id": tenant_id,
+            "loss": mean_loss,
+            "grad_norm": float(grad_norm),
+            "microbatches": pending["microbatches"],
+            "samples": pending["samples"],
+            "optimizer_steps": slot.optimizer_steps,
+            "version": slot.version,
+            "seconds": time.perf_counter() - started,
+        }
+
+    def _pending_gradients(self) -> dict[str, dict[str, Any]]:
+        """tenant -> what forward_backward has accumulated since the tenant's last optimizer step."""
+        return self.__dict__.setdefault("_pending_grads", {})
+
+    # =======================================================================================
+    # End of the lower-layer composition primitives.
+    # =======================================================================================
 
 
 def _manifest_dict(manifest: TenantManifest) -> dict[str, Any]:

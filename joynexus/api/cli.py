@@ -1,0 +1,379 @@
+"""`joynexus` commands of the tenant API (typer + rich): serve, tenants, workloads, versions,
+export, usage. Registered on the main `joynexus` app by `joynexus.cli`.
+
+Where to reach the server and with which key: `--url` / env JOYNEXUS_URL (default
+http://127.0.0.1:8765), `--api-key` / env JOYNEXUS_API_KEY (a tenant key), `--admin-key` / env
+JOYNEXUS_ADMIN_KEY (tenant and quota administration).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 140)
+tenant_app = typer.Typer(help="Tenants, API keys and quotas (admin key).", no_args_is_help=True)
+workload_app = typer.Typer(help="Workloads of your tenant: submit, watch, list, cancel.", no_args_is_help=True)
+
+URL = typer.Option(None, "--url", envvar="JOYNEXUS_URL", help="API base URL [default: http://127.0.0.1:8765].")
+API_KEY = typer.Option(None, "--api-key", envvar="JOYNEXUS_API_KEY", help="Your tenant's API key.")
+ADMIN_KEY = typer.Option(None, "--admin-key", envvar="JOYNEXUS_ADMIN_KEY", help="The server's admin key.")
+
+
+def _client(url: str | None, key: str | None, what: str) -> Any:
+    from joynexus.client import JoyNexusClient
+
+    if not key:
+        console.print(f"[red]no {what}: pass --{what.replace(' ', '-')} or set its environment variable")
+        raise typer.Exit(code=2)
+    return JoyNexusClient(url, key)
+
+
+def _fail(error: Exception) -> typer.Exit:
+    from joynexus.client import JoyNexusError
+
+    if isinstance(error, JoyNexusError):
+        console.print(f"[red]{error.status_code} {error.code}[/]: {error.message}")
+        for problem in error.problems[1:]:
+            console.print(f"  {problem.field}: {problem.reason}")
+    else:
+        console.print(f"[red]{type(error).__name__}: {error}")
+    return typer.Exit(code=1)
+
+
+def _run(fn: Any) -> Any:
+    import httpx
+
+    from joynexus.client import JoyNexusError
+
+    try:
+        return fn()
+    except (JoyNexusError, httpx.HTTPError, OSError, ValueError) as error:
+        raise _fail(error) from None
+
+
+# -- serve --------------------------------------------------------------------------------------
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; 127.0.0.1 keeps the API on this machine."),
+    port: int = typer.Option(8765, min=0, max=65535),
+    data_dir: Path = typer.Option(Path("var"), help="Where the store, checkpoints and MLflow live."),
+    services: str = typer.Option(
+        "ray", help="'ray': the services as Ray actors (embedded local Ray by default); 'in-process': one process."
+    ),
+    max_body_mb: int = typer.Option(64, min=1, help="Largest request body accepted (MiB)."),
+) -> None:
+    """Run the tenant API server (FastAPI + uvicorn). Prints a generated admin key at first start."""
+    import uvicorn
+
+    from joynexus.api.app import ApiSettings, create_app
+    from joynexus.api.services import ApiServices
+    from joynexus.runtime import Settings
+
+    if services not in ("ray", "in-process"):
+        console.print(f"[red]--services: {services!r} is not one of ['ray', 'in-process']")
+        raise typer.Exit(code=2)
+    settings = Settings(data_dir=data_dir.resolve())
+    console.log(f"starting the services ({services}) on {settings.data_dir}")
+    if services == "ray":
+        from joynexus.master.orchestrator import Deployment
+
+        api_services = ApiServices.from_deployment(Deployment.start(settings))
+    else:
+        api_services = ApiServices.in_process(settings)
+    app = create_app(api_services, ApiSettings(host=host, port=port, max_body_bytes=max_body_mb << 20))
+    if app.state.generated_admin_key:
+        console.print(
+            "[bold yellow]admin key (shown once, only its hash is stored):[/] "
+            f"{app.state.generated_admin_key}\n  export JOYNEXUS_ADMIN_KEY=<it> to administer tenants"
+        )
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]binding to {host}: the API is reachable from other machines; use TLS in front of it")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        api_services.close()
+
+
+# -- tenants (admin) ------------------------------------------------------------------------------
+
+
+@tenant_app.command("create")
+def tenant_create(
+    spec: Path = typer.Argument(..., exists=True, dir_okay=False, help="Workload spec (YAML or JSON)."),
+    issue_key: bool = typer.Option(True, help="Also issue the tenant's first API key."),
+    url: str | None = URL,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Create a tenant from a workload spec and print its first API key (shown once)."""
+    with _client(url, admin_key, "admin key") as client:
+        created = _run(lambda: client.create_tenant(spec, issue_key=issue_key))
+    info = created.tenant
+    console.print(f"tenant [bold]{info.tenant_id}[/] ({info.task}), schema {info.schema_signature}")
+    if created.key is not None:
+        console.print(f"API key (shown once): [bold]{created.key.api_key}[/]\n  export JOYNEXUS_API_KEY=<it>")
+
+
+@tenant_app.command("list")
+def tenant_list(url: str | None = URL, admin_key: str | None = ADMIN_KEY) -> None:
+    with _client(url, admin_key, "admin key") as client:
+        tenants = _run(client.tenants)
+    table = Table(title="tenants")
+    for column in ("tenant", "task", "module", "cameras", "image", "state", "action", "chunk", "schema"):
+        table.add_column(column)
+    for t in tenants:
+        table.add_row(
+            t.tenant_id,
+            t.task,
+            str(t.action_module.get("kind")),
+            ",".join(t.cameras),
+            "x".join(map(str, t.image_size)),
+            str(t.state_dim),
+            str(t.action_dim),
+            str(t.action_chunk),
+            t.schema_signature[:16],
+        )
+    console.print(table)
+
+
+@tenant_app.command("key")
+def tenant_key(
+    tenant_id: str = typer.Argument(...),
+    label: str = typer.Option("", help="A note to recognize the key by."),
+    url: str | None = URL,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Issue another API key for a tenant (shown once)."""
+    with _client(url, admin_key, "admin key") as client:
+        issued = _run(lambda: client.issue_key(tenant_id, label))
+    console.print(f"key {issued.key_id} for {tenant_id} (shown once): [bold]{issued.api_key}[/]")
+
+
+@tenant_app.command("revoke")
+def tenant_revoke(key_id: str = typer.Argument(...), url: str | None = URL, admin_key: str | None = ADMIN_KEY) -> None:
+    with _client(url, admin_key, "admin key") as client:
+        info = _run(lambda: client.revoke_key(key_id))
+    console.print(f"key {info.key_id} of {info.tenant_id} revoked at {info.revoked_at}")
+
+
+@tenant_app.command("quota")
+def tenant_quota(
+    tenant_id: str = typer.Argument(...),
+    max_device_seconds: float | None = typer.Option(None, min=0, help="Spend cap; unset: server default."),
+    max_queued_workloads: int | None = typer.Option(None, min=0, help="Waiting workloads; unset: server default."),
+    url: str | None = URL,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Set a tenant's quotas."""
+    with _client(url, admin_key, "admin key") as client:
+        quota = _run(
+            lambda: client.set_quota(
+                tenant_id, max_device_seconds=max_device_seconds, max_queued_workloads=max_queued_workloads
+            )
+        )
+    console.print(f"{tenant_id}: {quota.model_dump()}")
+
+
+# -- workloads ------------------------------------------------------------------------------------
+
+
+@workload_app.command("submit")
+def workload_submit(
+    spec: Path | None = typer.Argument(None, exists=True, dir_okay=False, help="Your tenant's spec (optional)."),
+    jobs: int | None = typer.Option(None, min=1, help="Training jobs [default: the spec's completion_target]."),
+    watch: bool = typer.Option(False, "--watch", help="Follow it with a live progress bar."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Submit a training workload of your tenant's task."""
+    with _client(url, api_key, "api key") as client:
+        handle = _run(lambda: client.submit(spec, jobs=jobs))
+        status = handle.submitted
+        where = f", position {status.position} in the queue" if status.position else ""
+        console.print(f"workload [bold]{status.workload_id}[/]: {status.state}{where}")
+        if watch:
+            _watch(client, status.workload_id)
+
+
+@workload_app.command("eval")
+def workload_eval(
+    version: int | None = typer.Option(None, min=0, help="Policy version [default: the latest served]."),
+    episodes: int = typer.Option(4, min=1),
+    watch: bool = typer.Option(False, "--watch"),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Evaluate a policy version of your tenant in its environment."""
+    with _client(url, api_key, "api key") as client:
+        handle = _run(lambda: client.evaluate(version=version, episodes=episodes))
+        console.print(f"evaluation [bold]{handle.workload_id}[/]: {handle.submitted.state}")
+        if watch:
+            _watch(client, handle.workload_id)
+
+
+@workload_app.command("watch")
+def workload_watch(
+    workload_id: str = typer.Argument(...), url: str | None = URL, api_key: str | None = API_KEY
+) -> None:
+    """Follow a workload with a live progress bar until it ends."""
+    with _client(url, api_key, "api key") as client:
+        _watch(client, workload_id)
+
+
+def _follow(client: Any, workload_id: str, progress: Progress, bar: Any) -> None:
+    """Update the bar from the workload's Server-Sent Events until it ends."""
+    for event in client.stream(workload_id):
+        data = event.model_dump()
+        if event.kind == "step" and data.get("loss") is not None:
+            progress.update(bar, loss=f"{data['loss']:.4f}", state="running")
+        elif event.kind == "job_completed":
+            progress.update(bar, completed=data.get("completed_jobs"), version=data.get("version"))
+        else:
+            progress.update(bar, state=event.kind)
+
+
+def _watch(client: Any, workload_id: str) -> None:
+    status = _run(lambda: client.workload(workload_id))
+    progress = Progress(
+        TextColumn("[bold]{task.fields[workload]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("jobs  {task.fields[state]}  loss {task.fields[loss]}  v{task.fields[version]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with progress:
+        bar = progress.add_task(
+            "",
+            total=status.target_jobs or None,
+            completed=status.completed_jobs,
+            workload=workload_id,
+            state=status.state,
+            loss="   -   ",
+            version=status.version,
+        )
+        _run(lambda: _follow(client, workload_id, progress, bar))
+    final = _run(lambda: client.workload(workload_id))
+    color = "green" if final.state == "completed" else "red"
+    console.print(f"workload {workload_id}: [{color}]{final.state}[/] v{final.version}")
+    if final.error:
+        console.print(f"  {final.error}")
+    if final.result:
+        console.print(f"  result: {final.result}")
+    if final.state != "completed":
+        raise typer.Exit(code=1)
+
+
+@workload_app.command("list")
+def workload_list(url: str | None = URL, api_key: str | None = API_KEY) -> None:
+    with _client(url, api_key, "api key") as client:
+        workloads = _run(client.workloads)
+    table = Table(title="workloads")
+    for column in ("workload", "task", "state", "queue", "jobs", "version", "last loss", "created"):
+        table.add_column(column)
+    for w in workloads:
+        table.add_row(
+            w.workload_id,
+            w.task,
+            w.state,
+            str(w.position or "-"),
+            f"{w.completed_jobs}/{w.target_jobs}",
+            str(w.version),
+            f"{w.last_loss:.4f}" if w.last_loss is not None else "-",
+            (w.created_at or "")[:19],
+        )
+    console.print(table)
+
+
+@workload_app.command("cancel")
+def workload_cancel(
+    workload_id: str = typer.Argument(...), url: str | None = URL, api_key: str | None = API_KEY
+) -> None:
+    with _client(url, api_key, "api key") as client:
+        status = _run(lambda: client.cancel(workload_id))
+    console.print(f"workload {workload_id}: {status.state}")
+
+
+# -- versions, export, usage ----------------------------------------------------------------------
+
+
+def versions(url: str | None = URL, api_key: str | None = API_KEY) -> None:
+    """Your tenant's policy versions: training, checkpointed, served."""
+    with _client(url, api_key, "api key") as client:
+        info = _run(client.versions)
+    console.print(
+        f"training version [bold]{info.training_version}[/] ({info.optimizer_steps} optimizer steps); "
+        f"served: {info.serving_versions or '-'}"
+    )
+    table = Table(title="checkpoints")
+    for column in ("version", "created", "bytes", "manifest digest"):
+        table.add_column(column)
+    for c in info.checkpoints:
+        table.add_row(str(c.version), c.created_at[:19], f"{c.size_bytes:,}", c.digest[:16])
+    console.print(table)
+
+
+def export(
+    version: int | None = typer.Option(None, min=0, help="[default: the current training parameters]"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="[default: <tenant>-v<N>.safetensors]"),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Export a policy version as a tenant payload (safetensors; manifest in its metadata)."""
+    from joynexus.artifacts import decode_tenant_payload
+
+    with _client(url, api_key, "api key") as client:
+        payload = _run(lambda: client.export(version))
+    _, manifest = decode_tenant_payload(payload)
+    path = output or Path(f"{manifest.tenant_id}-v{manifest.policy_version}.safetensors")
+    path.write_bytes(payload)
+    console.print(f"wrote {path} ({len(payload):,} bytes): {manifest.tenant_id} v{manifest.policy_version}")
+
+
+def usage(
+    all_tenants: bool = typer.Option(False, "--all", help="Every tenant (admin key)."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Device-seconds, samples, env steps, storage and quota."""
+    if all_tenants:
+        with _client(url, admin_key, "admin key") as client:
+            rows = _run(client.all_usage)
+    else:
+        with _client(url, api_key, "api key") as client:
+            rows = [_run(client.usage)]
+    table = Table(title="usage")
+    for column in ("tenant", "train s", "infer s", "total s", "cap s", "samples", "predicted", "env steps", "storage"):
+        table.add_column(column)
+    for u in rows:
+        cap = u.quota.max_device_seconds
+        table.add_row(
+            u.tenant_id,
+            f"{u.device_seconds.training:.2f}",
+            f"{u.device_seconds.inference:.2f}",
+            f"{u.device_seconds.total:.2f}",
+            "-" if cap is None else f"{cap:.2f}",
+            f"{u.samples_trained:,}",
+            f"{u.samples_predicted:,}",
+            f"{u.env_steps:,}",
+            f"{u.storage_bytes:,} B",
+        )
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the tenant-API commands to the main `joynexus` app."""
+    app.command("serve")(serve)
+    app.add_typer(tenant_app, name="tenant")
+    app.add_typer(workload_app, name="workload")
+    app.command("versions")(versions)
+    app.command("export")(export)
+    app.command("usage")(usage)

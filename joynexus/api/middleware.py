@@ -1,0 +1,199 @@
+"""ASGI pieces of the tenant API: a request-size cap, idempotent replays, msgpack request bodies.
+
+- `BodyLimitMiddleware` answers 413 before a handler runs when a body is larger than the cap
+  (by Content-Length, or by counting when the length is not declared).
+- `IdempotencyMiddleware` makes a POST with an `Idempotency-Key` header safe to retry: the first
+  answer (below 500) is kept for a while and replayed to a retry with the same key, caller and
+  body, so a client retrying after a lost answer never applies an optimizer step twice.
+- `WireRoute` lets every JSON endpoint also take `Content-Type: application/msgpack`: the body is
+  decoded (no ext types, no pickle) and validated by the same pydantic model, with tensor bytes
+  arriving as raw `bin` instead of base64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from joynexus.api.wire import MSGPACK_MEDIA_TYPES, msgpack_loads
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _json_error(status: int, code: str, message: str, field: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"code": code, "message": message, "problems": [{"field": field, "reason": message}]}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    return status, headers, body
+
+
+async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _read_body(receive: Receive, limit: int | None) -> tuple[bytes | None, list[Message]]:
+    """The whole body (None if over `limit`), and any non-body message that arrived meanwhile."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), [message]
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return None, []
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks), []
+
+
+def _replaying(body: bytes, pending: list[Message], receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_large = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                await _send_response(send, *_json_error(400, "bad_request", "invalid Content-Length", "content-length"))
+                return
+            if length > self.max_bytes:
+                await _send_response(send, *_json_error(413, "payload_too_large", too_large, "body"))
+                return
+        body, pending = await _read_body(receive, self.max_bytes)
+        if body is None:
+            await _send_response(send, *_json_error(413, "payload_too_large", too_large, "body"))
+            return
+        await self.app(scope, _replaying(body, pending, receive), send)
+
+
+class IdempotencyMiddleware:
+    def __init__(self, app: ASGIApp, *, max_entries: int = 1024, ttl_s: float = 600.0, max_body_bytes: int = 8 << 20):
+        self.app = app
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self.max_body_bytes = max_body_bytes
+        # cache key -> (stored at, request fingerprint, status, headers, body)
+        self._done: OrderedDict[str, tuple[float, str, int, list[tuple[bytes, bytes]], bytes]] = OrderedDict()
+        self._running: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        key = headers.get(b"idempotency-key")
+        if not key:
+            await self.app(scope, receive, send)
+            return
+        if len(key) > 200:
+            await _send_response(
+                send, *_json_error(422, "invalid_input", "Idempotency-Key is longer than 200 bytes", "idempotency-key")
+            )
+            return
+        body, pending = await _read_body(receive, None)
+        assert body is not None
+        caller = headers.get(b"authorization", b"")
+        cache_key = hashlib.sha256(caller + b"\n" + key + b"\n" + scope["path"].encode()).hexdigest()
+        fingerprint = hashlib.sha256(body).hexdigest()
+        while cache_key in self._running:  # the same request is being served: wait for its answer
+            await self._running[cache_key].wait()
+        self._expire()
+        if cache_key in self._done:
+            _, stored_fingerprint, status, stored_headers, stored_body = self._done[cache_key]
+            if stored_fingerprint != fingerprint:
+                message = "this Idempotency-Key was already used with a different request body"
+                await _send_response(send, *_json_error(422, "invalid_input", message, "idempotency-key"))
+                return
+            await _send_response(send, status, [*stored_headers, (b"idempotent-replayed", b"true")], stored_body)
+            return
+        event = self._running[cache_key] = asyncio.Event()
+        captured: dict[str, Any] = {"status": 500, "headers": [], "chunks": [], "size": 0}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+                captured["headers"] = list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                captured["size"] += len(message.get("body", b""))
+                if captured["size"] <= self.max_body_bytes:
+                    captured["chunks"].append(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, _replaying(body, pending, receive), capture)
+            if captured["status"] < 500 and captured["size"] <= self.max_body_bytes:
+                self._done[cache_key] = (
+                    time.monotonic(),
+                    fingerprint,
+                    captured["status"],
+                    captured["headers"],
+                    b"".join(captured["chunks"]),
+                )
+                while len(self._done) > self.max_entries:
+                    self._done.popitem(last=False)
+        finally:
+            del self._running[cache_key]
+            event.set()
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.ttl_s
+        while self._done and next(iter(self._done.values()))[0] < cutoff:
+            self._done.popitem(last=False)
+
+
+class WireRoute(APIRoute):
+    """An APIRoute whose JSON body may also arrive as msgpack (same model, raw tensor bytes)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media in MSGPACK_MEDIA_TYPES:
+                body = await request.body()
+                scope = dict(request.scope)
+                scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + [
+                    (b"content-type", b"application/json")
+                ]
+                decoded = Request(scope, request.receive)
+                decoded._body = body
+                if body:
+                    decoded._json = msgpack_loads(body)
+                request = decoded
+            return await handler(request)
+
+        return route

@@ -1,0 +1,242 @@
+"""Usage metering and quotas per tenant.
+
+What is metered, and where the number comes from:
+- training device-seconds and samples: lower-layer calls record the time the Training Model
+  Service spent on them (`seconds` it returns, else the time of the call); workload training is
+  read from the completed training jobs' results in the control-plane store (`seconds`,
+  `samples`), so nothing is counted twice;
+- inference device-seconds: `MeteredInferenceModelService` times every shared backbone batch and
+  gives each request its share, split by the request's share of the batch's samples;
+- environment steps: one per step call;
+- storage: bytes of the tenant's checkpoint folder.
+
+Quotas: a spend cap on device-seconds (training + inference) stops admission of new work once
+reached (`SpendCapReached`, a clear message, HTTP 429); work already running finishes. Running
+workloads per tenant are bounded by the Master Service (one at a time); further submissions wait
+in its queue with a visible position, up to `max_queued_workloads`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from joynexus.api.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
+from joynexus.master.store import ControlPlaneStore, TenantQuotaRecord, TrainingJobRecord, UsageRecord, utcnow
+
+TRAINING, INFERENCE, ENVIRONMENT = "training", "inference", "environment"
+
+
+class SpendCapReached(RuntimeError):
+    pass
+
+
+class UsageLedger:
+    """Usage rows and quotas in the control-plane store (tables `usage_records`, `tenant_quotas`)."""
+
+    def __init__(
+        self,
+        store: ControlPlaneStore,
+        *,
+        checkpoint_root: Path | None = None,
+        default_max_device_seconds: float | None = None,
+        default_max_queued_workloads: int | None = 8,
+    ):
+        self.store = store
+        self.checkpoint_root = checkpoint_root
+        self.default_max_device_seconds = default_max_device_seconds
+        self.default_max_queued_workloads = default_max_queued_workloads
+
+    # -- recording ----------------------------------------------------------------------------
+    def record(
+        self,
+        tenant_id: str,
+        category: str,
+        operation: str,
+        *,
+        device_seconds: float = 0.0,
+        samples: int = 0,
+        env_steps: int = 0,
+    ) -> None:
+        with self.store.transaction() as session:
+            session.add(
+                UsageRecord(
+                    tenant_id=tenant_id,
+                    category=category,
+                    operation=operation,
+                    device_seconds=max(0.0, float(device_seconds)),
+                    samples=int(samples),
+                    env_steps=int(env_steps),
+                )
+            )
+
+    # -- quotas -------------------------------------------------------------------------------
+    def quota(self, tenant_id: str) -> Quota:
+        with self.store.transaction() as session:
+            record = session.get(TenantQuotaRecord, tenant_id)
+            seconds = record.max_device_seconds if record is not None else None
+            queued = record.max_queued_workloads if record is not None else None
+        return Quota(
+            max_device_seconds=seconds if seconds is not None else self.default_max_device_seconds,
+            max_queued_workloads=queued if queued is not None else self.default_max_queued_workloads,
+        )
+
+    def set_quota(self, tenant_id: str, update: QuotaUpdate) -> Quota:
+        with self.store.transaction() as session:
+            record = session.get(TenantQuotaRecord, tenant_id)
+            if record is None:
+                record = TenantQuotaRecord(tenant_id=tenant_id)
+                session.add(record)
+            record.max_device_seconds = update.max_device_seconds
+            record.max_queued_workloads = update.max_queued_workloads
+            record.updated_at = utcnow()
+        return self.quota(tenant_id)
+
+    def check_spend(self, tenant_id: str) -> None:
+        """Raise SpendCapReached when the tenant has used up its device-seconds."""
+        cap = self.quota(tenant_id).max_device_seconds
+        if cap is None:
+            return
+        spent = self.device_seconds(tenant_id).total
+        if spent >= cap:
+            raise SpendCapReached(
+                f"tenant {tenant_id!r} has spent {spent:.3f} of its {cap:.3f} device-seconds "
+                "(quota.max_device_seconds); no new work is admitted until an admin raises the quota"
+            )
+
+    # -- reading ------------------------------------------------------------------------------
+    def device_seconds(self, tenant_id: str) -> DeviceSeconds:
+        api = self._api_totals(tenant_id)
+        jobs_seconds, _ = self._workload_training(tenant_id)
+        training = api[TRAINING]["device_seconds"] + jobs_seconds
+        inference = api[INFERENCE]["device_seconds"]
+        return DeviceSeconds(training=training, inference=inference, total=training + inference)
+
+    def summary(self, tenant_id: str, *, running: int = 0, queued: int = 0) -> Usage:
+        api = self._api_totals(tenant_id)
+        jobs_seconds, jobs_samples = self._workload_training(tenant_id)
+        training = api[TRAINING]["device_seconds"] + jobs_seconds
+        inference = api[INFERENCE]["device_seconds"]
+        quota = self.quota(tenant_id)
+        total = training + inference
+        return Usage(
+            tenant_id=tenant_id,
+            device_seconds=DeviceSeconds(training=training, inference=inference, total=total),
+            samples_trained=api[TRAINING]["samples"] + jobs_samples,
+            samples_predicted=api[INFERENCE]["samples"],
+            env_steps=api[ENVIRONMENT]["env_steps"],
+            storage_bytes=self.storage_bytes(tenant_id),
+            workloads_running=running,
+            workloads_queued=queued,
+            quota=quota,
+            remaining_device_seconds=None
+            if quota.max_device_seconds is None
+            else max(0.0, quota.max_device_seconds - total),
+        )
+
+    def storage_bytes(self, tenant_id: str) -> int:
+        if self.checkpoint_root is None:
+            return 0
+        folder = Path(self.checkpoint_root) / "tenants" / tenant_id
+        if not folder.is_dir():
+            return 0
+        return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+    def _api_totals(self, tenant_id: str) -> dict[str, dict[str, float]]:
+        totals = {c: {"device_seconds": 0.0, "samples": 0, "env_steps": 0} for c in (TRAINING, INFERENCE, ENVIRONMENT)}
+        query = (
+            select(
+                UsageRecord.category,
+                func.sum(UsageRecord.device_seconds),
+                func.sum(UsageRecord.samples),
+                func.sum(UsageRecord.env_steps),
+            )
+            .where(UsageRecord.tenant_id == tenant_id)
+            .group_by(UsageRecord.category)
+        )
+        with self.store.transaction() as session:
+            for category, seconds, samples, steps in session.execute(query):
+                totals.setdefault(category, {"device_seconds": 0.0, "samples": 0, "env_steps": 0})
+                totals[category] = {
+                    "device_seconds": float(seconds or 0.0),
+                    "samples": int(samples or 0),
+                    "env_steps": int(steps or 0),
+                }
+        return totals
+
+    def _workload_training(self, tenant_id: str) -> tuple[float, int]:
+        """(seconds, samples) of the tenant's completed training jobs, from their stored results."""
+        query = select(TrainingJobRecord.result).where(
+            TrainingJobRecord.tenant_id == tenant_id, TrainingJobRecord.state == "completed"
+        )
+        seconds, samples = 0.0, 0
+        with self.store.transaction() as session:
+            for (result,) in session.execute(query):
+                if isinstance(result, dict):
+                    seconds += float(result.get("seconds") or 0.0)
+                    samples += int(result.get("samples") or 0)
+        return seconds, samples
+
+
+def split_group_seconds(seconds: float, samples_per_member: list[int]) -> list[float]:
+    """A grouped batch's time split by each member's share of its samples."""
+    total = sum(samples_per_member)
+    if total <= 0:
+        return [0.0 for _ in samples_per_member]
+    return [seconds * n / total for n in samples_per_member]
+
+
+@functools.cache
+def _metered_inference_class() -> type:
+    from joynexus.services.inference import InferenceError, InferenceModelService
+
+    class MeteredInferenceModelService(InferenceModelService):
+        """The Inference Model Service with per-request device time: every shared batch is timed
+        and each request's result gets `device_seconds`, its share of the batch time by samples.
+        The caller's future resolves only after that is attached."""
+
+        def execute(self, batch: list[Any]) -> None:
+            callers = [request.future for request in batch]
+            for request in batch:
+                inner: Future = Future()
+                if request.future.cancelled():
+                    inner.cancel()
+                request.future = inner
+            started = time.perf_counter()
+            try:
+                super().execute(batch)
+            finally:
+                shares = split_group_seconds(time.perf_counter() - started, [r.size for r in batch])
+                for request, caller, share in zip(batch, callers, shares, strict=True):
+                    inner, request.future = request.future, caller
+                    _forward(inner, caller, share, InferenceError)
+
+    return MeteredInferenceModelService
+
+
+def _forward(inner: Future, caller: Future, share: float, error_type: type[Exception]) -> None:
+    if caller.done():  # cancelled by its caller meanwhile
+        return
+    try:
+        if not inner.done():
+            caller.set_exception(error_type("the request was not served by its batch"))
+        elif inner.cancelled():
+            caller.cancel()
+        elif inner.exception() is not None:
+            caller.set_exception(inner.exception())
+        else:
+            result = dict(inner.result())
+            result["device_seconds"] = share
+            caller.set_result(result)
+    except Exception:  # InvalidStateError: the caller cancelled between the check and the set
+        pass
+
+
+def metered_inference_service(*args: Any, **kwargs: Any) -> Any:
+    """Build a MeteredInferenceModelService (imported lazily: it pulls in torch)."""
+    return _metered_inference_class()(*args, **kwargs)
