@@ -5,8 +5,8 @@ nothing is ever pickled or unpickled, so a tenant can not smuggle code into the 
 through a checkpoint.
 
 Storage goes through a tiny :class:`BlobStore` interface (read / list / atomically publish a
-folder / atomically replace one object) so an object-store backend (S3) can sit behind the same
-:class:`CheckpointStore` later. Only the local filesystem backend exists today.
+folder / atomically replace one object) so an object-store backend sits behind the same
+:class:`CheckpointStore`: :class:`LocalBlobStore` here, ``S3BlobStore`` in :mod:`joynexus.artifacts_s3`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ __all__ = [
     "LocalBlobStore",
     "PayloadError",
     "TenantManifest",
+    "blob_store_for",
     "decode_tenant_payload",
     "encode_tenant_payload",
     "validate_tenant_id",
@@ -451,6 +452,18 @@ class LocalBlobStore:
             raise
 
 
+def blob_store_for(location: str | Path | BlobStore) -> BlobStore:
+    """A store given as itself, an ``s3://bucket/prefix`` URI (:mod:`joynexus.artifacts_s3`) or a
+    local folder."""
+    if isinstance(location, BlobStore):
+        return location
+    if isinstance(location, str) and location.startswith("s3://"):
+        from joynexus.artifacts_s3 import S3BlobStore
+
+        return S3BlobStore.from_uri(location)
+    return LocalBlobStore(location)
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoint store
 # --------------------------------------------------------------------------------------------
@@ -465,7 +478,7 @@ class CheckpointStore:
     """
 
     def __init__(self, root: str | Path | BlobStore) -> None:
-        self.blobs: BlobStore = root if isinstance(root, BlobStore) else LocalBlobStore(root)
+        self.blobs: BlobStore = blob_store_for(root)
         # Serialises read-modify-write of LATEST within this process.
         self._latest_lock = threading.Lock()
 

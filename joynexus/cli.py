@@ -31,7 +31,7 @@ def demo(
     simulators: bool = typer.Option(
         True, help="Include the simulator tenants (RL, SFT on recorded demos, evaluation)."
     ),
-    rl_jobs: int = typer.Option(20, min=1, help="PPO updates of the PushT-reach RL tenant."),
+    rl_jobs: int = typer.Option(30, min=1, help="PPO updates of the PushT-reach RL tenant."),
 ) -> None:
     """Run the main job: SFT, RL and evaluation side by side on one resident backbone per service."""
     from joynexus.demo import run_demo
@@ -136,6 +136,74 @@ def demo(
         "  then open http://127.0.0.1:5000"
     )
     if failed:
+        raise typer.Exit(code=1)
+
+
+_DATA_DIR_HELP = "Data dir of the deployment [default: $JOYNEXUS_DATA_DIR or ./var]."
+
+
+def _deploy_settings(data_dir: Path | None):  # type: ignore[no-untyped-def]
+    from joynexus.runtime import Settings
+
+    return Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+
+
+@app.command()
+def up(
+    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
+    timeout: float = typer.Option(300.0, min=1, help="Seconds each service may take to come up."),
+) -> None:
+    """Start a Ray head, the resident services (detached actors), a Prefect server and an MLflow server.
+
+    Services the environment already points at (JOYNEXUS_RAY_ADDRESS, PREFECT_API_URL,
+    JOYNEXUS_MLFLOW_TRACKING_URI) are used, not started. `joynexus down` stops what this started."""
+    from joynexus.deploy import DeployError
+    from joynexus.deploy import up as deploy_up
+
+    settings = _deploy_settings(data_dir)
+    try:
+        state = deploy_up(settings, timeout_s=timeout, on_stage=console.log)
+    except DeployError as error:
+        console.print(f"[red]up failed: {error}")
+        raise typer.Exit(code=1) from error
+    console.print(f"Ray: {state.ray_address}   (namespace {state.namespace})")
+    console.print(f"Prefect UI: {state.prefect_api_url.removesuffix('/api')}")
+    console.print(f"MLflow UI: {state.mlflow_tracking_uri}")
+    console.print(f"use it from a shell:  source {settings.data_dir / 'run' / 'env.sh'}")
+
+
+@app.command()
+def down(
+    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
+) -> None:
+    """Remove the resident service actors and stop exactly the processes `joynexus up` started."""
+    from joynexus.deploy import down as deploy_down
+
+    deploy_down(_deploy_settings(data_dir), on_stage=console.log)
+
+
+@app.command()
+def status(
+    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Health of each service, the Training Queue depth and the Inference Queue depth."""
+    import json
+
+    from joynexus.deploy import status as deploy_status
+
+    report = deploy_status(_deploy_settings(data_dir))
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        table = Table(title="JoyNexus services")
+        for column in ("service", "health", "where", "detail"):
+            table.add_column(column)
+        for name, entry in report.items():
+            health = "[green]healthy" if entry["healthy"] else "[red]down"
+            table.add_row(name, health, str(entry["where"]), str(entry.get("detail", "")))
+        console.print(table)
+    if not all(entry["healthy"] for entry in report.values()):
         raise typer.Exit(code=1)
 
 

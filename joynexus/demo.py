@@ -184,10 +184,10 @@ def run_demo(
     samples_per_job: int = 64,
     tenants: tuple[DemoTenant, ...] = DEMO_TENANTS,
     simulators: bool = True,
-    rl_jobs: int = 20,
+    rl_jobs: int = 30,
     maniskill_jobs: int = 2,
     demo_episodes: int = 40,
-    eval_episodes: int = 8,
+    eval_episodes: int = 12,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> DemoResult:

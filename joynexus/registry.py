@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -24,7 +25,7 @@ from urllib.parse import unquote
 from mlflow.entities import Metric, Param
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
 
@@ -38,15 +39,25 @@ from joynexus.artifacts import (
 )
 
 __all__ = [
+    "CANDIDATE_ALIAS",
+    "CHAMPION_ALIAS",
     "PAYLOAD_ARTIFACT_DIR",
     "ExperimentTracker",
+    "PromotionDecision",
     "RegistryError",
+    "promote",
     "local_artifact_location",
     "local_tracking_uri",
     "registered_model_name",
 ]
 
 PAYLOAD_ARTIFACT_DIR = "tenant_payload"
+# Registry lifecycle: every new version becomes the candidate; the champion is what serves and what
+# the periodic evaluation watches, moved only by `promote` when a candidate beats it.
+CANDIDATE_ALIAS = "candidate"
+CHAMPION_ALIAS = "champion"
+EVAL_TASK_TAG = "eval"  # tags.task of evaluation workload runs (joynexus.master.workloads)
+HISTORY_TASK_TAG = "evaluation-history"  # tags.task of the per-tenant periodic-evaluation run
 # MLflow's per-request caps on log_batch (params / metrics).
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
@@ -319,3 +330,144 @@ class ExperimentTracker:
         """Tags of one registered version (tenant_id, policy_version, manifest_digest, ...)."""
         mv = self.client.get_model_version(registered_model_name(tenant_id), str(int(version)))
         return dict(mv.tags or {})
+
+    # ---- registry lifecycle: aliases, evaluations, promotion -------------------------------
+
+    def alias_version(self, tenant_id: str, alias: str) -> int | None:
+        """The version ``alias`` points at, or None if the alias (or the tenant's model) is not set."""
+        try:
+            model = self.client.get_registered_model(registered_model_name(tenant_id))
+        except MlflowException as exc:
+            if exc.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                return None
+            raise
+        version = (model.aliases or {}).get(alias)
+        return int(version) if version is not None else None
+
+    def evaluation_metric(self, tenant_id: str, version: int, metric: str) -> float | None:
+        """``metric`` of the newest finished evaluation run of registry ``version`` (matched by the
+        version's ``policy_version`` tag), or None if it was never evaluated."""
+        tags = self.model_version_tags(tenant_id, version)
+        policy_version = tags.get("policy_version")
+        if policy_version is None or not policy_version.isdigit():
+            raise RegistryError(f"tenant {tenant_id!r} model version {version} has no policy_version tag")
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=(
+                f"tags.tenant_id = '{validate_tenant_id(tenant_id)}' and tags.task = '{EVAL_TASK_TAG}' "
+                f"and params.policy_version = '{policy_version}' and attributes.status = 'FINISHED'"
+            ),
+            order_by=["attributes.end_time DESC"],
+            max_results=20,
+        )
+        for run in runs:  # newest first; an evaluation that failed to log the metric is skipped
+            if metric in run.data.metrics:
+                return float(run.data.metrics[metric])
+        return None
+
+    def set_version_tags(self, tenant_id: str, version: int, tags: dict[str, Any]) -> None:
+        name = registered_model_name(tenant_id)
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, str(int(version)), str(key), _param_value(value))
+
+    def log_evaluation_history(self, tenant_id: str, version: int, metrics: dict[str, float]) -> str:
+        """Append one point to the tenant's evaluation history: ONE long-lived run per tenant
+        (``<tenant>-evaluation-history``), step = number of earlier points, with the evaluated
+        registry version logged beside the metrics. Returns the run id."""
+        validate_tenant_id(tenant_id)
+        with self._register_lock:
+            runs = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.tenant_id = '{tenant_id}' and tags.task = '{HISTORY_TASK_TAG}'",
+                order_by=["attributes.start_time ASC"],
+                max_results=1,
+            )
+            if runs:
+                run_id = runs[0].info.run_id
+            else:
+                run = self.client.create_run(
+                    self.experiment_id,
+                    tags={"tenant_id": tenant_id, "task": HISTORY_TASK_TAG},
+                    run_name=f"{tenant_id}-evaluation-history",
+                )
+                run_id = run.info.run_id
+            step = len(self.client.get_metric_history(run_id, "registry_version"))
+            self.log_metrics(run_id, {**metrics, "registry_version": float(version)}, step=step)
+            self.client.set_terminated(run_id, status="FINISHED")  # a finished run still takes points
+        return run_id
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    """What `promote` did, and why."""
+
+    tenant_id: str
+    version: int
+    metric: str
+    value: float | None  # the new version's evaluation (None: never evaluated)
+    previous_champion: int | None
+    champion_value: float | None
+    champion: int  # the champion after the decision
+    promoted: bool  # True if `version` is now the champion
+    reason: str
+
+
+def promote(
+    tracker: ExperimentTracker,
+    tenant_id: str,
+    version: int,
+    *,
+    metric: str = "eval/success_rate",
+    higher_is_better: bool = True,
+    min_improvement: float = 0.0,
+) -> PromotionDecision:
+    """The promotion rule: ``candidate`` always moves to ``version``; ``champion`` moves to it only
+    when there is no champion yet, or when its evaluation beats the champion's by more than
+    ``min_improvement`` (in the direction ``higher_is_better`` says). Evaluations are the newest
+    finished evaluation runs of each version (`ExperimentTracker.evaluation_metric`). A version that
+    was never evaluated can not beat an evaluated champion; one with an unevaluated champion wins.
+    The decision is also written as tags on ``version`` (visible in the MLflow UI)."""
+    if min_improvement < 0:
+        raise ValueError(f"min_improvement: expected >= 0, got {min_improvement}")
+    version = int(version)
+    tracker.model_version_tags(tenant_id, version)  # raises if the version does not exist
+    tracker.set_alias(tenant_id, CANDIDATE_ALIAS, version)
+    value = tracker.evaluation_metric(tenant_id, version, metric)
+    champion = tracker.alias_version(tenant_id, CHAMPION_ALIAS)
+    champion_value = None
+    if champion is None:
+        promoted, reason = True, "no champion yet"
+    elif champion == version:
+        promoted, reason = True, "already the champion"
+    else:
+        champion_value = tracker.evaluation_metric(tenant_id, champion, metric)
+        if value is None:
+            promoted, reason = False, f"version {version} has no {metric} evaluation"
+        elif champion_value is None:
+            promoted, reason = True, f"champion v{champion} has no {metric} evaluation"
+        else:
+            gain = value - champion_value if higher_is_better else champion_value - value
+            promoted = gain > min_improvement
+            relation = "beats" if promoted else "does not beat"
+            reason = (
+                f"{metric} {value:.4g} {relation} champion v{champion}'s {champion_value:.4g} "
+                f"by more than {min_improvement:g} ({'higher' if higher_is_better else 'lower'} is better)"
+            )
+    if promoted:
+        tracker.set_alias(tenant_id, CHAMPION_ALIAS, version)
+    decision = PromotionDecision(
+        tenant_id=tenant_id,
+        version=version,
+        metric=metric,
+        value=value,
+        previous_champion=champion,
+        champion_value=champion_value,
+        champion=version if promoted else int(champion),  # champion is None only when promoted
+        promoted=promoted,
+        reason=reason,
+    )
+    tags: dict[str, Any] = {"promotion": "champion" if promoted else "candidate", "promotion_reason": reason}
+    if value is not None:
+        tags[metric] = value
+    tracker.set_version_tags(tenant_id, version, tags)
+    return decision

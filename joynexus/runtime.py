@@ -25,6 +25,21 @@ class Settings(BaseModel):
     backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
     ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
     torch_threads: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")), ge=1)
+    # Object storage: with a bucket, checkpoints go to s3://<bucket>/<prefix>/checkpoints and MLflow
+    # artifacts to s3://<bucket>/<prefix>/mlflow; credentials come from the standard AWS chain.
+    s3_bucket: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_S3_BUCKET") or None)
+    s3_prefix: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_S3_PREFIX", "").strip("/"))
+    s3_endpoint_url: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_S3_ENDPOINT_URL") or None)
+    # Prefect's own variable: a server's API URL; none = `joynexus up` starts one on prefect_port.
+    prefect_api_url: str | None = Field(default_factory=lambda: os.environ.get("PREFECT_API_URL") or None)
+    # Ports of the services `joynexus up` starts on this host (embedded defaults only).
+    ray_port: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_RAY_PORT", "6379")), ge=1, le=65535)
+    prefect_port: int = Field(
+        default_factory=lambda: int(os.environ.get("JOYNEXUS_PREFECT_PORT", "4200")), ge=1, le=65535
+    )
+    mlflow_port: int = Field(
+        default_factory=lambda: int(os.environ.get("JOYNEXUS_MLFLOW_PORT", "5000")), ge=1, le=65535
+    )
 
     def resolved_database_url(self) -> str:
         from joynexus.master.store import sqlite_url
@@ -39,6 +54,19 @@ class Settings(BaseModel):
     @property
     def checkpoint_root(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    @property
+    def checkpoint_location(self) -> str:
+        """Where the Training Model Service keeps checkpoints: an s3:// URI or a local folder."""
+        return self._s3_uri("checkpoints") if self.s3_bucket else str(self.checkpoint_root)
+
+    @property
+    def mlflow_artifact_location(self) -> str | None:
+        """s3://<bucket>/<prefix>/mlflow when a bucket is configured, else None (the store decides)."""
+        return self._s3_uri("mlflow") if self.s3_bucket else None
+
+    def _s3_uri(self, leaf: str) -> str:
+        return "/".join(["s3:/", str(self.s3_bucket), *([self.s3_prefix] if self.s3_prefix else []), leaf])
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:

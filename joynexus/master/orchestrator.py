@@ -8,6 +8,7 @@ Service) and to MLflow. The workload orchestrator that runs on it is `joynexus.m
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,23 +38,28 @@ class Deployment:
     tracker: ExperimentTracker
 
     @classmethod
-    def start(cls, settings: Settings | None = None) -> Deployment:
+    def start(cls, settings: Settings | None = None, *, detached: bool = False) -> Deployment:
+        """Connect to (or start) Ray and get-or-create the named service actors. Actors that are
+        already running are reused as they are (no backbone reload). `detached=True` creates them
+        with a detached lifetime, so they outlive this driver (`joynexus up`)."""
         settings = settings or Settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        checkpoints = _checkpoint_location(settings, in_process=False)  # before Ray starts: see there
         init_ray(settings.ray_address)
-        queue = TrainingQueueClient(training_queue_actor(namespace=settings.ray_namespace))
+        queue = TrainingQueueClient(training_queue_actor(namespace=settings.ray_namespace, detached=detached))
         source = _backbone_source(settings)
         service = training_service_actor(
             source,
-            settings.checkpoint_root,
+            checkpoints,
             queue.handle,
             num_threads=settings.torch_threads,
             namespace=settings.ray_namespace,
+            detached=detached,
         )
         inference = inference_service_actor(
-            source, num_threads=settings.torch_threads, namespace=settings.ray_namespace
+            source, num_threads=settings.torch_threads, namespace=settings.ray_namespace, detached=detached
         )
-        environment = environment_service_actor(namespace=settings.ray_namespace)
+        environment = environment_service_actor(namespace=settings.ray_namespace, detached=detached)
         caps = BaseModelCapabilities(**_capabilities_fields(call(service, "capabilities")))
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
@@ -77,7 +83,7 @@ class Deployment:
         source = _backbone_source(settings)
         queue = TrainingQueue()
         service = TrainingModelService(
-            source, settings.checkpoint_root, queue=queue, num_threads=settings.torch_threads
+            source, _checkpoint_location(settings, in_process=True), queue=queue, num_threads=settings.torch_threads
         )
         inference = InferenceModelService(source, num_threads=settings.torch_threads)
         environment = EnvironmentService()
@@ -122,7 +128,28 @@ def _capabilities_fields(caps: Any) -> dict[str, Any]:
     return {name: getattr(caps, name) for name in BaseModelCapabilities.__dataclass_fields__}
 
 
+def _checkpoint_location(settings: Settings, *, in_process: bool) -> Any:
+    """The Training Model Service's checkpoint root: the local folder, or with a bucket an S3 store
+    (in process) / an s3:// URI (a Ray actor receives a string and builds the store itself, taking
+    the endpoint from JOYNEXUS_S3_ENDPOINT_URL in its environment: exported here, a local Ray
+    started by this process inherits it; a remote cluster's nodes must set it)."""
+    if not settings.s3_bucket:
+        return settings.checkpoint_root
+    from joynexus.artifacts_s3 import ENDPOINT_ENV, S3BlobStore
+
+    if in_process:
+        return S3BlobStore.from_uri(settings.checkpoint_location, endpoint_url=settings.s3_endpoint_url)
+    if settings.s3_endpoint_url:
+        os.environ.setdefault(ENDPOINT_ENV, settings.s3_endpoint_url)
+    return settings.checkpoint_location
+
+
 def _artifact_location(settings: Settings) -> str | None:
+    if settings.mlflow_artifact_location:  # an S3 bucket is configured: MLflow artifacts go there too
+        from joynexus.artifacts_s3 import configure_mlflow_s3
+
+        configure_mlflow_s3(settings.s3_endpoint_url)
+        return settings.mlflow_artifact_location
     if settings.mlflow_tracking_uri:
         return None  # a tracking server decides where artifacts live
     return (settings.data_dir / "mlflow" / "artifacts").resolve().as_uri()

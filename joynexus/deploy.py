@@ -1,0 +1,674 @@
+"""Bring a JoyNexus deployment up and down on this host, and connect flows to it.
+
+``up`` starts, on the embedded defaults, what a cluster would provide:
+
+* a Ray head (``ray start --head --block``, ``RAY_AUTH_MODE=disabled`` on both sides: STACK.md);
+* the resident services as named, detached Ray actors (``Deployment.start(detached=True)``): Training
+  Queue, Training Model Service, Inference Model Service, Environment Service;
+* a Prefect server (SQLite under ``<data_dir>/prefect``) and an MLflow server (the SQLite store and
+  artifact folder of the embedded default, ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``).
+
+Every process it starts leads its own session (``setsid``); the leader's PID, session id and start
+time are recorded in ``<data_dir>/run/services.json``. ``down`` removes the detached actors, then
+stops exactly those sessions by PID (never ``ray stop``, which would kill every Ray on the host).
+
+Production settings are environment variables (``Settings``): with ``JOYNEXUS_RAY_ADDRESS`` /
+``PREFECT_API_URL`` / ``JOYNEXUS_MLFLOW_TRACKING_URI`` set, ``up`` starts no such process and uses
+the given one; ``JOYNEXUS_DATABASE_URL`` and ``JOYNEXUS_S3_BUCKET`` pass through to the services.
+
+:func:`services` is what flows call: the services of a running deployment (Ray address from
+``Settings`` or from ``up``'s record; the named actors are reused, no backbone is loaded again),
+else an in-process deployment for local runs and tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from joynexus.runtime import Settings
+
+__all__ = [
+    "DeploymentState",
+    "ManagedProcess",
+    "ServiceHandles",
+    "close_services",
+    "down",
+    "effective_settings",
+    "free_port",
+    "read_state",
+    "services",
+    "status",
+    "up",
+    "use_services",
+]
+
+STATE_FILE = "services.json"
+ENV_FILE = "env.sh"
+SERVICE_ACTORS = (
+    "joynexus.environment_service",  # first: its close_all stops simulator worker processes
+    "joynexus.inference_service",
+    "joynexus.training_service",
+    "joynexus.training_queue",
+)
+HOST = "127.0.0.1"
+
+
+class DeployError(RuntimeError):
+    """A service did not come up (the message carries the tail of its log) or the state is unusable."""
+
+
+# --------------------------------------------------------------------------------------------
+# Processes we start: one session each, recorded by PID
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    pid: int  # session leader; every process it spawns shares its session id (= pid)
+    create_time: float  # guards against PID reuse: a different process with the same PID is not ours
+    argv: list[str]
+    log: str
+    url: str | None = None
+    members: list[int] = field(default_factory=list)  # session members seen when `up` finished
+
+    def session_pids(self) -> list[int]:
+        """PIDs alive now in this process's session (the leader included), started after it."""
+        return _session_members(self.pid, self.create_time)
+
+    def alive(self) -> bool:
+        return bool(self.session_pids())
+
+
+def _session_members(sid: int, not_before: float) -> list[int]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "create_time", "status"]):
+        try:
+            if os.getsid(proc.pid) != sid or proc.info["create_time"] < not_before - 1.0:
+                continue
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue  # exited; only its parent's wait is missing
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+        found.append(proc.pid)
+    return sorted(found)
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], run_dir: Path, url: str | None = None) -> ManagedProcess:
+    import psutil
+
+    log = run_dir / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return ManagedProcess(name, proc.pid, psutil.Process(proc.pid).create_time(), argv, str(log), url)
+
+
+def _stop(process: ManagedProcess, grace_s: float = 20.0) -> list[int]:
+    """SIGTERM the leader, then its session, then SIGKILL what is left; returns the PIDs signalled."""
+    members = process.session_pids()
+    if not members:
+        return []
+    _signal_all([process.pid] if process.pid in members else members, signal.SIGTERM)
+    if not _wait_gone(process, grace_s):
+        _signal_all(process.session_pids(), signal.SIGTERM)
+        if not _wait_gone(process, 5.0):
+            _signal_all(process.session_pids(), signal.SIGKILL)
+            _wait_gone(process, 5.0)
+    return members
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(process: ManagedProcess, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not process.session_pids():
+            return True
+        time.sleep(0.2)
+    return not process.session_pids()
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        if process is not None and not process.alive():
+            raise DeployError(f"{what} exited while starting; last lines of {process.log}:\n{_tail(process.log)}")
+        time.sleep(0.25)
+    where = f"; last lines of {process.log}:\n{_tail(process.log)}" if process is not None else ""
+    raise DeployError(f"{what} was not ready after {timeout_s:.0f} s{where}")
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _executable(name: str) -> str:
+    """A console script of this environment (beside the running interpreter), else from PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise DeployError(f"{name!r} is not installed in {Path(sys.executable).parent} nor on PATH")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# The recorded state of a deployment on this host
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeploymentState:
+    data_dir: str
+    ray_address: str
+    prefect_api_url: str
+    mlflow_tracking_uri: str
+    namespace: str
+    processes: list[ManagedProcess]
+    started_at: float
+
+    def process(self, name: str) -> ManagedProcess | None:
+        return next((p for p in self.processes if p.name == name), None)
+
+    def exports(self) -> dict[str, str]:
+        """What a shell (a flow, a worker, the CLI) exports to use this deployment."""
+        return {
+            "JOYNEXUS_DATA_DIR": self.data_dir,
+            "JOYNEXUS_RAY_ADDRESS": self.ray_address,
+            "JOYNEXUS_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
+            "PREFECT_API_URL": self.prefect_api_url,
+            "RAY_AUTH_MODE": "disabled",
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> DeploymentState:
+        raw = json.loads(text)
+        raw["processes"] = [ManagedProcess(**p) for p in raw["processes"]]
+        return cls(**raw)
+
+
+def run_dir(settings: Settings) -> Path:
+    return settings.data_dir / "run"
+
+
+def read_state(settings: Settings) -> DeploymentState | None:
+    path = run_dir(settings) / STATE_FILE
+    try:
+        return DeploymentState.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise DeployError(f"{path} is not a deployment record ({exc}); remove it if nothing runs") from exc
+
+
+def _write_state(settings: Settings, state: DeploymentState) -> None:
+    folder = run_dir(settings)
+    tmp = folder / f".{STATE_FILE}.tmp"
+    tmp.write_text(state.to_json())
+    os.replace(tmp, folder / STATE_FILE)
+    lines = [f"export {k}={json.dumps(v)}" for k, v in state.exports().items()]
+    header = "# source this file to use the deployment `joynexus up` started\n"
+    (folder / ENV_FILE).write_text(header + "\n".join(lines) + "\n")
+
+
+def effective_settings(settings: Settings | None = None) -> Settings:
+    """Settings, completed with the endpoints `up` recorded in the data dir for the fields the
+    environment leaves unset (so a flow or CLI on this host finds the running deployment)."""
+    settings = settings or Settings()
+    state = read_state(settings)
+    if state is None:
+        return settings
+    update: dict[str, Any] = {}
+    if not settings.ray_address:
+        update["ray_address"] = state.ray_address
+    if not settings.mlflow_tracking_uri:
+        update["mlflow_tracking_uri"] = state.mlflow_tracking_uri
+    if not settings.prefect_api_url:
+        update["prefect_api_url"] = state.prefect_api_url
+    return settings.model_copy(update=update)
+
+
+# --------------------------------------------------------------------------------------------
+# up / down / status
+# --------------------------------------------------------------------------------------------
+
+
+def _ray_temp_dir(settings: Settings) -> Path:
+    # Ray puts unix sockets under its temp dir: keep the path short (108-byte limit), one per data dir.
+    digest = hashlib.sha256(str(settings.data_dir).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"joynexus-ray-{digest}"
+
+
+def _child_env(settings: Settings, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "HF_HUB_OFFLINE": "1",
+            "JOYNEXUS_DATA_DIR": str(settings.data_dir),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def up(
+    settings: Settings | None = None,
+    *,
+    timeout_s: float = 300.0,
+    on_stage: Callable[[str], None] = lambda message: None,
+) -> DeploymentState:
+    """Start what the settings do not point at, then the resident services; record it all.
+    Idempotent: if this data dir's deployment is already up, returns its record."""
+    from joynexus.registry import local_tracking_uri
+
+    settings = settings or Settings()
+    existing = read_state(settings)
+    if existing is not None:
+        if all(p.alive() for p in existing.processes):
+            on_stage(f"already up (recorded in {run_dir(settings) / STATE_FILE})")
+            return existing
+        raise DeployError(
+            f"{run_dir(settings) / STATE_FILE} records a deployment that is partly down; run `joynexus down` first"
+        )
+    folder = run_dir(settings)
+    folder.mkdir(parents=True, exist_ok=True)
+    started: list[ManagedProcess] = []
+    try:
+        # Slow starters first, in parallel: MLflow and Prefect servers, then the Ray head.
+        mlflow_uri = settings.mlflow_tracking_uri
+        if not mlflow_uri:
+            mlflow_uri = f"http://{HOST}:{settings.mlflow_port}"
+            artifacts = settings.mlflow_artifact_location or _local_artifacts(settings)
+            argv = [
+                _executable("mlflow"), "server", "--backend-store-uri", local_tracking_uri(settings.data_dir),
+                "--artifacts-destination", artifacts, "--host", HOST, "--port", str(settings.mlflow_port),
+                "--workers", "1",
+            ]  # fmt: skip
+            env = _child_env(settings, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+            if settings.s3_endpoint_url:
+                env.setdefault("MLFLOW_S3_ENDPOINT_URL", settings.s3_endpoint_url)
+            started.append(_spawn("mlflow", argv, env, folder, url=mlflow_uri))
+            on_stage(f"MLflow server starting on {mlflow_uri}")
+        prefect_url = settings.prefect_api_url
+        if not prefect_url:
+            prefect_url = f"http://{HOST}:{settings.prefect_port}/api"
+            prefect_home = settings.data_dir / "prefect"
+            prefect_home.mkdir(parents=True, exist_ok=True)
+            argv = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(settings.prefect_port)]
+            env = _child_env(settings, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+            env.pop("PREFECT_API_URL", None)
+            started.append(_spawn("prefect", argv, env, folder, url=prefect_url))
+            on_stage(f"Prefect server starting on {prefect_url.removesuffix('/api')}")
+        ray_address = settings.ray_address
+        if not ray_address:
+            ray_address = f"{HOST}:{settings.ray_port}"
+            temp_dir = _ray_temp_dir(settings)
+            argv = [
+                _executable("ray"), "start", "--head", "--block", f"--port={settings.ray_port}",
+                f"--node-ip-address={HOST}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
+                "--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+            ]  # fmt: skip
+            # `down` removes the actors before it stops the head: no drain wait on SIGTERM.
+            env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+            started.append(_spawn("ray", argv, env, folder, url=ray_address))
+            on_stage(f"Ray head starting on {ray_address}")
+            host, port = ray_address.rsplit(":", 1)
+            _wait_until(lambda: _port_open(host, int(port)), started[-1], "Ray head", timeout_s)
+
+        processes = {p.name: p for p in started}
+        if "mlflow" in processes:  # before the services: both would otherwise create its schema at once
+            _wait_until(lambda: _http_ok(f"{mlflow_uri}/health"), processes["mlflow"], "MLflow server", timeout_s)
+
+        # The resident services, created by a short-lived driver so this process keeps no Ray.
+        on_stage("creating the resident services (detached Ray actors) and loading the backbone")
+        driver = subprocess.run(
+            [sys.executable, "-m", "joynexus.deploy", "_create-services"],
+            env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if driver.returncode != 0:
+            raise DeployError(f"creating the resident services failed:\n{driver.stderr[-3000:]}")
+        if "prefect" in processes:
+            _wait_until(lambda: _http_ok(f"{prefect_url}/health"), processes["prefect"], "Prefect server", timeout_s)
+        for process in started:
+            process.members = process.session_pids()
+        state = DeploymentState(
+            data_dir=str(settings.data_dir),
+            ray_address=ray_address,
+            prefect_api_url=prefect_url,
+            mlflow_tracking_uri=mlflow_uri,
+            namespace=settings.ray_namespace,
+            processes=started,
+            started_at=time.time(),
+        )
+        _write_state(settings, state)
+        on_stage(f"up: recorded in {folder / STATE_FILE}")
+        return state
+    except BaseException:
+        for process in reversed(started):
+            _stop(process)
+        raise
+
+
+def _local_artifacts(settings: Settings) -> str:
+    from joynexus.registry import local_artifact_location
+
+    return local_artifact_location(settings.data_dir)
+
+
+def _create_services() -> None:
+    """`python -m joynexus.deploy _create-services`: the driver `up` runs to create the actors."""
+    import ray
+
+    from joynexus.master.orchestrator import Deployment
+    from joynexus.runtime import call
+
+    settings = Settings()
+    deployment = Deployment.start(settings, detached=True)
+    call(deployment.inference_service, "stats")  # waits until its backbone is loaded
+    deployment.store.dispose()
+    ray.shutdown()
+
+
+def down(
+    settings: Settings | None = None, *, on_stage: Callable[[str], None] = lambda message: None
+) -> dict[str, list[int]]:
+    """Remove the detached service actors and stop the processes `up` recorded (by PID).
+    Returns {process name: PIDs signalled}. A no-op when nothing is recorded."""
+    settings = settings or Settings()
+    state = read_state(settings)
+    if state is None:
+        on_stage(f"nothing recorded in {run_dir(settings) / STATE_FILE}")
+        return {}
+    ray_process = state.process("ray")
+    if ray_process is None or ray_process.alive():
+        removed = _remove_actors(state)
+        on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
+    stopped: dict[str, list[int]] = {}
+    for process in reversed(state.processes):  # Ray first (it holds the simulators), servers last
+        stopped[process.name] = _stop(process)
+        on_stage(f"stopped {process.name} (pids {stopped[process.name] or 'already gone'})")
+    (run_dir(settings) / STATE_FILE).unlink(missing_ok=True)
+    (run_dir(settings) / ENV_FILE).unlink(missing_ok=True)
+    if ray_process is not None:
+        shutil.rmtree(_ray_temp_dir(settings), ignore_errors=True)
+    return stopped
+
+
+def _remove_actors(state: DeploymentState, timeout_s: float = 60.0) -> list[str]:
+    code = (
+        "import json, sys\n"
+        "from joynexus.deploy import _kill_actors\n"
+        "print(json.dumps(_kill_actors(sys.argv[1], sys.argv[2])))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, state.ray_address, state.namespace],
+        env=_child_env(Settings(data_dir=Path(state.data_dir))),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if result.returncode != 0:
+        raise DeployError(f"removing the service actors failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _kill_actors(address: str, namespace: str) -> list[str]:
+    import ray
+
+    from joynexus.runtime import init_ray
+
+    init_ray(address)
+    removed = []
+    try:
+        for name in SERVICE_ACTORS:
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                continue
+            if name == "joynexus.environment_service":
+                with contextlib.suppress(Exception):
+                    ray.get(handle.close_all.remote(), timeout=20)
+            ray.kill(handle, no_restart=True)
+            removed.append(name)
+    finally:
+        ray.shutdown()
+    return removed
+
+
+def status(settings: Settings | None = None, *, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Health of each service: {name: {"healthy": bool, "where": ..., "detail": ...}}."""
+    settings = effective_settings(settings)
+    state = read_state(settings)
+    report: dict[str, dict[str, Any]] = {}
+    processes = {p.name: p for p in state.processes} if state else {}
+
+    def process_detail(name: str) -> str:
+        process = processes.get(name)
+        if process is None:
+            return "external"
+        pids = process.session_pids()
+        return f"pid {process.pid} ({len(pids)} processes)" if pids else f"pid {process.pid}: not running"
+
+    ray_address = settings.ray_address
+    report["ray"] = {"healthy": False, "where": ray_address or "-", "detail": process_detail("ray")}
+    if ray_address:
+        host, _, port = ray_address.rpartition(":")
+        reachable = port.isdigit() and _port_open(host or HOST, int(port))
+        report["ray"]["healthy"] = reachable
+        if reachable:
+            report.update(_actor_health(settings, ray_address, timeout_s))
+    mlflow_uri = settings.mlflow_tracking_uri or ""
+    healthy = _http_ok(f"{mlflow_uri}/health") if mlflow_uri.startswith("http") else bool(mlflow_uri)
+    report["mlflow"] = {"healthy": healthy, "where": mlflow_uri or "-", "detail": process_detail("mlflow")}
+    prefect_url = settings.prefect_api_url or ""
+    report["prefect"] = {
+        "healthy": bool(prefect_url) and _http_ok(f"{prefect_url}/health"),
+        "where": prefect_url or "-",
+        "detail": process_detail("prefect"),
+    }
+    return report
+
+
+def _actor_health(settings: Settings, address: str, timeout_s: float) -> dict[str, dict[str, Any]]:
+    namespace = settings.ray_namespace
+    code = (
+        "import json, sys\n"
+        "from joynexus.deploy import _probe_actors\n"
+        "print(json.dumps(_probe_actors(sys.argv[1], sys.argv[2], float(sys.argv[3]))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, address, namespace, str(timeout_s)],
+        env=_child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s + 60,
+    )
+    if result.returncode != 0:
+        reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return {name: {"healthy": False, "where": address, "detail": reason} for name in SERVICE_ACTORS}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Ask each named actor a cheap question (runs in a short-lived driver)."""
+    import ray
+
+    from joynexus.runtime import init_ray
+
+    questions = {
+        "joynexus.training_queue": ("partitions", lambda r: f"Training Queue depth: {len(r)} partitions"),
+        "joynexus.training_service": ("tenants", lambda r: f"{len(r)} tenant slots"),
+        "joynexus.inference_service": (
+            "stats",
+            lambda r: f"Inference Queue depth: {r['queue_depth']} requests; {len(r['tenants'])} tenants served",
+        ),
+        "joynexus.environment_service": ("sessions", None),
+    }
+    init_ray(address)
+    report = {}
+    try:
+        for name, (method, describe) in questions.items():
+            entry: dict[str, Any] = {"healthy": False, "where": f"{namespace}/{name}"}
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+                if describe is None:
+                    entry["detail"] = "alive"
+                    ray.get(handle.sessions.remote("joynexus-status"), timeout=timeout_s)
+                else:
+                    answer = ray.get(getattr(handle, method).remote(), timeout=timeout_s)
+                    entry["detail"] = describe(answer)
+                    if name == "joynexus.training_queue":
+                        entry["depth"] = len(answer)
+                    elif name == "joynexus.inference_service":
+                        entry["depth"] = answer["queue_depth"]
+                entry["healthy"] = True
+            except ValueError:
+                entry["detail"] = "no such actor"
+            except Exception as error:  # report, do not fail the whole status
+                entry["detail"] = f"{type(error).__name__}: {error}"
+            report[name] = entry
+    finally:
+        ray.shutdown()
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Services for flows: a running deployment, else an in-process one
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceHandles:
+    deployment: Any  # joynexus.master.orchestrator.Deployment
+    workloads: Any  # joynexus.master.workloads.WorkloadManager (started)
+    mode: str  # "ray" (a running deployment's named actors) or "in-process"
+    owned: bool  # True if `services()` created the deployment and so shuts it down
+
+    @property
+    def tracker(self) -> Any:
+        return self.deployment.tracker
+
+
+_services_lock = threading.Lock()
+_current: ServiceHandles | None = None
+
+
+def services(settings: Settings | None = None) -> ServiceHandles:
+    """The process-wide services flows use, created on first use: the named actors of a running
+    deployment when a Ray address is known (``JOYNEXUS_RAY_ADDRESS`` or ``up``'s record), else an
+    in-process deployment. ``use_services`` overrides it (tests, embedding)."""
+    global _current
+    with _services_lock:
+        if _current is None:
+            from joynexus.master.orchestrator import Deployment
+            from joynexus.master.workloads import WorkloadManager
+
+            settings = effective_settings(settings)
+            if settings.ray_address:
+                deployment, mode = Deployment.start(settings), "ray"
+            else:
+                deployment, mode = Deployment.in_process(settings), "in-process"
+            _current = ServiceHandles(deployment, WorkloadManager(deployment).start(), mode, owned=True)
+            atexit.register(close_services)
+        return _current
+
+
+@contextlib.contextmanager
+def use_services(deployment: Any, **workload_options: Any) -> Iterator[ServiceHandles]:
+    """Make `services()` return this deployment (with a fresh WorkloadManager) inside the block."""
+    from joynexus.master.workloads import WorkloadManager
+
+    global _current
+    with _services_lock:
+        previous = _current
+        handles = ServiceHandles(deployment, WorkloadManager(deployment, **workload_options).start(), "given", False)
+        _current = handles
+    try:
+        yield handles
+    finally:
+        handles.workloads.stop()
+        with _services_lock:
+            _current = previous
+
+
+def close_services() -> None:
+    """Stop the workload manager `services()` started and shut down an in-process deployment.
+    Idempotent."""
+    global _current
+    with _services_lock:
+        handles, _current = _current, None
+    if handles is None:
+        return
+    handles.workloads.stop()
+    if handles.owned and handles.mode == "in-process":
+        handles.deployment.shutdown()
+    elif handles.owned:
+        handles.deployment.store.dispose()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["_create-services"]:
+        _create_services()
+    else:
+        raise SystemExit("usage: joynexus up | down | status (this module's entry point is internal)")
