@@ -39,11 +39,12 @@ def test_the_training_queue_is_shared_between_processes(local_ray):
 
 def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_ray, tmp_path):
     settings = Settings(data_dir=tmp_path, ray_namespace=f"test-{uuid.uuid4().hex[:8]}", torch_threads=1)
+    # ManiSkill camera sessions take ~10 s each to start on a CPU: its tenant runs in the slow test below.
     result = run_demo(
-        settings, jobs_per_tenant=3, samples_per_job=32, rl_jobs=2, maniskill_jobs=1, demo_episodes=6, eval_episodes=2
+        settings, jobs_per_tenant=3, samples_per_job=32, rl_jobs=2, maniskill_jobs=0, demo_episodes=6, eval_episodes=2
     )
     assert result.backbone["instances_created"] == 1
-    assert len({t.schema_signature for t in result.tenants}) == len(DEMO_TENANTS) + 2  # reach SFT = reach RL schema
+    assert len({t.schema_signature for t in result.tenants}) == len(DEMO_TENANTS) + 1  # reach SFT = reach RL schema
     assert {t.spec.task.value for t in result.tenants} == {"sft", "rl"}
     from joynexus.registry import ExperimentTracker
 
@@ -54,7 +55,7 @@ def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_
     rl = result.statuses["reacher-rl"]
     assert rl.task == "rl" and rl.completed_jobs == rl.version == 2
     assert tracker.metric_history(rl.run_id, "rl/clip_fraction")
-    for name in ("reacher-rl", "reacher-sft", "cube-pusher-rl"):
+    for name in ("reacher-rl", "reacher-sft"):
         before, after = result.evaluations[name]["before"], result.evaluations[name]["after"]
         assert before.state == after.state == "completed", (before.error, after.error)
         assert before.result["policy_version"] == 0 and after.result["policy_version"] == result.statuses[name].version
@@ -72,3 +73,15 @@ def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_
     # A second run continues the same tenants from where they stopped.
     again = run_demo(settings, jobs_per_tenant=1, samples_per_job=32, simulators=False)
     assert all(again.statuses[t.tenant_id].version == 4 for t in again.tenants)
+
+
+@pytest.mark.slow
+def test_main_job_with_a_maniskill_rl_tenant(local_ray, tmp_path):
+    settings = Settings(data_dir=tmp_path, ray_namespace=f"test-{uuid.uuid4().hex[:8]}", torch_threads=1)
+    result = run_demo(
+        settings, jobs_per_tenant=1, samples_per_job=32, rl_jobs=1, maniskill_jobs=1, demo_episodes=4, eval_episodes=2
+    )
+    cube = result.statuses["cube-pusher-rl"]
+    assert cube.state == "completed" and cube.version == 1, cube
+    evaluation = result.evaluations["cube-pusher-rl"]["after"]
+    assert evaluation.state == "completed" and evaluation.result["simulator"] == "maniskill"

@@ -25,6 +25,9 @@ from joynexus.services.training import BackboneSource, training_service_actor
 log = logging.getLogger(__name__)
 
 
+_RESIDENT_ACTORS: list[Any] = []
+
+
 @dataclass
 class Deployment:
     settings: Settings
@@ -60,6 +63,11 @@ class Deployment:
             source, num_threads=settings.torch_threads, namespace=settings.ray_namespace, detached=detached
         )
         environment = environment_service_actor(namespace=settings.ray_namespace, detached=detached)
+        # A non-detached actor is destroyed once the handle that created it goes away (handles got
+        # by name do not count). Keep every handle for the life of this driver, so a later
+        # Deployment in this process reuses the running services instead of catching them in
+        # teardown ("all references to the actor were removed").
+        _RESIDENT_ACTORS.extend((queue.handle, service, inference, environment))
         caps = BaseModelCapabilities(**_capabilities_fields(call(service, "capabilities")))
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
