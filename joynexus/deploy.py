@@ -53,11 +53,15 @@ __all__ = [
     "down",
     "effective_settings",
     "free_port",
+    "http_ok",
     "read_state",
     "services",
+    "spawn_process",
     "status",
+    "stop_process",
     "up",
     "use_services",
+    "wait_until",
 ]
 
 STATE_FILE = "services.json"
@@ -114,7 +118,9 @@ def _session_members(sid: int, not_before: float) -> list[int]:
     return sorted(found)
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str], run_dir: Path, url: str | None = None) -> ManagedProcess:
+def spawn_process(
+    name: str, argv: list[str], env: dict[str, str], run_dir: Path, url: str | None = None
+) -> ManagedProcess:
     import psutil
 
     log = run_dir / f"{name}.log"
@@ -125,7 +131,7 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], run_dir: Path, url: 
     return ManagedProcess(name, proc.pid, psutil.Process(proc.pid).create_time(), argv, str(log), url)
 
 
-def _stop(process: ManagedProcess, grace_s: float = 20.0) -> list[int]:
+def stop_process(process: ManagedProcess, grace_s: float = 20.0) -> list[int]:
     """SIGTERM the leader, then its session, then SIGKILL what is left; returns the PIDs signalled."""
     members = process.session_pids()
     if not members:
@@ -133,9 +139,9 @@ def _stop(process: ManagedProcess, grace_s: float = 20.0) -> list[int]:
     _signal_all([process.pid] if process.pid in members else members, signal.SIGTERM)
     if not _wait_gone(process, grace_s):
         _signal_all(process.session_pids(), signal.SIGTERM)
-        if not _wait_gone(process, 5.0):
+        if not _wait_gone(process, grace_s):
             _signal_all(process.session_pids(), signal.SIGKILL)
-            _wait_gone(process, 5.0)
+            _wait_gone(process, 10.0)
     return members
 
 
@@ -166,7 +172,7 @@ def _port_open(host: str, port: int) -> bool:
     return False
 
 
-def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return 200 <= response.status < 300
@@ -174,7 +180,7 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: str, timeout_s: float) -> None:
+def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready():
@@ -294,17 +300,31 @@ def _ray_temp_dir(settings: Settings) -> Path:
     return Path(tempfile.gettempdir()) / f"joynexus-ray-{digest}"
 
 
+# Settings fields the processes `up` starts must see as this process does (a Settings object built
+# in code, not from the environment, still reaches them; Ray actors inherit the head's environment).
+_SETTINGS_ENV = {
+    "data_dir": "JOYNEXUS_DATA_DIR",
+    "database_url": "JOYNEXUS_DATABASE_URL",
+    "backbone_preset": "JOYNEXUS_BACKBONE_PRESET",
+    "backbone_path": "JOYNEXUS_BACKBONE_PATH",
+    "ray_namespace": "JOYNEXUS_RAY_NAMESPACE",
+    "torch_threads": "JOYNEXUS_TORCH_THREADS",
+    "s3_bucket": "JOYNEXUS_S3_BUCKET",
+    "s3_prefix": "JOYNEXUS_S3_PREFIX",
+    "s3_endpoint_url": "JOYNEXUS_S3_ENDPOINT_URL",
+}
+
+
 def _child_env(settings: Settings, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(
-        {
-            "RAY_AUTH_MODE": "disabled",
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "MLFLOW_DISABLE_TELEMETRY": "true",
-            "HF_HUB_OFFLINE": "1",
-            "JOYNEXUS_DATA_DIR": str(settings.data_dir),
-        }
-    )
+    env.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"})
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    for field_name, variable in _SETTINGS_ENV.items():
+        value = getattr(settings, field_name)
+        if value is None or value == "":
+            env.pop(variable, None)
+        else:
+            env[variable] = str(value)
     env.update(extra)
     return env
 
@@ -330,6 +350,13 @@ def up(
         )
     folder = run_dir(settings)
     folder.mkdir(parents=True, exist_ok=True)
+    for given, port, variable in (
+        (settings.mlflow_tracking_uri, settings.mlflow_port, "JOYNEXUS_MLFLOW_PORT"),
+        (settings.prefect_api_url, settings.prefect_port, "JOYNEXUS_PREFECT_PORT"),
+        (settings.ray_address, settings.ray_port, "JOYNEXUS_RAY_PORT"),
+    ):
+        if not given and _port_open(HOST, port):
+            raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
     started: list[ManagedProcess] = []
     try:
         # Slow starters first, in parallel: MLflow and Prefect servers, then the Ray head.
@@ -345,7 +372,7 @@ def up(
             env = _child_env(settings, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
             if settings.s3_endpoint_url:
                 env.setdefault("MLFLOW_S3_ENDPOINT_URL", settings.s3_endpoint_url)
-            started.append(_spawn("mlflow", argv, env, folder, url=mlflow_uri))
+            started.append(spawn_process("mlflow", argv, env, folder, url=mlflow_uri))
             on_stage(f"MLflow server starting on {mlflow_uri}")
         prefect_url = settings.prefect_api_url
         if not prefect_url:
@@ -355,7 +382,7 @@ def up(
             argv = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(settings.prefect_port)]
             env = _child_env(settings, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
             env.pop("PREFECT_API_URL", None)
-            started.append(_spawn("prefect", argv, env, folder, url=prefect_url))
+            started.append(spawn_process("prefect", argv, env, folder, url=prefect_url))
             on_stage(f"Prefect server starting on {prefect_url.removesuffix('/api')}")
         ray_address = settings.ray_address
         if not ray_address:
@@ -368,28 +395,31 @@ def up(
             ]  # fmt: skip
             # `down` removes the actors before it stops the head: no drain wait on SIGTERM.
             env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-            started.append(_spawn("ray", argv, env, folder, url=ray_address))
+            started.append(spawn_process("ray", argv, env, folder, url=ray_address))
             on_stage(f"Ray head starting on {ray_address}")
             host, port = ray_address.rsplit(":", 1)
-            _wait_until(lambda: _port_open(host, int(port)), started[-1], "Ray head", timeout_s)
+            wait_until(lambda: _port_open(host, int(port)), started[-1], "Ray head", timeout_s)
 
         processes = {p.name: p for p in started}
         if "mlflow" in processes:  # before the services: both would otherwise create its schema at once
-            _wait_until(lambda: _http_ok(f"{mlflow_uri}/health"), processes["mlflow"], "MLflow server", timeout_s)
+            wait_until(lambda: http_ok(f"{mlflow_uri}/health"), processes["mlflow"], "MLflow server", timeout_s)
 
         # The resident services, created by a short-lived driver so this process keeps no Ray.
         on_stage("creating the resident services (detached Ray actors) and loading the backbone")
-        driver = subprocess.run(
-            [sys.executable, "-m", "joynexus.deploy", "_create-services"],
-            env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
+        try:
+            driver = subprocess.run(
+                [sys.executable, "-m", "joynexus.deploy", "_create-services"],
+                env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise DeployError(f"creating the resident services took more than {timeout_s:.0f} s") from exc
         if driver.returncode != 0:
             raise DeployError(f"creating the resident services failed:\n{driver.stderr[-3000:]}")
         if "prefect" in processes:
-            _wait_until(lambda: _http_ok(f"{prefect_url}/health"), processes["prefect"], "Prefect server", timeout_s)
+            wait_until(lambda: http_ok(f"{prefect_url}/health"), processes["prefect"], "Prefect server", timeout_s)
         for process in started:
             process.members = process.session_pids()
         state = DeploymentState(
@@ -406,7 +436,7 @@ def up(
         return state
     except BaseException:
         for process in reversed(started):
-            _stop(process)
+            stop_process(process)
         raise
 
 
@@ -442,11 +472,14 @@ def down(
         return {}
     ray_process = state.process("ray")
     if ray_process is None or ray_process.alive():
-        removed = _remove_actors(state)
-        on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
+        try:
+            removed = _remove_actors(state)
+            on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
+        except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
+            on_stage(f"could not remove the detached actors: {error}")
     stopped: dict[str, list[int]] = {}
     for process in reversed(state.processes):  # Ray first (it holds the simulators), servers last
-        stopped[process.name] = _stop(process)
+        stopped[process.name] = stop_process(process)
         on_stage(f"stopped {process.name} (pids {stopped[process.name] or 'already gone'})")
     (run_dir(settings) / STATE_FILE).unlink(missing_ok=True)
     (run_dir(settings) / ENV_FILE).unlink(missing_ok=True)
@@ -519,11 +552,11 @@ def status(settings: Settings | None = None, *, timeout_s: float = 30.0) -> dict
         if reachable:
             report.update(_actor_health(settings, ray_address, timeout_s))
     mlflow_uri = settings.mlflow_tracking_uri or ""
-    healthy = _http_ok(f"{mlflow_uri}/health") if mlflow_uri.startswith("http") else bool(mlflow_uri)
+    healthy = http_ok(f"{mlflow_uri}/health") if mlflow_uri.startswith("http") else bool(mlflow_uri)
     report["mlflow"] = {"healthy": healthy, "where": mlflow_uri or "-", "detail": process_detail("mlflow")}
     prefect_url = settings.prefect_api_url or ""
     report["prefect"] = {
-        "healthy": bool(prefect_url) and _http_ok(f"{prefect_url}/health"),
+        "healthy": bool(prefect_url) and http_ok(f"{prefect_url}/health"),
         "where": prefect_url or "-",
         "detail": process_detail("prefect"),
     }
@@ -601,13 +634,32 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
 @dataclass
 class ServiceHandles:
     deployment: Any  # joynexus.master.orchestrator.Deployment
-    workloads: Any  # joynexus.master.workloads.WorkloadManager (started)
-    mode: str  # "ray" (a running deployment's named actors) or "in-process"
+    workloads: Any  # joynexus.master.workloads.WorkloadManager; its actor loop starts on first training
+    mode: str  # "ray" (a running deployment's named actors), "in-process", or "given" (use_services)
     owned: bool  # True if `services()` created the deployment and so shuts it down
+    _training: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def tracker(self) -> Any:
         return self.deployment.tracker
+
+    def training_workloads(self) -> Any:
+        """The workload manager with its actor loop and advantage stage running: only processes
+        that train start them (an evaluation needs neither), so an evaluation-only flow run never
+        leases another process's training jobs."""
+        with self._lock:
+            if not self._training:
+                self.workloads.start()
+                self._training = True
+        return self.workloads
+
+    def close(self) -> None:
+        self.workloads.stop()
+        if self.owned and self.mode == "in-process":
+            self.deployment.shutdown()
+        elif self.owned:
+            self.deployment.store.dispose()
 
 
 _services_lock = threading.Lock()
@@ -616,8 +668,8 @@ _current: ServiceHandles | None = None
 
 def services(settings: Settings | None = None) -> ServiceHandles:
     """The process-wide services flows use, created on first use: the named actors of a running
-    deployment when a Ray address is known (``JOYNEXUS_RAY_ADDRESS`` or ``up``'s record), else an
-    in-process deployment. ``use_services`` overrides it (tests, embedding)."""
+    deployment when a Ray address is known (``JOYNEXUS_RAY_ADDRESS`` or ``up``'s record; reused as
+    they are, no backbone is loaded), else an in-process deployment. ``use_services`` overrides it."""
     global _current
     with _services_lock:
         if _current is None:
@@ -629,7 +681,7 @@ def services(settings: Settings | None = None) -> ServiceHandles:
                 deployment, mode = Deployment.start(settings), "ray"
             else:
                 deployment, mode = Deployment.in_process(settings), "in-process"
-            _current = ServiceHandles(deployment, WorkloadManager(deployment).start(), mode, owned=True)
+            _current = ServiceHandles(deployment, WorkloadManager(deployment), mode, owned=True)
             atexit.register(close_services)
         return _current
 
@@ -642,12 +694,12 @@ def use_services(deployment: Any, **workload_options: Any) -> Iterator[ServiceHa
     global _current
     with _services_lock:
         previous = _current
-        handles = ServiceHandles(deployment, WorkloadManager(deployment, **workload_options).start(), "given", False)
+        handles = ServiceHandles(deployment, WorkloadManager(deployment, **workload_options), "given", owned=False)
         _current = handles
     try:
         yield handles
     finally:
-        handles.workloads.stop()
+        handles.close()
         with _services_lock:
             _current = previous
 
@@ -658,13 +710,8 @@ def close_services() -> None:
     global _current
     with _services_lock:
         handles, _current = _current, None
-    if handles is None:
-        return
-    handles.workloads.stop()
-    if handles.owned and handles.mode == "in-process":
-        handles.deployment.shutdown()
-    elif handles.owned:
-        handles.deployment.store.dispose()
+    if handles is not None:
+        handles.close()
 
 
 if __name__ == "__main__":

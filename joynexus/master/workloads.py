@@ -521,6 +521,10 @@ class WorkloadManager:
         registered = None
         if active is not None:
             active.stop.set()
+            # Let a producer finish the job it is writing, so none is marked ready after the release.
+            for thread in active.threads:
+                if thread is not threading.current_thread():
+                    thread.join(timeout=120)
             self._release_pending_jobs(active, reason=error or state)
             if active.completed_jobs:
                 try:

@@ -1,0 +1,194 @@
+"""The Prefect tasks both flows are made of: each is a thin call into the library.
+
+Retries, timeouts and caching are Prefect's own (task options); nothing here loops on failure.
+Only transient errors are retried: a spec or dataset that fails validation, an unknown tenant or a
+workload that ended in `failed` would fail the same way again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import timedelta
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
+from pydantic import BaseModel, ConfigDict, Field
+
+from joynexus.deploy import services
+from joynexus.runtime import call
+from joynexus.spec import SpecError, WorkloadSpec
+
+__all__ = [
+    "PromotionRule",
+    "create_tenant",
+    "evaluate_version",
+    "load_registered_version",
+    "log_evaluation_history",
+    "promote_version",
+    "resolve_alias",
+    "train",
+]
+
+
+class PromotionRule(BaseModel):
+    """When the champion moves (see `joynexus.registry.promote`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = Field(default="eval/success_rate", description="Evaluation metric that decides.")
+    higher_is_better: bool = True
+    min_improvement: float = Field(default=0.0, ge=0.0, description="Margin the new version must win by.")
+
+
+class WorkloadError(RuntimeError):
+    """A training or evaluation workload ended in a state other than `completed`."""
+
+
+def _transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry condition: not for errors that would repeat (bad spec, unknown tenant, failed workload)."""
+    try:
+        state.result()
+    except (SpecError, KeyError, ValueError, WorkloadError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys take lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def _wait(workload_id: str, timeout_s: float) -> Any:
+    workloads = services().workloads
+    try:
+        status = workloads.wait(workload_id, timeout_s=timeout_s)
+    except BaseException:  # Prefect's timeout (or a cancel) lands here: do not leave it running
+        workloads.cancel(workload_id)
+        raise
+    if status.state not in ("completed", "failed", "cancelled"):
+        workloads.cancel(workload_id)
+        raise TimeoutError(f"workload {workload_id} still {status.state} after {timeout_s:.0f} s; cancelled")
+    if status.state != "completed":
+        raise WorkloadError(f"workload {workload_id} of tenant {status.tenant_id!r} {status.state}: {status.error}")
+    return status
+
+
+@task(
+    name="create-tenant",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_transient,
+    # Same spec, same control-plane store: the tenant exists, skip the dataset validation.
+    cache_policy=INPUTS + TASK_SOURCE,
+    cache_expiration=timedelta(days=1),
+)
+def create_tenant(spec: WorkloadSpec, store: str) -> dict[str, Any]:
+    """Create the tenant: the tenant creator checks the spec against the resident backbone and
+    validates its dataset (Great Expectations) before writing it. A tenant that already exists with
+    this very spec is reused; with another spec, it is an error. `store` (the control-plane
+    database URL) only keys the cache."""
+    from joynexus.master.tenant_creator import TenantExists
+
+    creator = services().deployment.creator
+    try:
+        tenant = creator.create(spec)
+    except TenantExists:
+        tenant = creator.get(spec.tenant)
+        if tenant.spec.model_dump(mode="json") != spec.model_dump(mode="json"):
+            raise ValueError(
+                f"spec: tenant {spec.tenant!r} already exists with a different spec; choose another tenant name"
+            ) from None
+        get_run_logger().info("tenant %s exists with this spec; reusing it", spec.tenant)
+    return {
+        "tenant_id": tenant.tenant_id,
+        "task": tenant.spec.task.value,
+        "schema_signature": tenant.schema_signature,
+        "has_environment": tenant.backend_config.environment is not None,
+    }
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train(tenant_id: str, jobs: int | None, timeout_s: float) -> dict[str, Any]:
+    """Run one training workload of the tenant's declared task (SFT or RL) to its end. The workload
+    checkpoints, exports and registers the trained policy; its status names the registry version.
+    The flow sets this task's Prefect timeout to `timeout_s`; on timeout the workload is cancelled."""
+    workloads = services().training_workloads()
+    submitted = workloads.submit(tenant_id, jobs=jobs)
+    get_run_logger().info("workload %s: %s jobs of tenant %s", submitted.workload_id, submitted.target_jobs, tenant_id)
+    status = _wait(submitted.workload_id, timeout_s)
+    if status.registered_version is None:
+        raise WorkloadError(f"workload {status.workload_id} completed but registered no policy version")
+    return status.model_dump()
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=_transient, cache_policy=NO_CACHE)
+def evaluate_version(tenant_id: str, policy_version: int, episodes: int, timeout_s: float) -> dict[str, Any]:
+    """Evaluate ONE policy version in the tenant's environment (deterministic actions, no training
+    job). The evaluation workload logs `eval/*` metrics to its own MLflow run."""
+    workloads = services().workloads
+    submitted = workloads.evaluate(tenant_id, version=policy_version, episodes=episodes)
+    status = _wait(submitted.workload_id, timeout_s)
+    result = dict(status.result or {})
+    get_run_logger().info(
+        "tenant %s v%s: success %.0f%%, mean return %.3f over %d episodes",
+        tenant_id, policy_version, 100 * result.get("success_rate", 0.0), result.get("mean_return", 0.0), episodes,
+    )  # fmt: skip
+    return {"workload_id": status.workload_id, "run_id": status.run_id, "policy_version": policy_version, **result}
+
+
+@task(name="promote", retries=2, retry_delay_seconds=5, retry_condition_fn=_transient, cache_policy=NO_CACHE)
+def promote_version(tenant_id: str, registry_version: int, rule: PromotionRule) -> dict[str, Any]:
+    """Move `candidate` to the version; move `champion` if the rule says it beats the champion."""
+    from joynexus.registry import promote
+
+    decision = promote(services().tracker, tenant_id, registry_version, **rule.model_dump())
+    get_run_logger().info(
+        "tenant %s: candidate v%s, champion v%s (%s)", tenant_id, registry_version, decision.champion, decision.reason
+    )
+    return dataclasses.asdict(decision)
+
+
+@task(name="resolve-alias", retries=2, retry_delay_seconds=5, retry_condition_fn=_transient, cache_policy=NO_CACHE)
+def resolve_alias(tenant_id: str, alias: str) -> dict[str, Any] | None:
+    """The registry version `alias` names now (None if unset), with its policy version: resolved
+    once, so everything after it works on that pinned version even if the alias moves meanwhile."""
+    tracker = services().tracker
+    version = tracker.alias_version(tenant_id, alias)
+    if version is None:
+        return None
+    tags = tracker.model_version_tags(tenant_id, version)
+    return {
+        "registry_version": version,
+        "policy_version": int(tags["policy_version"]),
+        "digest": tags["manifest_digest"],
+    }
+
+
+@task(
+    name="load-registered-version",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_transient,
+    cache_policy=NO_CACHE,
+)
+def load_registered_version(tenant_id: str, registry_version: int) -> int:
+    """Fetch the registered payload (verified against its digest tag) and serve it in the
+    Inference Model Service; returns the policy version it serves as."""
+    handles = services()
+    payload, manifest = handles.tracker.fetch_tenant_payload(tenant_id, version=registry_version)
+    loaded = call(handles.deployment.inference_service, "load_weights", payload)
+    return int(loaded["version"])
+
+
+@task(name="log-evaluation-history", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def log_evaluation_history(tenant_id: str, registry_version: int, evaluation: dict[str, Any]) -> str:
+    """Append the evaluation to the tenant's history run and tag the version with it."""
+    metrics = {f"eval/{k}": float(evaluation[k]) for k in ("success_rate", "mean_return", "mean_length")}
+    tracker = services().tracker
+    run_id = tracker.log_evaluation_history(tenant_id, registry_version, metrics)
+    tracker.set_version_tags(tenant_id, registry_version, metrics)
+    return run_id

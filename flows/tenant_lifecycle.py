@@ -1,0 +1,105 @@
+"""`tenant_lifecycle`: create → validate → train → evaluate → register → promote, for one tenant.
+
+Run it locally (an in-process deployment, or the one `joynexus up` started on this host):
+
+    .venv/bin/python -m flows.tenant_lifecycle examples/tenant.yaml --jobs 2
+
+or as the `tenant-lifecycle/on-demand` deployment of `prefect.yaml` through a Prefect worker.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from pydantic import Field
+
+from flows.tasks import PromotionRule, artifact_key, create_tenant, evaluate_version, promote_version, train
+from joynexus.deploy import services
+from joynexus.spec import WorkloadSpec
+
+
+@flow(name="tenant-lifecycle", log_prints=True)
+def tenant_lifecycle(
+    spec: WorkloadSpec,
+    jobs: Annotated[int, Field(ge=1)] | None = None,
+    eval_episodes: Annotated[int, Field(ge=1, le=256)] = 4,
+    promotion: PromotionRule = PromotionRule(),
+    train_timeout_s: Annotated[float, Field(gt=0)] = 21600.0,
+    eval_timeout_s: Annotated[float, Field(gt=0)] = 3600.0,
+) -> dict[str, Any]:
+    """Create the tenant from its spec, train it, evaluate it, register and promote the new version.
+
+    The tenant creator validates the spec against the resident backbone and the dataset (Great
+    Expectations); the training workload (SFT or RL) checkpoints, exports and registers the trained
+    policy in MLflow; an evaluation runs when the tenant declares an environment; then `candidate`
+    moves to the new version and `champion` too if it beats the champion.
+
+    Args:
+        spec: The tenant's workload spec (as `joynexus tenant create` takes it).
+        jobs: Training jobs of this run; default: the spec's completion target.
+        eval_episodes: Evaluation episodes (tenants with an environment only).
+        promotion: When the champion moves: metric, direction, minimum improvement.
+        train_timeout_s: Seconds the training workload may take; then it is cancelled.
+        eval_timeout_s: Seconds the evaluation may take.
+    """
+    store = services().deployment.settings.resolved_database_url()
+    tenant = create_tenant(spec, store)
+    tenant_id = tenant["tenant_id"]
+    if tenant["task"] not in ("sft", "rl"):
+        raise ValueError(f"spec.task: tenant {tenant_id!r} is a {tenant['task']!r} tenant; only sft / rl train")
+
+    trained = train.with_options(timeout_seconds=train_timeout_s)(tenant_id, jobs, train_timeout_s)
+    registered = int(trained["registered_version"])  # the workload exported and registered it
+
+    evaluation = None
+    if tenant["has_environment"]:
+        evaluation = evaluate_version.with_options(timeout_seconds=eval_timeout_s)(
+            tenant_id, int(trained["version"]), eval_episodes, eval_timeout_s
+        )
+    else:
+        get_run_logger().info("tenant %s declares no environment: promoting without an evaluation", tenant_id)
+
+    decision = promote_version(tenant_id, registered, promotion)
+    result = {"tenant": tenant, "training": trained, "evaluation": evaluation, "promotion": decision}
+    create_markdown_artifact(
+        key=artifact_key("lifecycle", tenant_id), markdown=_summary(result), description=f"tenant {tenant_id}"
+    )
+    return result
+
+
+def _summary(result: dict[str, Any]) -> str:
+    training, evaluation, decision = result["training"], result["evaluation"], result["promotion"]
+    rows = [
+        ("tenant", f"`{result['tenant']['tenant_id']}` ({result['tenant']['task']})"),
+        ("workload", f"`{training['workload_id']}`: {training['completed_jobs']}/{training['target_jobs']} jobs, "
+                     f"{training['optimizer_steps']} steps, last loss {training['last_loss']}"),
+        ("policy version", str(training["version"])),
+        ("registered model version", f"v{training['registered_version']} (MLflow run `{training['run_id']}`)"),
+        ("evaluation", "-" if evaluation is None else
+            f"success {evaluation['success_rate']:.0%}, mean return {evaluation['mean_return']:.3f} "
+            f"({evaluation['episodes']} episodes, run `{evaluation['run_id']}`)"),
+        ("candidate", f"v{decision['version']}"),
+        ("champion", f"v{decision['champion']} ({'moved' if decision['promoted'] else 'kept'}: {decision['reason']})"),
+    ]  # fmt: skip
+    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from joynexus.spec import parse_workload_spec
+
+    parser = argparse.ArgumentParser(description=tenant_lifecycle.description)
+    parser.add_argument("spec", help="workload spec file (YAML or JSON)")
+    parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--eval-episodes", type=int, default=4)
+    args = parser.parse_args(argv)
+    result = tenant_lifecycle(parse_workload_spec(args.spec), jobs=args.jobs, eval_episodes=args.eval_episodes)
+    print(_summary(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

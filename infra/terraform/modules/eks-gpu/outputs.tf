@@ -1,0 +1,24 @@
+output "cluster_name" {
+  description = "EKS cluster name."
+  value       = aws_eks_cluster.this.name
+}
+
+output "cluster_endpoint" {
+  description = "Kubernetes API endpoint."
+  value       = aws_eks_cluster.this.endpoint
+}
+
+output "cluster_ca_certificate" {
+  description = "Base64 cluster CA certificate."
+  value       = aws_eks_cluster.this.certificate_authority[0].data
+}
+
+output "artifact_bucket" {
+  description = "Bucket for checkpoints and MLflow artifacts."
+  value       = aws_s3_bucket.artifacts.bucket
+}
+
+output "gpu_node_group" {
+  description = "Name of the GPU node group."
+  value       = aws_eks_node_group.gpu.node_group_name
+}
