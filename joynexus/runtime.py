@@ -99,3 +99,32 @@ def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
         return ray.get(fn.remote(*args, **kwargs))
     return fn(*args, **kwargs)
+
+
+def named_actor(
+    cls: type,
+    name: str,
+    *args: Any,
+    namespace: str | None = None,
+    detached: bool = False,
+    num_cpus: float = 0,
+    max_concurrency: int = 1,
+    **kwargs: Any,
+) -> Any:
+    """Get the deployment's named actor of `cls`, creating it from `args` / `kwargs` if absent
+    (Ray must be initialized). A running actor is reused as it is, so nothing is rebuilt;
+    `detached` actors outlive the driver that created them (`joynexus up`)."""
+    import ray
+
+    return (
+        ray.remote(cls)
+        .options(
+            name=name,
+            namespace=namespace,
+            get_if_exists=True,
+            num_cpus=num_cpus,
+            max_concurrency=max_concurrency,
+            lifetime="detached" if detached else None,
+        )
+        .remote(*args, **kwargs)
+    )

@@ -22,6 +22,7 @@ from joynexus.data.lerobot_dataset import (
     dataset_features,
     quiet_datasets,
 )
+from joynexus.envs.base import unit_to_bounds
 from joynexus.runtime import call
 
 ScriptedPolicy = Callable[[dict[str, Any], np.random.Generator], np.ndarray]
@@ -70,7 +71,7 @@ def record_demonstrations(
                         frame[CAMERA_KEY_PREFIX + cam] = (image.transpose(1, 2, 0) * 255).round().astype(np.uint8)
                     dataset.add_frame(frame)
                     frames += 1
-                    result = call(environment, "step", tenant_id, session, low + (unit + 1) * 0.5 * (high - low))
+                    result = call(environment, "step", tenant_id, session, unit_to_bounds(unit, low, high))
                     total += float(result["reward"])
                     success = success or bool(result["success"])
                     obs = result["observation"]

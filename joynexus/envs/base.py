@@ -35,6 +35,7 @@ __all__ = [
     "hwc_uint8_to_chw_float",
     "register_simulator",
     "scalar_info",
+    "unit_to_bounds",
     "validate_action",
 ]
 
@@ -217,6 +218,14 @@ def hwc_uint8_to_chw_float(image: Any) -> np.ndarray:
     if arr.ndim != 3 or arr.shape[-1] < 3:
         raise ValueError(f"expected an (H, W, 3) image, got shape {arr.shape}")
     return np.ascontiguousarray(arr[..., :3].transpose(2, 0, 1), dtype=np.float32) / np.float32(255.0)
+
+
+def unit_to_bounds(action: Any, low: Any, high: Any) -> np.ndarray:
+    """Map a policy action in [-1, 1] per dimension (clipped) affinely onto a simulator's bounds.
+    JoyNexus policies act in the unit range; e.g. gym-pusht takes pixel targets in [0, 512]."""
+    unit = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
+    low, high = np.asarray(low, dtype=np.float32), np.asarray(high, dtype=np.float32)
+    return low + (unit + 1.0) * 0.5 * (high - low)
 
 
 def validate_action(action: Any, action_dim: int) -> np.ndarray:

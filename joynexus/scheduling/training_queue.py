@@ -190,15 +190,9 @@ def _concat(existing: Column, new: Column, name: str) -> Column:
 def training_queue_actor(namespace: str | None = None, detached: bool = False):  # type: ignore[no-untyped-def]
     """Get the deployment's named Training Queue actor, creating it if absent (Ray must be initialized).
     One call at a time (Ray's default actor concurrency), so partitions need no locks."""
-    import ray
+    from joynexus.runtime import named_actor
 
-    actor_cls = ray.remote(num_cpus=0)(TrainingQueue)
-    return actor_cls.options(
-        name=TRAINING_QUEUE_ACTOR_NAME,
-        namespace=namespace,
-        get_if_exists=True,
-        lifetime="detached" if detached else None,
-    ).remote()
+    return named_actor(TrainingQueue, TRAINING_QUEUE_ACTOR_NAME, namespace=namespace, detached=detached)
 
 
 class TrainingQueueClient:

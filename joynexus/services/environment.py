@@ -607,16 +607,16 @@ def environment_service_actor(namespace: str | None = None, detached: bool = Fal
     several tenants run side by side on the actor's threads) and ``num_cpus`` (default 0: the
     simulation runs in the session worker processes, not in the actor).
     """
-    import ray
+    from joynexus.runtime import named_actor
 
     max_concurrency = int(kwargs.pop("max_concurrency", 32))
     num_cpus = float(kwargs.pop("num_cpus", 0))
-    actor_cls = ray.remote(EnvironmentService)
-    return actor_cls.options(
-        name=ENVIRONMENT_SERVICE_ACTOR_NAME,
+    return named_actor(
+        EnvironmentService,
+        ENVIRONMENT_SERVICE_ACTOR_NAME,
         namespace=namespace,
-        get_if_exists=True,
-        max_concurrency=max_concurrency,
+        detached=detached,
         num_cpus=num_cpus,
-        lifetime="detached" if detached else None,
-    ).remote(**kwargs)
+        max_concurrency=max_concurrency,
+        **kwargs,
+    )

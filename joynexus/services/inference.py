@@ -340,13 +340,17 @@ def inference_service_actor(
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Inference Model Service actor. It is a threaded actor: many callers
     block in `predict` at once while its worker thread batches their requests together."""
-    import ray
+    from joynexus.runtime import named_actor
 
-    actor_cls = ray.remote(max_concurrency=64)(InferenceModelService)
-    return actor_cls.options(
-        name=INFERENCE_SERVICE_ACTOR_NAME,
+    return named_actor(
+        InferenceModelService,
+        INFERENCE_SERVICE_ACTOR_NAME,
+        backbone_source,
         namespace=namespace,
-        get_if_exists=True,
+        detached=detached,
         num_cpus=num_cpus,
-        lifetime="detached" if detached else None,
-    ).remote(backbone_source, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, num_threads=num_threads)
+        max_concurrency=64,
+        max_batch_size=max_batch_size,
+        max_wait_ms=max_wait_ms,
+        num_threads=num_threads,
+    )

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.envs.base import unit_to_bounds
 from joynexus.master.tenant_creator import TenantBackendConfig, simulator_config
 from joynexus.runtime import call
 from joynexus.scheduling.inference_queue import Observation
@@ -148,8 +149,7 @@ class _EnvGroup:
         return rewards, done
 
     def to_env_action(self, action: np.ndarray) -> np.ndarray:
-        unit = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
-        return self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
+        return unit_to_bounds(action, self.low, self.high)
 
     def close(self) -> None:
         for sid in self.ids:

@@ -684,13 +684,16 @@ def training_service_actor(
     detached: bool = False,
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Training Model Service actor (Ray must be initialized)."""
-    import ray
+    from joynexus.runtime import named_actor
 
-    actor_cls = ray.remote(TrainingModelService)
-    return actor_cls.options(
-        name=TRAINING_SERVICE_ACTOR_NAME,
+    return named_actor(
+        TrainingModelService,
+        TRAINING_SERVICE_ACTOR_NAME,
+        backbone_source,
+        str(checkpoint_root),
+        queue,
+        num_threads,
         namespace=namespace,
-        get_if_exists=True,
+        detached=detached,
         num_cpus=num_cpus,
-        lifetime="detached" if detached else None,
-    ).remote(backbone_source, str(checkpoint_root), queue, num_threads)
+    )
