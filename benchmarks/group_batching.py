@@ -31,11 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from joynexus.master.tenant_creator import (  # noqa: E402
-    BackendCapabilities,
-    BaseModelCapabilities,  # noqa: E402
-    SpecCompiler,
-)
+from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
+from joynexus.master.tenant_creator import SpecCompiler
 from joynexus.models.backbone import ResidentBackbone  # noqa: E402
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference import InferenceModelService  # noqa: E402

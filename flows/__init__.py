@@ -5,7 +5,7 @@
 * `periodic_evaluation`: for each tenant, resolve its `champion` once, evaluate that version and
   append the result to the tenant's evaluation history in MLflow.
 
-Both get their services from `joynexus.deploy.services()`: the named actors of a running
+Both get their services from `joynexus.ops.supervisor.services()`: the named actors of a running
 deployment (`joynexus up`, or `JOYNEXUS_RAY_ADDRESS`), else an in-process deployment.
 Deployments of both flows are declared in `prefect.yaml` at the repository root.
 """

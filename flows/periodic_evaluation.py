@@ -21,7 +21,7 @@ from flows.tasks import (
     log_evaluation_history,
     resolve_alias,
 )
-from joynexus.deploy import services
+from joynexus.ops.supervisor import services
 from joynexus.registry import CHAMPION_ALIAS
 
 

@@ -16,8 +16,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from pydantic import BaseModel, ConfigDict, Field
 
-from joynexus.deploy import services
-from joynexus.runtime import call
+from joynexus.ops.supervisor import services
 from joynexus.spec import SpecError, WorkloadSpec
 
 __all__ = [
@@ -180,7 +179,7 @@ def load_registered_version(tenant_id: str, registry_version: int) -> int:
     Inference Model Service; returns the policy version it serves as."""
     handles = services()
     payload, manifest = handles.tracker.fetch_tenant_payload(tenant_id, version=registry_version)
-    loaded = call(handles.deployment.inference_service, "load_weights", payload)
+    loaded = handles.deployment.inference_service.load_weights(payload)
     return int(loaded["version"])
 
 

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
 from flows.tasks import PromotionRule, artifact_key, create_tenant, evaluate_version, promote_version, train
-from joynexus.deploy import services
+from joynexus.ops.supervisor import services
 from joynexus.spec import WorkloadSpec
 
 

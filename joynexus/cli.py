@@ -157,8 +157,8 @@ def up(
 
     Services the environment already points at (JOYNEXUS_RAY_ADDRESS, PREFECT_API_URL,
     JOYNEXUS_MLFLOW_TRACKING_URI) are used, not started. `joynexus down` stops what this started."""
-    from joynexus.deploy import DeployError
-    from joynexus.deploy import up as deploy_up
+    from joynexus.ops.supervisor import DeployError
+    from joynexus.ops.supervisor import up as deploy_up
 
     settings = _deploy_settings(data_dir)
     try:
@@ -177,7 +177,7 @@ def down(
     data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
 ) -> None:
     """Remove the resident service actors and stop exactly the processes `joynexus up` started."""
-    from joynexus.deploy import down as deploy_down
+    from joynexus.ops.supervisor import down as deploy_down
 
     deploy_down(_deploy_settings(data_dir), on_stage=console.log)
 
@@ -190,7 +190,7 @@ def status(
     """Health of each service, the Training Queue depth and the Inference Queue depth."""
     import json
 
-    from joynexus.deploy import status as deploy_status
+    from joynexus.ops.supervisor import status as deploy_status
 
     report = deploy_status(_deploy_settings(data_dir))
     if as_json:

@@ -1,6 +1,6 @@
 """Python client of the JoyNexus tenant API: `JoyNexusClient` (sync) and `AsyncJoyNexusClient`.
 
-Both speak the server's own pydantic models (`joynexus.api.schemas`), so results are typed:
+Both speak the server's own pydantic models (`joynexus.protocol.schemas`), so results are typed:
 
     from joynexus.client import JoyNexusClient
 
@@ -35,8 +35,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from joynexus.api import schemas as s
-from joynexus.api.wire import JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE, Tensor, msgpack_dumps, msgpack_loads, tensor
+from joynexus.protocol import schemas as s
+from joynexus.protocol.wire import JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE, Tensor, msgpack_dumps, msgpack_loads, tensor
 
 __all__ = [
     "ApiRequestError",

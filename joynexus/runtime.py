@@ -1,15 +1,20 @@
-"""Process plumbing shared by services: settings from the environment, local Ray, and calling a
-service the same way whether it is a local object (tests) or a named Ray actor (deployment)."""
+"""Process plumbing shared by services: settings from the environment, local Ray, named actors, and
+typed handles that call a service the same way whether it is a local object or a named Ray actor."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 RAY_NAMESPACE = "joynexus"
+S = TypeVar("S")
+R = TypeVar("R")
 
 
 class Settings(BaseModel):
@@ -42,7 +47,7 @@ class Settings(BaseModel):
     )
 
     def resolved_database_url(self) -> str:
-        from joynexus.master.store import sqlite_url
+        from joynexus.core.store import sqlite_url
 
         return self.database_url or sqlite_url(self.data_dir)
 
@@ -91,14 +96,83 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         )
 
 
-def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-    """Call `method` on a local service object or on a Ray actor handle, synchronously."""
-    fn = getattr(target, method)
-    if hasattr(fn, "remote"):
-        import ray
+class ServiceHandle:
+    """A service reached the same way whether it is a local object (tests, one process) or a named
+    Ray actor (a deployment): attribute calls run the method synchronously and return its result.
+    This is the one place that knows the difference; build one with `service_handle`, which types
+    it as the service class so call sites are checked like direct calls."""
 
-        return ray.get(fn.remote(*args, **kwargs))
-    return fn(*args, **kwargs)
+    __slots__ = ("_target", "_remote", "_timeout_s")
+
+    def __init__(self, target: Any, *, timeout_s: float | None = None):
+        if isinstance(target, ServiceHandle):
+            target = target._target
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_remote", _is_actor_handle(target))
+        object.__setattr__(self, "_timeout_s", timeout_s)
+
+    @property
+    def is_remote(self) -> bool:
+        return self._remote
+
+    @property
+    def target(self) -> Any:
+        """The local object or the Ray actor handle behind this handle."""
+        return self._target
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attribute = getattr(self._target, name)
+        if not self._remote:
+            return attribute
+        timeout_s = self._timeout_s
+
+        def remote_call(*args: Any, **kwargs: Any) -> Any:
+            import ray
+
+            return ray.get(attribute.remote(*args, **kwargs), timeout=timeout_s)
+
+        remote_call.__name__ = name
+        return remote_call
+
+    def start(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> concurrent.futures.Future[R]:
+        """Start `method` (given as the service class's function, e.g. `InferenceModelService.predict`)
+        without waiting: a future of its result. Local calls run on a small shared thread pool."""
+        if self._remote:
+            return getattr(self._target, method.__name__).remote(*args, **kwargs).future()
+        return _local_pool().submit(getattr(self._target, method.__name__), *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a Ray actor handle travels to other Ray processes
+        return (ServiceHandle, (self._target,), None)
+
+    def __repr__(self) -> str:
+        return f"ServiceHandle({type(self._target).__name__}, remote={self._remote})"
+
+
+def service_handle(cls: type[S], target: Any, *, timeout_s: float | None = None) -> S:
+    """`target` (an instance of `cls` or a Ray actor of it) behind a ServiceHandle, typed as `cls`."""
+    if isinstance(target, ServiceHandle):
+        return cast(S, target)
+    return cast(S, ServiceHandle(target, timeout_s=timeout_s))
+
+
+def handle_of(service: Any) -> ServiceHandle:
+    """The ServiceHandle behind a value `service_handle` returned (or a new one around a raw target)."""
+    return service if isinstance(service, ServiceHandle) else ServiceHandle(service)
+
+
+def _is_actor_handle(target: Any) -> bool:
+    try:
+        from ray.actor import ActorHandle
+    except ImportError:  # pragma: no cover - ray is a hard dependency
+        return False
+    return isinstance(target, ActorHandle)
+
+
+@functools.cache
+def _local_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="service-call")
 
 
 def named_actor(

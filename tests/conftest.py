@@ -57,7 +57,7 @@ def store_url(request, tmp_path):
 
 @pytest.fixture
 def store(store_url):
-    from joynexus.master.store import ControlPlaneStore
+    from joynexus.core.store import ControlPlaneStore
 
     s = ControlPlaneStore(store_url)
     yield s

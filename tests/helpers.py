@@ -64,7 +64,8 @@ def write_dataset_for(spec: dict[str, Any], *, episodes: int = 3, length: int = 
 
 def compiled_config(tenant: str, capabilities: Any, **shape: Any) -> Any:
     """A TenantBackendConfig compiled by the real spec compiler, without a dataset or a store."""
-    from joynexus.master.tenant_creator import BackendCapabilities, SpecCompiler
+    from joynexus.core.tenants import BackendCapabilities
+    from joynexus.master.tenant_creator import SpecCompiler
     from joynexus.spec import parse_workload_spec
 
     spec = sft_spec(tenant, "/unused", base_model=capabilities.model_id, **shape)

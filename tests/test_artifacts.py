@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from joynexus import artifacts
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
     MANIFEST_FILE,
@@ -22,6 +21,7 @@ from joynexus.artifacts import (
     decode_tenant_payload,
     encode_tenant_payload,
 )
+from joynexus.artifacts import blobs as artifacts
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import ray
 
-from joynexus.demo import DEMO_TENANTS, run_demo
 from joynexus.registry import registered_model_name
 from joynexus.runtime import Settings, init_ray
 from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueClient, training_queue_actor
+from recipes.main_job import DEMO_TENANTS, run_demo
 
 
 @pytest.fixture(scope="module")

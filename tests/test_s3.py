@@ -24,8 +24,8 @@ from joynexus.artifacts import (
     TenantManifest,
     decode_tenant_payload,
 )
-from joynexus.artifacts_s3 import S3BlobStore, split_s3_uri
-from joynexus.deploy import free_port
+from joynexus.artifacts.s3 import S3BlobStore, split_s3_uri
+from joynexus.ops.supervisor import free_port
 
 boto3 = pytest.importorskip("boto3")
 

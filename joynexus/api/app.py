@@ -26,14 +26,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from joynexus.api import schemas as s
 from joynexus.api.auth import ApiKeyStore, Principal, admin_key_from_env
 from joynexus.api.errors import ApiError, Forbidden, NotFound, Unauthenticated, install_exception_handlers
 from joynexus.api.gateway import ApiGateway, ApiLimits, manifest_model, tenant_info
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware, WireRoute
 from joynexus.api.services import ApiServices
 from joynexus.api.usage import UsageLedger
-from joynexus.api.wire import MSGPACK_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, msgpack_dumps, wants_msgpack
+from joynexus.protocol import schemas as s
+from joynexus.protocol.wire import MSGPACK_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, msgpack_dumps, wants_msgpack
 from joynexus.spec import WorkloadSpec
 
 API_VERSION = "1"

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from joynexus.api.schemas import IssuedKey, KeyInfo
-from joynexus.master.store import ApiKeyRecord, ControlPlaneStore, utcnow
+from joynexus.core.store import ApiKeyRecord, ControlPlaneStore, utcnow
+from joynexus.protocol.schemas import IssuedKey, KeyInfo
 
 ADMIN_KEY_ENV = "JOYNEXUS_ADMIN_KEY"
 KEY_PREFIX = "jnx"

@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from joynexus.api.schemas import ErrorBody, Problem
-from joynexus.api.wire import WireError
+from joynexus.protocol.schemas import ErrorBody, Problem
+from joynexus.protocol.wire import WireError
 
 log = logging.getLogger("joynexus.api")
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.api import schemas as s
 from joynexus.api.auth import ApiKeyStore
 from joynexus.api.errors import (
     ApiError,
@@ -33,10 +32,11 @@ from joynexus.api.errors import (
 )
 from joynexus.api.services import ApiServices, timed_call
 from joynexus.api.usage import ENVIRONMENT, INFERENCE, TRAINING, SpendCapReached, UsageLedger
-from joynexus.api.wire import Tensor
 from joynexus.artifacts import MANIFEST_FILE, CheckpointError, PayloadError, TenantManifest, decode_tenant_payload
-from joynexus.master.tenant_creator import Tenant, TenantExists, simulator_config
-from joynexus.runtime import call
+from joynexus.core.tenants import Tenant, simulator_config
+from joynexus.master.tenant_creator import TenantExists
+from joynexus.protocol import schemas as s
+from joynexus.protocol.wire import Tensor
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 PARTITION_PREFIX = "api"
@@ -134,7 +134,7 @@ class ApiGateway:
                 return
         for tenant in self.services.creator.list():
             self._tenants[tenant.tenant_id] = tenant
-            call(self.services.training_service, "add_tenant", tenant.backend_config)
+            self.services.training_service.add_tenant(tenant.backend_config)
         self.workloads.start()
 
     def stop(self) -> None:
@@ -152,7 +152,7 @@ class ApiGateway:
             raise Conflict(str(error), list(error.problems)) from None
         except SpecError as error:  # field paths are relative to the spec, which is the request body
             raise ApiError("invalid workload spec", list(error.problems)).with_status(422, "invalid_spec") from None
-        call(self.services.training_service, "add_tenant", tenant.backend_config)
+        self.services.training_service.add_tenant(tenant.backend_config)
         with self._lock:
             self._tenants[tenant.tenant_id] = tenant
         return tenant
@@ -284,7 +284,7 @@ class ApiGateway:
 
     # -- versions, checkpoints, export ------------------------------------------------------------
     def versions(self, tenant_id: str) -> s.Versions:
-        status = call(self.services.training_service, "tenant_status", tenant_id)
+        status = self.services.training_service.tenant_status(tenant_id)
         checkpoints = []
         for version in self.services.checkpoints.versions(tenant_id):
             manifest = self._checkpoint_manifest(tenant_id, version)
@@ -300,7 +300,7 @@ class ApiGateway:
             training_version=status["version"],
             optimizer_steps=status["optimizer_steps"],
             checkpoints=checkpoints,
-            serving_versions=call(self.services.inference_service, "versions", tenant_id),
+            serving_versions=self.services.inference_service.versions(tenant_id),
         )
 
     def _checkpoint_manifest(self, tenant_id: str, version: int) -> TenantManifest:
@@ -320,9 +320,9 @@ class ApiGateway:
 
     def export(self, tenant_id: str, version: int | None = None) -> tuple[bytes, TenantManifest]:
         """The tenant payload of `version` (None: the current training parameters)."""
-        current = call(self.services.training_service, "policy_version", tenant_id)
+        current = self.services.training_service.policy_version(tenant_id)
         if version is None or version == current:
-            payload = call(self.services.training_service, "export_params", tenant_id)
+            payload = self.services.training_service.export_params(tenant_id)
             return payload, decode_tenant_payload(payload)[1]
         if version not in self.services.checkpoints.versions(tenant_id):
             raise NotFound("policy version", version, "version")
@@ -337,7 +337,7 @@ class ApiGateway:
         return encode_tenant_payload(module_state, manifest), manifest
 
     def save(self, tenant_id: str, include_optim: bool) -> s.Manifest:
-        manifests = call(self.services.training_service, "save", [tenant_id], include_optim)
+        manifests = self.services.training_service.save([tenant_id], include_optim)
         return s.Manifest.model_validate(manifests[0])
 
     def load_weights(self, tenant_id: str, request: s.LoadWeightsRequest) -> s.LoadWeightsResult:
@@ -351,7 +351,7 @@ class ApiGateway:
             payload, _ = self.export(tenant_id, request.version)
         with self._service_errors("payload"):
             try:
-                loaded = call(self.services.inference_service, "load_weights", payload)
+                loaded = self.services.inference_service.load_weights(payload)
             except RuntimeError as error:  # load_state_dict: names or shapes differ from the module
                 cause = _cause(error)
                 if type(cause) is RuntimeError:
@@ -683,30 +683,30 @@ class ApiGateway:
         self.check_admission(tenant_id)
         env = self._environment()
         with self._session_errors(None, "config"):
-            session_id = call(env, "open_session", tenant_id, request.rollout_id, request.config)
-            spec = call(env, "spec", tenant_id, session_id)
+            session_id = env.open_session(tenant_id, request.rollout_id, request.config)
+            spec = env.spec(tenant_id, session_id)
         return s.SessionInfo(session_id=session_id, rollout_id=request.rollout_id, state="ready", spec=spec)
 
     def sessions(self, tenant_id: str) -> s.SessionList:
-        described = call(self._environment(), "sessions", tenant_id)
+        described = self._environment().sessions(tenant_id)
         return s.SessionList(sessions=[s.SessionInfo.model_validate(d) for d in described])
 
     def reset_session(self, tenant_id: str, session_id: str, request: s.EnvReset) -> s.EnvResult:
         with self._session_errors(session_id, "seed"):
-            result = call(self._environment(), "reset", tenant_id, session_id, request.seed)
+            result = self._environment().reset(tenant_id, session_id, request.seed)
         return s.EnvResult(data=_to_wire(result))
 
     def step_session(self, tenant_id: str, session_id: str, request: s.EnvStep) -> s.EnvResult:
         action = self._float_array(request.action, "action", None)
         self.check_admission(tenant_id)
         with self._session_errors(session_id, "action"):
-            result = call(self._environment(), "step", tenant_id, session_id, action)
+            result = self._environment().step(tenant_id, session_id, action)
         self.ledger.record(tenant_id, ENVIRONMENT, "env_step", env_steps=1)
         return s.EnvResult(data=_to_wire(result))
 
     def close_session(self, tenant_id: str, session_id: str) -> s.Cleared:
         with self._session_errors(session_id, "session_id"):
-            call(self._environment(), "close", tenant_id, session_id)
+            self._environment().close(tenant_id, session_id)
         return s.Cleared(cleared=True)
 
     # -- request tensors against the tenant's schema ----------------------------------------------

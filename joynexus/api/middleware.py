@@ -24,7 +24,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from joynexus.api.wire import MSGPACK_MEDIA_TYPES, msgpack_loads
+from joynexus.protocol.wire import MSGPACK_MEDIA_TYPES, msgpack_loads
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 

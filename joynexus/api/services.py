@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from joynexus.artifacts import CheckpointStore
-from joynexus.master.store import ControlPlaneStore
+from joynexus.core.store import ControlPlaneStore
 from joynexus.master.tenant_creator import TenantCreator
-from joynexus.runtime import Settings, call
+from joynexus.runtime import ServiceHandle, Settings
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 
@@ -63,7 +63,7 @@ def timed_call(target: Any, method: str, *args: Any, **kwargs: Any) -> tuple[Any
     if isinstance(target, SerializedService):
         return target.call_timed(method, *args, **kwargs)
     started = time.perf_counter()
-    result = call(target, method, *args, **kwargs)
+    result = getattr(ServiceHandle(target), method)(*args, **kwargs)
     return result, time.perf_counter() - started
 
 

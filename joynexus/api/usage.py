@@ -26,8 +26,8 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from joynexus.api.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
-from joynexus.master.store import ControlPlaneStore, TenantQuotaRecord, TrainingJobRecord, UsageRecord, utcnow
+from joynexus.core.store import ControlPlaneStore, TenantQuotaRecord, TrainingJobRecord, UsageRecord, utcnow
+from joynexus.protocol.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
 
 TRAINING, INFERENCE, ENVIRONMENT = "training", "inference", "environment"
 

@@ -23,7 +23,6 @@ from joynexus.data.lerobot_dataset import (
     quiet_datasets,
 )
 from joynexus.envs.base import unit_to_bounds
-from joynexus.runtime import call
 
 ScriptedPolicy = Callable[[dict[str, Any], np.random.Generator], np.ndarray]
 
@@ -45,10 +44,10 @@ def record_demonstrations(
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     rng = np.random.default_rng(seed)
-    session = call(environment, "open_session", tenant_id, f"record-{repo_id}", simulator_config)
+    session = environment.open_session(tenant_id, f"record-{repo_id}", simulator_config)
     returns, successes, frames = [], [], 0
     try:
-        spec = call(environment, "spec", tenant_id, session)
+        spec = environment.spec(tenant_id, session)
         low = np.asarray(spec["action_low"], dtype=np.float32)
         high = np.asarray(spec["action_high"], dtype=np.float32)
         cameras = list(spec["cameras"])
@@ -57,7 +56,7 @@ def record_demonstrations(
         with quiet_datasets(), contextlib.ExitStack() as stack:
             stack.callback(dataset.finalize)
             for episode in range(episodes):
-                obs = call(environment, "reset", tenant_id, session, seed + episode)
+                obs = environment.reset(tenant_id, session, seed + episode)
                 total, success = 0.0, False
                 while True:
                     unit = np.clip(np.asarray(policy(obs, rng), dtype=np.float32), -1.0, 1.0)
@@ -71,7 +70,7 @@ def record_demonstrations(
                         frame[CAMERA_KEY_PREFIX + cam] = (image.transpose(1, 2, 0) * 255).round().astype(np.uint8)
                     dataset.add_frame(frame)
                     frames += 1
-                    result = call(environment, "step", tenant_id, session, unit_to_bounds(unit, low, high))
+                    result = environment.step(tenant_id, session, unit_to_bounds(unit, low, high))
                     total += float(result["reward"])
                     success = success or bool(result["success"])
                     obs = result["observation"]
@@ -81,7 +80,7 @@ def record_demonstrations(
                 returns.append(total)
                 successes.append(success)
     finally:
-        call(environment, "close", tenant_id, session)
+        environment.close(tenant_id, session)
     return {
         "root": str(root),
         "episodes": episodes,

@@ -12,10 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from joynexus.master.store import ControlPlaneStore
-from joynexus.master.tenant_creator import BackendCapabilities, BaseModelCapabilities, TenantCreator
+from joynexus.core.store import ControlPlaneStore
+from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
+from joynexus.master.tenant_creator import TenantCreator
 from joynexus.registry import ExperimentTracker
-from joynexus.runtime import Settings, call, init_ray
+from joynexus.runtime import Settings, init_ray
 from joynexus.scheduling.training_queue import TrainingQueueClient, training_queue_actor
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.services.environment import environment_service_actor
@@ -68,7 +69,7 @@ class Deployment:
         # Deployment in this process reuses the running services instead of catching them in
         # teardown ("all references to the actor were removed").
         _RESIDENT_ACTORS.extend((queue.handle, service, inference, environment))
-        caps = BaseModelCapabilities(**_capabilities_fields(call(service, "capabilities")))
+        caps = BaseModelCapabilities(**_capabilities_fields(service.capabilities()))
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
         creator = TenantCreator(
@@ -106,7 +107,7 @@ class Deployment:
         )
 
     def shutdown(self) -> None:
-        call(self.environment_service, "close_all")  # simulator worker processes never outlive us
+        self.environment_service.close_all()  # simulator worker processes never outlive us
         close = getattr(self.inference_service, "close", None)
         if callable(close) and not hasattr(close, "remote"):
             close()  # stop the local batching worker; a Ray actor goes with its cluster
@@ -117,11 +118,11 @@ def _probe(environment: Any) -> Any:
     """Ask the Environment Service what a simulator config produces (a short-lived session)."""
 
     def probe(config: dict[str, Any]) -> dict[str, Any]:
-        session = call(environment, "open_session", "joynexus-probe", "spec-check", config)
+        session = environment.open_session("joynexus-probe", "spec-check", config)
         try:
-            return call(environment, "spec", "joynexus-probe", session)
+            return environment.spec("joynexus-probe", session)
         finally:
-            call(environment, "close", "joynexus-probe", session)
+            environment.close("joynexus-probe", session)
 
     return probe
 
@@ -143,7 +144,7 @@ def _checkpoint_location(settings: Settings, *, in_process: bool) -> Any:
     started by this process inherits it; a remote cluster's nodes must set it)."""
     if not settings.s3_bucket:
         return settings.checkpoint_root
-    from joynexus.artifacts_s3 import ENDPOINT_ENV, S3BlobStore
+    from joynexus.artifacts.s3 import ENDPOINT_ENV, S3BlobStore
 
     if in_process:
         return S3BlobStore.from_uri(settings.checkpoint_location, endpoint_url=settings.s3_endpoint_url)
@@ -154,7 +155,7 @@ def _checkpoint_location(settings: Settings, *, in_process: bool) -> Any:
 
 def _artifact_location(settings: Settings) -> str | None:
     if settings.mlflow_artifact_location:  # an S3 bucket is configured: MLflow artifacts go there too
-        from joynexus.artifacts_s3 import configure_mlflow_s3
+        from joynexus.artifacts.s3 import configure_mlflow_s3
 
         configure_mlflow_s3(settings.s3_endpoint_url)
         return settings.mlflow_artifact_location

@@ -26,9 +26,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 
-from joynexus.master.store import WorkloadRecord, utcnow
-from joynexus.master.tenant_creator import Tenant
-from joynexus.runtime import call
+from joynexus.core.store import WorkloadRecord, utcnow
+from joynexus.core.tenants import Tenant
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
 from joynexus.services.actor_loop import ActorLoop, ActorOutcome
 from joynexus.services.advantage_stage import AdvantageStage
@@ -198,11 +197,11 @@ class WorkloadManager:
             raise ValueError(f"episodes: expected >= 1, got {episodes}")
         if self.admission_check is not None:
             self.admission_check(tenant_id)
-        if call(self.dep.inference_service, "latest_version", tenant_id) is None:
+        if self.dep.inference_service.latest_version(tenant_id) is None:
             # Never served yet (e.g. an SFT tenant): serve its current trained state, read-only.
-            call(self.dep.training_service, "add_tenant", tenant.backend_config)
+            self.dep.training_service.add_tenant(tenant.backend_config)
             self._publish_weights(tenant_id)
-        resolved = call(self.dep.inference_service, "latest_version", tenant_id) if version == "latest" else version
+        resolved = self.dep.inference_service.latest_version(tenant_id) if version == "latest" else version
         workload_id = f"ev-{uuid.uuid4().hex[:12]}"
         with self.dep.store.transaction() as s:
             s.add(
@@ -377,7 +376,7 @@ class WorkloadManager:
 
     def _launch(self, active: _Active) -> None:
         dep, tenant = self.dep, active.tenant
-        slot = call(dep.training_service, "add_tenant", tenant.backend_config)
+        slot = dep.training_service.add_tenant(tenant.backend_config)
         active.version = slot["version"]
         done = dep.scheduler.counts(tenant.tenant_id).get(COMPLETED, 0)
         sched = tenant.spec.scheduling
@@ -449,8 +448,8 @@ class WorkloadManager:
 
     def _publish_weights(self, tenant_id: str) -> int:
         """Training -> inference weight sync (paper A.1): the only cross-queue dependency."""
-        payload = call(self.dep.training_service, "export_params", tenant_id)
-        return call(self.dep.inference_service, "load_weights", payload)["version"]
+        payload = self.dep.training_service.export_params(tenant_id)
+        return self.dep.inference_service.load_weights(payload)["version"]
 
     def _on_outcome(self, outcome: ActorOutcome) -> None:
         workload_id = outcome.job.metadata.get("workload_id")
@@ -560,12 +559,12 @@ class WorkloadManager:
         from joynexus.artifacts import decode_tenant_payload
 
         tenant_id = active.tenant.tenant_id
-        call(self.dep.training_service, "save", [tenant_id], True)
-        payload = call(self.dep.training_service, "export_params", tenant_id)
+        self.dep.training_service.save([tenant_id], True)
+        payload = self.dep.training_service.export_params(tenant_id)
         _, manifest = decode_tenant_payload(payload)
         inference = getattr(self.dep, "inference_service", None)
         if inference is not None:
-            call(inference, "load_weights", payload)  # serve what was just trained
+            inference.load_weights(payload)  # serve what was just trained
         return self.dep.tracker.register_tenant_payload(
             run_id=active.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
         )

@@ -199,17 +199,14 @@ class TrainingQueueClient:
     """The same synchronous API over a local TrainingQueue or its Ray actor handle."""
 
     def __init__(self, queue: Any):
-        self._queue = queue
+        from joynexus.runtime import ServiceHandle
+
+        self._service = ServiceHandle(queue)
 
     @property
     def handle(self) -> Any:
         """The underlying TrainingQueue or Ray actor handle (to pass on to other services)."""
-        return self._queue
-
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from joynexus.runtime import call
-
-        return call(self._queue, method, *args, **kwargs)
+        return self._service.target
 
     def put(
         self,
@@ -218,24 +215,24 @@ class TrainingQueueClient:
         metadata: BatchMeta | None = None,
         annotations: dict[str, Any] | None = None,
     ) -> int:
-        return self._call("put", partition_id, data, metadata, annotations)
+        return self._service.put(partition_id, data, metadata, annotations)
 
     def get_meta(
         self, partition_id: str, fields: list[str] | tuple[str, ...], batch_size: int, task_name: str = "train"
     ) -> BatchMeta | None:
-        return self._call("get_meta", partition_id, fields, batch_size, task_name)
+        return self._service.get_meta(partition_id, fields, batch_size, task_name)
 
     def get_data(self, meta: BatchMeta) -> dict[str, Column]:
-        return self._call("get_data", meta)
+        return self._service.get_data(meta)
 
     def clear(self, partition_id: str) -> bool:
-        return self._call("clear", partition_id)
+        return self._service.clear(partition_id)
 
     def describe(self, partition_id: str) -> dict[str, Any]:
-        return self._call("describe", partition_id)
+        return self._service.describe(partition_id)
 
     def partitions(self) -> list[str]:
-        return self._call("partitions")
+        return self._service.partitions()
 
     def has_partition(self, partition_id: str) -> bool:
-        return self._call("has_partition", partition_id)
+        return self._service.has_partition(partition_id)

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from joynexus.master.store import (
+from joynexus.core.store import (
     ControlPlaneStore,
     TrainingJobRecord,
     TrainingPolicyRecord,

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from joynexus.runtime import call
 from joynexus.scheduling.training_scheduler import TrainingJob, TrainingScheduler
 
 log = logging.getLogger(__name__)
@@ -58,11 +57,11 @@ class ActorLoop:
             self.scheduler.wait_for_ready(consumer_role="actor", domains=self.domains, timeout_s=wait_s)
             return None
         try:
-            actor_version = call(self.service, "policy_version", job.tenant_id)
+            actor_version = self.service.policy_version(job.tenant_id)
             if is_stale(job, actor_version):
                 outcome = ActorOutcome(self.scheduler.drop(job.job_id, POLICY_STALE), "dropped", None, POLICY_STALE)
             else:
-                metrics = call(self.service, "train_job", job)
+                metrics = self.service.train_job(job)
                 result = {k: v for k, v in metrics.items() if k != "losses"}
                 result["mean_loss"] = sum(metrics["losses"]) / len(metrics["losses"])
                 outcome = ActorOutcome(self.scheduler.complete(job.job_id, result), "completed", metrics, None)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from joynexus.algorithms.rl import gae, grpo_advantages
-from joynexus.master.tenant_creator import TenantBackendConfig
+from joynexus.core.tenants import TenantBackendConfig
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import (
     COMPUTING_ADVANTAGES,

@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.core.tenants import TenantBackendConfig, simulator_config
 from joynexus.envs.base import unit_to_bounds
-from joynexus.master.tenant_creator import TenantBackendConfig, simulator_config
-from joynexus.runtime import call
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
@@ -98,16 +97,16 @@ class _EnvGroup:
         try:
             for i in range(n):
                 sim = simulator_config(config, seed_offset=seed_offset + i)
-                self.ids.append(call(env, "open_session", config.tenant_id, rollout_id, sim))
+                self.ids.append(env.open_session(config.tenant_id, rollout_id, sim))
         except BaseException:
             self.close()
             raise
-        spec = call(env, "spec", config.tenant_id, self.ids[0])
+        spec = env.spec(config.tenant_id, self.ids[0])
         # Policies act in [-1, 1] per action dimension; the simulator's own bounds may differ
         # (gym-pusht takes pixel targets in [0, 512]), so actions are mapped affinely.
         self.low = np.asarray(spec["action_low"], dtype=np.float32)
         self.high = np.asarray(spec["action_high"], dtype=np.float32)
-        self.obs = [self._obs(call(env, "reset", config.tenant_id, sid)) for sid in self.ids]
+        self.obs = [self._obs(env.reset(config.tenant_id, sid)) for sid in self.ids]
         self.episode_return = [0.0] * n
         self.episode_length = [0] * n
 
@@ -125,7 +124,7 @@ class _EnvGroup:
             live = {self.ids[i]: self.to_env_action(chunks[i][k]) for i in range(n) if not done[i]}
             if not live:
                 break
-            results = call(self.env, "batch_step", self.config.tenant_id, live)
+            results = self.env.batch_step(self.config.tenant_id, live)
             for i, sid in enumerate(self.ids):
                 if sid not in results:
                     continue
@@ -145,7 +144,7 @@ class _EnvGroup:
                 stats.lengths.append(self.episode_length[i])
                 stats.successes.append(success[i])
                 self.episode_return[i], self.episode_length[i] = 0.0, 0
-                self.obs[i] = self._obs(call(self.env, "reset", self.config.tenant_id, self.ids[i]))
+                self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, self.ids[i]))
         return rewards, done
 
     def to_env_action(self, action: np.ndarray) -> np.ndarray:
@@ -154,7 +153,7 @@ class _EnvGroup:
     def close(self) -> None:
         for sid in self.ids:
             try:
-                call(self.env, "close", self.config.tenant_id, sid)
+                self.env.close(self.config.tenant_id, sid)
             except Exception:  # a failed session is already gone
                 pass
         self.ids = []
@@ -186,7 +185,7 @@ class RolloutProducer:
 
     def produce_once(self) -> TrainingJob | None:
         cfg = self.config
-        version = call(self.inference, "latest_version", cfg.tenant_id)
+        version = self.inference.latest_version(cfg.tenant_id)
         if version is None:
             raise RuntimeError(f"tenant {cfg.tenant_id!r} has no policy version being served; publish one first")
         job = self.scheduler.reserve(
@@ -327,7 +326,7 @@ def evaluate_policy(
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     if version == "latest":
-        resolved = call(inference, "latest_version", config.tenant_id)
+        resolved = inference.latest_version(config.tenant_id)
         if resolved is None:
             raise ValueError(f"version: tenant {config.tenant_id!r} has no policy version being served")
     elif isinstance(version, int) and not isinstance(version, bool):

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.master.tenant_creator import TenantBackendConfig
+from joynexus.core.tenants import TenantBackendConfig
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import READY, TrainingJob, TrainingScheduler
 

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from joynexus.artifacts import CheckpointStore, TenantManifest, encode_tenant_payload
-from joynexus.master.tenant_creator import BaseModelCapabilities, TenantBackendConfig
+from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone, TinyBackboneSpec
 from joynexus.scheduling.training_queue import TrainingQueueClient

@@ -94,7 +94,7 @@ def sample_batch(spec: dict[str, Any], n: int, seed: int) -> dict[str, np.ndarra
 
 def wire(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch as the JSON body of a lower-layer request (tensors as wire objects)."""
-    from joynexus.api.wire import tensor
+    from joynexus.protocol.wire import tensor
 
     return {k: tensor(v).model_dump(mode="json") if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 

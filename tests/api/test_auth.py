@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from joynexus.api.auth import ApiKeyStore
-from joynexus.master.store import ApiKeyRecord, ControlPlaneStore
+from joynexus.core.store import ApiKeyRecord, ControlPlaneStore
 
 
 @pytest.fixture

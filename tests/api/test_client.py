@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import pytest
 
-from joynexus.api import schemas as s
 from joynexus.client import (
     ApiRequestError,
     AsyncJoyNexusClient,
@@ -21,6 +20,7 @@ from joynexus.client import (
     ServerError,
     WorkloadFailed,
 )
+from joynexus.protocol import schemas as s
 from tests.api.conftest import ADMIN_KEY
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

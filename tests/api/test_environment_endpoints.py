@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from joynexus.api.wire import Tensor
+from joynexus.protocol.wire import Tensor
 from tests.api.conftest import wire
 
 PUSHT = {"simulator": "pusht", "task": "PushT-v0", "cameras": ["top"], "image_size": [32, 32], "max_episode_steps": 5}

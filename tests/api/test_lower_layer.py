@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.api.wire import MSGPACK_MEDIA_TYPE, Tensor, msgpack_dumps, msgpack_loads, tensor
 from joynexus.artifacts import decode_tenant_payload, encode_tenant_payload
+from joynexus.protocol.wire import MSGPACK_MEDIA_TYPE, Tensor, msgpack_dumps, msgpack_loads, tensor
 from tests.api.conftest import MAX_BODY_BYTES, wire
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from joynexus.api.wire import MAX_NDIM, Tensor, WireError, msgpack_dumps, msgpack_loads, tensor, wants_msgpack
+from joynexus.protocol.wire import MAX_NDIM, Tensor, WireError, msgpack_dumps, msgpack_loads, tensor, wants_msgpack
 
 
 @pytest.mark.parametrize("dtype", ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"])

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from joynexus import deploy
-from joynexus.deploy import DeploymentState, ManagedProcess, spawn_process, stop_process
+from joynexus.ops import supervisor as deploy
+from joynexus.ops.supervisor import DeploymentState, ManagedProcess, spawn_process, stop_process
 from joynexus.runtime import Settings
 
 

@@ -27,8 +27,8 @@ def reach_spec(tenant: str, root, *, environment: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def handles(prefect_api, tmp_path_factory):
-    from joynexus.deploy import use_services
     from joynexus.master.orchestrator import Deployment
+    from joynexus.ops.supervisor import use_services
     from joynexus.runtime import Settings
 
     root = tmp_path_factory.mktemp("flows")

@@ -78,7 +78,7 @@ def _any_spec() -> dict:
 def test_prefect_deploy_all_and_a_worker_runs_the_lifecycle_to_completed(tmp_path):
     """`prefect server start` (PREFECT_HOME in tmp, a free port) → work pool → `prefect deploy
     --all` → `prefect worker start` → a lifecycle run of a one-job SFT tenant → COMPLETED."""
-    from joynexus.deploy import free_port, http_ok, spawn_process, stop_process, wait_until
+    from joynexus.ops.supervisor import free_port, http_ok, spawn_process, stop_process, wait_until
     from tests.helpers import sft_spec, write_dataset_for
 
     port = free_port()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from joynexus.master.store import TenantRecord, TrainingPolicyRecord
-from joynexus.master.tenant_creator import BackendCapabilities, BaseModelCapabilities, TenantCreator, TenantExists
+from joynexus.core.store import TenantRecord, TrainingPolicyRecord
+from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
+from joynexus.master.tenant_creator import TenantCreator, TenantExists
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.spec import SpecError
 from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for

@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 import pytest
 
-from joynexus.master.store import ControlPlaneStore
+from joynexus.core.store import ControlPlaneStore
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import (
     COMPLETED,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from joynexus.master.store import ControlPlaneStore
-from joynexus.master.tenant_creator import BackendCapabilities, TenantCreator
+from joynexus.core.store import ControlPlaneStore
+from joynexus.core.tenants import BackendCapabilities
+from joynexus.master.tenant_creator import TenantCreator
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.services.training import BackboneSource, TrainingModelService

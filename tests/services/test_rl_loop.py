@@ -11,7 +11,7 @@ import pytest
 
 from joynexus.master.orchestrator import Deployment
 from joynexus.master.workloads import WorkloadManager
-from joynexus.runtime import Settings, call
+from joynexus.runtime import Settings
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY
 from joynexus.services.actor_loop import ActorLoop
 from joynexus.services.advantage_stage import AdvantageStage
@@ -43,7 +43,7 @@ def dep(tmp_path):
 
 def parts(dep, tenant_id: str):
     tenant = dep.creator.get(tenant_id)
-    call(dep.training_service, "add_tenant", tenant.backend_config)
+    dep.training_service.add_tenant(tenant.backend_config)
     payload = dep.training_service.export_params(tenant_id)
     dep.inference_service.load_weights(payload)
     producer = RolloutProducer(

@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
-from joynexus.artifacts import _FILE_NAME_RE, _check_key
+from joynexus.artifacts.blobs import _check_key
+from joynexus.artifacts.codec import _FILE_NAME_RE
 
 __all__ = ["ENDPOINT_ENV", "S3BlobStore", "configure_mlflow_s3", "split_s3_uri"]
 

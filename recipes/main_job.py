@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.core.tenants import Tenant
 from joynexus.master.orchestrator import Deployment
-from joynexus.master.tenant_creator import Tenant
 from joynexus.master.workloads import WorkloadManager, WorkloadStatus
-from joynexus.runtime import Settings, call
+from joynexus.runtime import Settings
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def run_demo(
     dep = Deployment.start(settings)
     manager = WorkloadManager(dep, on_event=on_event).start()
     try:
-        backbone = call(dep.training_service, "backbone_info")
+        backbone = dep.training_service.backbone_info()
         model = backbone["model_id"]
         specs = [demo_spec(t, roots[t.tenant], model, jobs_per_tenant, samples_per_job) for t in tenants]
         jobs = {t.tenant: jobs_per_tenant for t in tenants}

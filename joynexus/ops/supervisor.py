@@ -16,14 +16,12 @@ Production settings are environment variables (``Settings``): with ``JOYNEXUS_RA
 ``PREFECT_API_URL`` / ``JOYNEXUS_MLFLOW_TRACKING_URI`` set, ``up`` starts no such process and uses
 the given one; ``JOYNEXUS_DATABASE_URL`` and ``JOYNEXUS_S3_BUCKET`` pass through to the services.
 
-:func:`services` is what flows call: the services of a running deployment (Ray address from
-``Settings`` or from ``up``'s record; the named actors are reused, no backbone is loaded again),
-else an in-process deployment for local runs and tests.
+Where a running deployment's services are and how to reach them is `joynexus.connect`'s business;
+this module only starts, records and stops processes.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import json
@@ -34,11 +32,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,19 +45,15 @@ from joynexus.runtime import Settings
 __all__ = [
     "DeploymentState",
     "ManagedProcess",
-    "ServiceHandles",
-    "close_services",
     "down",
     "effective_settings",
     "free_port",
     "http_ok",
     "read_state",
-    "services",
     "spawn_process",
     "status",
     "stop_process",
     "up",
-    "use_services",
     "wait_until",
 ]
 
@@ -408,7 +401,7 @@ def up(
         on_stage("creating the resident services (detached Ray actors) and loading the backbone")
         try:
             driver = subprocess.run(
-                [sys.executable, "-m", "joynexus.deploy", "_create-services"],
+                [sys.executable, "-m", "joynexus.ops.supervisor", "_create-services"],
                 env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
                 capture_output=True,
                 text=True,
@@ -447,15 +440,14 @@ def _local_artifacts(settings: Settings) -> str:
 
 
 def _create_services() -> None:
-    """`python -m joynexus.deploy _create-services`: the driver `up` runs to create the actors."""
+    """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
     import ray
 
     from joynexus.master.orchestrator import Deployment
-    from joynexus.runtime import call
 
     settings = Settings()
     deployment = Deployment.start(settings, detached=True)
-    call(deployment.inference_service, "stats")  # waits until its backbone is loaded
+    deployment.inference_service.stats()  # waits until its backbone is loaded
     deployment.store.dispose()
     ray.shutdown()
 
@@ -491,7 +483,7 @@ def down(
 def _remove_actors(state: DeploymentState, timeout_s: float = 60.0) -> list[str]:
     code = (
         "import json, sys\n"
-        "from joynexus.deploy import _kill_actors\n"
+        "from joynexus.ops.supervisor import _kill_actors\n"
         "print(json.dumps(_kill_actors(sys.argv[1], sys.argv[2])))\n"
     )
     result = subprocess.run(
@@ -567,7 +559,7 @@ def _actor_health(settings: Settings, address: str, timeout_s: float) -> dict[st
     namespace = settings.ray_namespace
     code = (
         "import json, sys\n"
-        "from joynexus.deploy import _probe_actors\n"
+        "from joynexus.ops.supervisor import _probe_actors\n"
         "print(json.dumps(_probe_actors(sys.argv[1], sys.argv[2], float(sys.argv[3]))))\n"
     )
     result = subprocess.run(
@@ -624,94 +616,6 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     finally:
         ray.shutdown()
     return report
-
-
-# --------------------------------------------------------------------------------------------
-# Services for flows: a running deployment, else an in-process one
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ServiceHandles:
-    deployment: Any  # joynexus.master.orchestrator.Deployment
-    workloads: Any  # joynexus.master.workloads.WorkloadManager; its actor loop starts on first training
-    mode: str  # "ray" (a running deployment's named actors), "in-process", or "given" (use_services)
-    owned: bool  # True if `services()` created the deployment and so shuts it down
-    _training: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def tracker(self) -> Any:
-        return self.deployment.tracker
-
-    def training_workloads(self) -> Any:
-        """The workload manager with its actor loop and advantage stage running: only processes
-        that train start them (an evaluation needs neither), so an evaluation-only flow run never
-        leases another process's training jobs."""
-        with self._lock:
-            if not self._training:
-                self.workloads.start()
-                self._training = True
-        return self.workloads
-
-    def close(self) -> None:
-        self.workloads.stop()
-        if self.owned and self.mode == "in-process":
-            self.deployment.shutdown()
-        elif self.owned:
-            self.deployment.store.dispose()
-
-
-_services_lock = threading.Lock()
-_current: ServiceHandles | None = None
-
-
-def services(settings: Settings | None = None) -> ServiceHandles:
-    """The process-wide services flows use, created on first use: the named actors of a running
-    deployment when a Ray address is known (``JOYNEXUS_RAY_ADDRESS`` or ``up``'s record; reused as
-    they are, no backbone is loaded), else an in-process deployment. ``use_services`` overrides it."""
-    global _current
-    with _services_lock:
-        if _current is None:
-            from joynexus.master.orchestrator import Deployment
-            from joynexus.master.workloads import WorkloadManager
-
-            settings = effective_settings(settings)
-            if settings.ray_address:
-                deployment, mode = Deployment.start(settings), "ray"
-            else:
-                deployment, mode = Deployment.in_process(settings), "in-process"
-            _current = ServiceHandles(deployment, WorkloadManager(deployment), mode, owned=True)
-            atexit.register(close_services)
-        return _current
-
-
-@contextlib.contextmanager
-def use_services(deployment: Any, **workload_options: Any) -> Iterator[ServiceHandles]:
-    """Make `services()` return this deployment (with a fresh WorkloadManager) inside the block."""
-    from joynexus.master.workloads import WorkloadManager
-
-    global _current
-    with _services_lock:
-        previous = _current
-        handles = ServiceHandles(deployment, WorkloadManager(deployment, **workload_options), "given", owned=False)
-        _current = handles
-    try:
-        yield handles
-    finally:
-        handles.close()
-        with _services_lock:
-            _current = previous
-
-
-def close_services() -> None:
-    """Stop the workload manager `services()` started and shut down an in-process deployment.
-    Idempotent."""
-    global _current
-    with _services_lock:
-        handles, _current = _current, None
-    if handles is not None:
-        handles.close()
 
 
 if __name__ == "__main__":

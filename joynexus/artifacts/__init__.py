@@ -1,0 +1,34 @@
+"""Tenant artifacts: codecs (`codec`), where bytes live (`blobs`, `s3`) and the checkpoint layout
+(`checkpoints`). This package alone decides how a checkpoint is laid out and found."""
+
+from joynexus.artifacts.blobs import BlobStore, LocalBlobStore, blob_store_for
+from joynexus.artifacts.checkpoints import CheckpointStore
+from joynexus.artifacts.codec import (
+    ACTION_MODULE_FILE,
+    MANIFEST_FILE,
+    OPTIMIZER_JSON_FILE,
+    OPTIMIZER_TENSORS_FILE,
+    CheckpointError,
+    PayloadError,
+    TenantManifest,
+    decode_tenant_payload,
+    encode_tenant_payload,
+    validate_tenant_id,
+)
+
+__all__ = [
+    "ACTION_MODULE_FILE",
+    "MANIFEST_FILE",
+    "OPTIMIZER_JSON_FILE",
+    "OPTIMIZER_TENSORS_FILE",
+    "BlobStore",
+    "CheckpointError",
+    "CheckpointStore",
+    "LocalBlobStore",
+    "PayloadError",
+    "TenantManifest",
+    "blob_store_for",
+    "decode_tenant_payload",
+    "encode_tenant_payload",
+    "validate_tenant_id",
+]

@@ -1,0 +1,1 @@
+"""Core types shared by every layer: the control-plane store and the compiled tenant."""

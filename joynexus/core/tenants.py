@@ -1,0 +1,108 @@
+"""The compiled tenant: what the backend can do, the backend config a spec compiles to, and the
+tenant as the control plane stores it. Every layer uses these; only the Master creates tenants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from joynexus.core.store import TenantRecord
+from joynexus.spec import WorkloadSpec
+
+
+@dataclass(frozen=True)
+class BaseModelCapabilities:
+    """What one resident backbone accepts at its frozen-prefix boundary."""
+
+    model_id: str
+    feature_dim: int
+    max_images: int
+    image_size: int  # canonical square side the backbone resizes camera images to
+    max_state_dim: int = 128
+    max_action_dim: int = 64
+    max_action_chunk: int = 128
+
+    @classmethod
+    def of_backbone(cls, backbone: Any, **limits: int) -> BaseModelCapabilities:
+        return cls(
+            model_id=backbone.model_id,
+            feature_dim=backbone.hidden_size,
+            max_images=backbone.max_images,
+            image_size=backbone.image_size,
+            **limits,
+        )
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    base_models: dict[str, BaseModelCapabilities]
+
+    @classmethod
+    def single(cls, base_model: BaseModelCapabilities) -> BackendCapabilities:
+        return cls(base_models={base_model.model_id: base_model})
+
+
+class TenantBackendConfig(BaseModel):
+    """The compiled spec: everything a model service needs to build and train a tenant slot."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant_id: str
+    task_type: str
+    base_model_id: str
+    schema_signature: str
+    cameras: tuple[str, ...]
+    image_size: tuple[int, int]
+    state_dim: int
+    action_dim: int
+    action_chunk: int
+    instruction: str
+    action_module: dict[str, Any]  # an ActionModuleConfig as a dict
+    learning_rate: float
+    microbatch_size: int
+    samples_per_job: int
+    checkpoint_every_jobs: int
+    seed: int
+    environment: dict[str, Any] | None = None  # an EnvironmentSpec as a dict (RL tenants)
+    rl: dict[str, Any] | None = None  # an RLSpec as a dict (RL tenants)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    tenant_id: str
+    spec: WorkloadSpec
+    schema_signature: str
+    backend_config: TenantBackendConfig
+
+
+def simulator_config(spec: WorkloadSpec | TenantBackendConfig, seed_offset: int = 0) -> dict[str, Any]:
+    """The Environment Service session config of a tenant's environment (a SimulatorConfig dict)."""
+    if isinstance(spec, WorkloadSpec):
+        env, cameras, image_size = spec.environment, spec.observation.cameras, spec.observation.image_size
+        env = env.model_dump() if env is not None else None
+    else:
+        env, cameras, image_size = spec.environment, spec.cameras, spec.image_size
+    if env is None:
+        raise ValueError("environment: this tenant declares no simulator environment")
+    config = {
+        "simulator": env["simulator"],
+        "task": env["task"],
+        "seed": env["seed"] + seed_offset,
+        "image_size": list(image_size),
+        "cameras": list(cameras),
+        "max_episode_steps": env["max_episode_steps"],
+        "reward_mode": env["reward_mode"],
+        "control_mode": env["control_mode"],
+    }
+    return config
+
+
+def tenant_of(record: TenantRecord) -> Tenant:
+    return Tenant(
+        tenant_id=record.tenant_id,
+        spec=WorkloadSpec.model_validate(record.spec),
+        schema_signature=record.schema_signature,
+        backend_config=TenantBackendConfig.model_validate(record.backend_config),
+    )

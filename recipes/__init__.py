@@ -1,0 +1,1 @@
+"""Recipes: runnable jobs written over the library (the main job)."""
