@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from joynexus.master.orchestrator import Deployment  # noqa: E402
+from joynexus.master.deployment import Deployment  # noqa: E402
 from joynexus.runtime import Settings  # noqa: E402
 from joynexus.services.inference import InferenceModelService  # noqa: E402
 from joynexus.services.rollout import RolloutProducer  # noqa: E402

@@ -21,7 +21,7 @@ from flows.tasks import (
     log_evaluation_history,
     resolve_alias,
 )
-from joynexus.ops.supervisor import services
+from joynexus.connect import shared
 from joynexus.registry import CHAMPION_ALIAS
 
 
@@ -47,13 +47,13 @@ def periodic_evaluation(
         eval_timeout_s: Seconds each evaluation may take.
     """
     logger = get_run_logger()
-    creator = services().deployment.creator
-    names = tenants if tenants is not None else [t.tenant_id for t in creator.list()]
+    master = shared().master
+    names = tenants if tenants is not None else [t.tenant_id for t in master.list_tenants()]
     results: dict[str, dict[str, Any]] = {}
     failures: list[str] = []
     for tenant_id in names:
         try:
-            tenant = creator.get(tenant_id)
+            tenant = master.get_tenant(tenant_id)
         except KeyError:
             failures.append(tenant_id)
             results[tenant_id] = {"status": "failed", "reason": "no such tenant"}

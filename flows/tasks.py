@@ -8,6 +8,7 @@ workload that ended in `failed` would fail the same way again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from pydantic import BaseModel, ConfigDict, Field
 
-from joynexus.ops.supervisor import services
+from joynexus.connect import shared
 from joynexus.spec import SpecError, WorkloadSpec
 
 __all__ = [
@@ -56,20 +57,30 @@ def _transient(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
+@functools.cache
+def shared_tracker() -> Any:
+    """This flow process's MLflow client for the deployment's tracking server (registry reads and
+    promotion tags; the Master Service writes the training and evaluation runs)."""
+    from joynexus.registry import ExperimentTracker
+
+    settings = shared().settings
+    return ExperimentTracker(settings.resolved_mlflow_uri())
+
+
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys take lowercase letters, digits and dashes only."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
 def _wait(workload_id: str, timeout_s: float) -> Any:
-    workloads = services().workloads
+    cluster = shared()
     try:
-        status = workloads.wait(workload_id, timeout_s=timeout_s)
+        status = cluster.wait_workload(workload_id, timeout_s=timeout_s)
     except BaseException:  # Prefect's timeout (or a cancel) lands here: do not leave it running
-        workloads.cancel(workload_id)
+        cluster.master.cancel_workload(workload_id)
         raise
     if status.state not in ("completed", "failed", "cancelled"):
-        workloads.cancel(workload_id)
+        cluster.master.cancel_workload(workload_id)
         raise TimeoutError(f"workload {workload_id} still {status.state} after {timeout_s:.0f} s; cancelled")
     if status.state != "completed":
         raise WorkloadError(f"workload {workload_id} of tenant {status.tenant_id!r} {status.state}: {status.error}")
@@ -92,11 +103,11 @@ def create_tenant(spec: WorkloadSpec, store: str) -> dict[str, Any]:
     database URL) only keys the cache."""
     from joynexus.master.tenant_creator import TenantExists
 
-    creator = services().deployment.creator
+    master = shared().master
     try:
-        tenant = creator.create(spec)
+        tenant = master.create_tenant(spec)
     except TenantExists:
-        tenant = creator.get(spec.tenant)
+        tenant = master.get_tenant(spec.tenant)
         if tenant.spec.model_dump(mode="json") != spec.model_dump(mode="json"):
             raise ValueError(
                 f"spec: tenant {spec.tenant!r} already exists with a different spec; choose another tenant name"
@@ -115,8 +126,7 @@ def train(tenant_id: str, jobs: int | None, timeout_s: float) -> dict[str, Any]:
     """Run one training workload of the tenant's declared task (SFT or RL) to its end. The workload
     checkpoints, exports and registers the trained policy; its status names the registry version.
     The flow sets this task's Prefect timeout to `timeout_s`; on timeout the workload is cancelled."""
-    workloads = services().training_workloads()
-    submitted = workloads.submit(tenant_id, jobs=jobs)
+    submitted = shared().master.submit_workload(tenant_id, jobs=jobs)
     get_run_logger().info("workload %s: %s jobs of tenant %s", submitted.workload_id, submitted.target_jobs, tenant_id)
     status = _wait(submitted.workload_id, timeout_s)
     if status.registered_version is None:
@@ -128,8 +138,7 @@ def train(tenant_id: str, jobs: int | None, timeout_s: float) -> dict[str, Any]:
 def evaluate_version(tenant_id: str, policy_version: int, episodes: int, timeout_s: float) -> dict[str, Any]:
     """Evaluate ONE policy version in the tenant's environment (deterministic actions, no training
     job). The evaluation workload logs `eval/*` metrics to its own MLflow run."""
-    workloads = services().workloads
-    submitted = workloads.evaluate(tenant_id, version=policy_version, episodes=episodes)
+    submitted = shared().master.evaluate(tenant_id, version=policy_version, episodes=episodes)
     status = _wait(submitted.workload_id, timeout_s)
     result = dict(status.result or {})
     get_run_logger().info(
@@ -144,7 +153,7 @@ def promote_version(tenant_id: str, registry_version: int, rule: PromotionRule) 
     """Move `candidate` to the version; move `champion` if the rule says it beats the champion."""
     from joynexus.registry import promote
 
-    decision = promote(services().tracker, tenant_id, registry_version, **rule.model_dump())
+    decision = promote(shared_tracker(), tenant_id, registry_version, **rule.model_dump())
     get_run_logger().info(
         "tenant %s: candidate v%s, champion v%s (%s)", tenant_id, registry_version, decision.champion, decision.reason
     )
@@ -155,7 +164,7 @@ def promote_version(tenant_id: str, registry_version: int, rule: PromotionRule) 
 def resolve_alias(tenant_id: str, alias: str) -> dict[str, Any] | None:
     """The registry version `alias` names now (None if unset), with its policy version: resolved
     once, so everything after it works on that pinned version even if the alias moves meanwhile."""
-    tracker = services().tracker
+    tracker = shared_tracker()
     version = tracker.alias_version(tenant_id, alias)
     if version is None:
         return None
@@ -177,9 +186,8 @@ def resolve_alias(tenant_id: str, alias: str) -> dict[str, Any] | None:
 def load_registered_version(tenant_id: str, registry_version: int) -> int:
     """Fetch the registered payload (verified against its digest tag) and serve it in the
     Inference Model Service; returns the policy version it serves as."""
-    handles = services()
-    payload, manifest = handles.tracker.fetch_tenant_payload(tenant_id, version=registry_version)
-    loaded = handles.deployment.inference_service.load_weights(payload)
+    payload, manifest = shared_tracker().fetch_tenant_payload(tenant_id, version=registry_version)
+    loaded = shared().inference.load_weights(payload)
     return int(loaded["version"])
 
 
@@ -187,7 +195,7 @@ def load_registered_version(tenant_id: str, registry_version: int) -> int:
 def log_evaluation_history(tenant_id: str, registry_version: int, evaluation: dict[str, Any]) -> str:
     """Append the evaluation to the tenant's history run and tag the version with it."""
     metrics = {f"eval/{k}": float(evaluation[k]) for k in ("success_rate", "mean_return", "mean_length")}
-    tracker = services().tracker
+    tracker = shared_tracker()
     run_id = tracker.log_evaluation_history(tenant_id, registry_version, metrics)
     tracker.set_version_tags(tenant_id, registry_version, metrics)
     return run_id

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
 from flows.tasks import PromotionRule, artifact_key, create_tenant, evaluate_version, promote_version, train
-from joynexus.ops.supervisor import services
+from joynexus.connect import shared
 from joynexus.spec import WorkloadSpec
 
 
@@ -45,7 +45,7 @@ def tenant_lifecycle(
         train_timeout_s: Seconds the training workload may take; then it is cancelled.
         eval_timeout_s: Seconds the evaluation may take.
     """
-    store = services().deployment.settings.resolved_database_url()
+    store = shared().settings.resolved_database_url()
     tenant = create_tenant(spec, store)
     tenant_id = tenant["tenant_id"]
     if tenant["task"] not in ("sft", "rl"):

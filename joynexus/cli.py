@@ -8,7 +8,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 app = typer.Typer(help="JoyNexus: multi-tenant post-training for robot VLA policies on one shared backbone.")
@@ -21,122 +20,6 @@ def _main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never try the network for models or data
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@app.command()
-def demo(
-    data_dir: Path = typer.Option(Path("var"), help="Where the store, datasets, checkpoints and MLflow live."),
-    jobs: int = typer.Option(12, min=1, help="Training jobs per tenant in this run."),
-    samples_per_job: int = typer.Option(64, min=1, help="Demonstration samples per training job."),
-    simulators: bool = typer.Option(
-        True, help="Include the simulator tenants (RL, SFT on recorded demos, evaluation)."
-    ),
-    rl_jobs: int = typer.Option(30, min=1, help="PPO updates of the PushT-reach RL tenant."),
-) -> None:
-    """Run the main job: SFT, RL and evaluation side by side on one resident backbone per service."""
-    from joynexus.demo import run_demo
-    from joynexus.runtime import Settings
-
-    settings = Settings(data_dir=data_dir.resolve())
-    progress = Progress(
-        TextColumn("[bold]{task.fields[tenant]:<16}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("jobs  loss {task.fields[loss]}  v{task.fields[version]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    bars: dict[str, int] = {}
-    workload_tenant: dict[str, str] = {}
-
-    def on_event(event: dict) -> None:
-        tenant = workload_tenant.get(event["workload_id"])
-        if tenant is None or tenant not in bars:
-            return
-        if event["kind"] == "step":
-            progress.update(bars[tenant], loss=f"{event['loss']:.4f}")
-        elif event["kind"] == "job_completed":
-            progress.update(bars[tenant], completed=event["completed_jobs"], version=event["version"])
-
-    def on_stage(message: str) -> None:
-        progress.console.log(message)
-        if message.startswith("workload "):  # "workload <id> of <tenant>: <n> <TASK> jobs"
-            words = message.split()
-            tenant = words[3].rstrip(":")
-            workload_tenant[words[1]] = tenant
-            bars[tenant] = progress.add_task("", total=int(words[4]), tenant=tenant, loss="   -   ", version=0)
-
-    with progress:
-        result = run_demo(
-            settings,
-            jobs_per_tenant=jobs,
-            samples_per_job=samples_per_job,
-            simulators=simulators,
-            rl_jobs=rl_jobs,
-            on_event=on_event,
-            on_stage=on_stage,
-        )
-
-    table = Table(
-        title=f"main job: {len(result.tenants)} tenants, {result.seconds:.1f} s, one backbone per model service"
-    )
-    for column in ("tenant", "task", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss",
-                   "version", "MLflow model"):  # fmt: skip
-        table.add_column(column)
-    failed = False
-    for tenant in result.tenants:
-        status = result.statuses[tenant.tenant_id]
-        losses = result.losses[tenant.tenant_id]
-        failed |= status.state != "completed"
-        first = sum(losses[:3]) / max(1, len(losses[:3]))
-        last = sum(losses[-3:]) / max(1, len(losses[-3:]))
-        table.add_row(
-            tenant.tenant_id,
-            tenant.spec.task.value,
-            tenant.backend_config.action_module["kind"],
-            tenant.schema_signature[:16],
-            status.workload_id,
-            f"{status.completed_jobs}/{status.target_jobs}",
-            str(status.optimizer_steps),
-            f"{first:.4f}" if losses else "-",
-            f"{last:.4f}" if losses else "-",
-            str(status.version),
-            f"v{status.registered_version}" if status.registered_version else "-",
-        )
-        if status.error:
-            console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
-    console.print(table)
-    if result.evaluations:
-        evals = Table(title="evaluation in the simulator (deterministic policy, one version per run)")
-        for column in ("tenant", "simulator / task", "before: version", "return", "success", "after: version",
-                       "return", "success"):  # fmt: skip
-            evals.add_column(column)
-        for tenant_id, pair in result.evaluations.items():
-            cells = [tenant_id]
-            for when in ("before", "after"):
-                r = pair[when].result
-                if when == "before":
-                    cells.append(f"{r['simulator']}/{r['task']}" if r else "-")
-                cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", f"{r['success_rate']:.0%}"] if r else [
-                    pair[when].state, "-", "-"]  # fmt: skip
-            evals.add_row(*cells)
-        console.print(evals)
-    info = result.backbone
-    console.print(
-        f"backbone [bold]{info['model_id']}[/]: {info['parameter_count']:,} frozen parameters, "
-        f"{info['instances_created']} instance(s) in the Training Model Service (pid {info['pid']}) "
-        f"for {len(result.tenants)} tenants"
-    )
-    s = result.settings
-    console.print(f"control-plane store: {s.resolved_database_url()}")
-    console.print(f"checkpoints: {s.checkpoint_root}")
-    console.print(
-        "MLflow UI (runs, loss curves, registered tenant models):\n"
-        f"  .venv/bin/mlflow ui --backend-store-uri {s.resolved_mlflow_uri()} --port 5000\n"
-        "  then open http://127.0.0.1:5000"
-    )
-    if failed:
-        raise typer.Exit(code=1)
 
 
 _DATA_DIR_HELP = "Data dir of the deployment [default: $JOYNEXUS_DATA_DIR or ./var]."

@@ -207,6 +207,19 @@ class ExperimentTracker:
             if not _is_already_exists(exc):
                 raise
 
+    def delete_tenant_model(self, tenant_id: str) -> int:
+        """Delete the tenant's registered model with every version (tenant deletion with its
+        artifacts); returns how many versions it had, 0 if it had none."""
+        name = registered_model_name(tenant_id)
+        try:
+            count = len(self.client.search_model_versions(f"name = '{name}'"))
+            self.client.delete_registered_model(name)
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(exc) or "not found" in str(exc).lower():
+                return 0
+            raise
+        return count
+
     def register_tenant_payload(
         self,
         *,

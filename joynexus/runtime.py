@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -130,8 +132,15 @@ class ServiceHandle:
 
         def remote_call(*args: Any, **kwargs: Any) -> Any:
             import ray
+            from ray.exceptions import RayTaskError
 
-            return ray.get(attribute.remote(*args, **kwargs), timeout=timeout_s)
+            try:
+                return ray.get(attribute.remote(*args, **kwargs), timeout=timeout_s)
+            except RayTaskError as error:  # the service's own exception, as a local call would raise it
+                cause = getattr(error, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise
 
         remote_call.__name__ = name
         return remote_call
@@ -148,6 +157,37 @@ class ServiceHandle:
 
     def __repr__(self) -> str:
         return f"ServiceHandle({type(self._target).__name__}, remote={self._remote})"
+
+
+class SerializedService:
+    """A local service object behind a lock: one method call at a time, like a Ray actor (the
+    Training Model Service in one process is called from the actor loop and API threads)."""
+
+    def __init__(self, target: Any):
+        self._target = target
+        self._lock = threading.RLock()
+
+    @property
+    def target(self) -> Any:
+        return self._target
+
+    def call_timed(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """(result, seconds the method itself ran), not counting the wait for the lock."""
+        with self._lock:
+            started = time.perf_counter()
+            result = getattr(self._target, method)(*args, **kwargs)
+            return result, time.perf_counter() - started
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._target, name)
+        if not callable(attribute):
+            return attribute
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attribute(*args, **kwargs)
+
+        return locked
 
 
 def service_handle(cls: type[S], target: Any, *, timeout_s: float | None = None) -> S:

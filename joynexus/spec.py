@@ -19,6 +19,15 @@ from joynexus.schema import VLASchema
 
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 CAMERA_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+# The training seed goes to torch.manual_seed (at most 2**64 - 1) and to numpy's default_rng
+# (non-negative only) in the SFT producer.
+MAX_TRAINING_SEED = 2**64 - 1
+# An environment session is seeded with environment.seed plus a session/evaluation offset (up to
+# ~10_000 + num_envs, and + episode for recorded demonstrations); ManiSkill seeds numpy's
+# RandomState, which takes 0..2**32 - 1. 2**31 - 1 leaves ample room for the offsets.
+MAX_ENVIRONMENT_SEED = 2**31 - 1
+# Counts stored in the control plane's Integer columns (32-bit on PostgreSQL).
+MAX_STORED_COUNT = 2**31 - 1
 
 
 class TaskType(StrEnum):
@@ -79,7 +88,7 @@ class EnvironmentSpec(_Strict):
     max_episode_steps: int | None = Field(default=None, ge=1, le=100_000)
     num_envs: int = Field(default=2, ge=1, le=16)  # parallel sessions per rollout
     horizon: int = Field(default=32, ge=1, le=4096)  # policy steps per session per rollout
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=MAX_ENVIRONMENT_SEED)
 
 
 class RLSpec(_Strict):
@@ -95,15 +104,15 @@ class RLSpec(_Strict):
 class SchedulingSpec(_Strict):
     priority: int = Field(default=0, ge=-100, le=100)
     max_in_flight_jobs: int = Field(default=2, ge=1, le=64)
-    completion_target: int | None = Field(default=None, ge=1)  # None: no bound on completed jobs
-    max_policy_staleness: int | None = Field(default=None, ge=0)  # RL only: Δmax of eq. 1
+    completion_target: int | None = Field(default=None, ge=1, le=MAX_STORED_COUNT)  # None: no bound
+    max_policy_staleness: int | None = Field(default=None, ge=0, le=MAX_STORED_COUNT)  # RL only: Δmax of eq. 1
 
 
 class TrainingSpec(_Strict):
     samples_per_job: int = Field(default=32, ge=1, le=65536)
     microbatch_size: int = Field(default=8, ge=1, le=4096)
     learning_rate: float = Field(default=1e-3, gt=0, le=1.0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_TRAINING_SEED)
     checkpoint_every_jobs: int = Field(default=1, ge=0)  # 0: only at the end of the workload
 
 
@@ -155,6 +164,9 @@ class SpecError(ValueError):
         self.problems = problems
         lines = [f"{field}: {reason}" for field, reason in problems]
         super().__init__("invalid workload spec:\n  " + "\n  ".join(lines))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (Ray) with its problems
+        return (type(self), (self.problems,))
 
     @property
     def fields(self) -> list[str]:

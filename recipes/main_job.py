@@ -13,6 +13,9 @@ Master Service, submit every workload at once, and report.
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from joynexus.connect import Cluster, connect
 from joynexus.core.tenants import Tenant
-from joynexus.master.orchestrator import Deployment
-from joynexus.master.workloads import WorkloadManager, WorkloadStatus
+from joynexus.master.workloads import WorkloadStatus
 from joynexus.runtime import Settings
 
 
@@ -196,17 +203,21 @@ def run_demo(
     stage(f"data directory {settings.data_dir}")
     stage("writing LeRobot datasets")
     roots = write_demo_datasets(settings.data_dir, tenants)
-    stage("starting the deployment (local Ray; Training Queue, Training / Inference Model and Environment Services)")
-    dep = Deployment.start(settings)
-    manager = WorkloadManager(dep, on_event=on_event).start()
+    stage(
+        "connecting to the deployment (a running one, else a local Ray with the Master Service, Training Queue, "
+        "Training / Inference Model and Environment Services)"
+    )
+    cluster = connect(settings, mode="ray")
+    master = cluster.master
+    events = _EventFollower(cluster, on_event)
     try:
-        backbone = dep.training_service.backbone_info()
+        backbone = cluster.training.backbone_info()
         model = backbone["model_id"]
         specs = [demo_spec(t, roots[t.tenant], model, jobs_per_tenant, samples_per_job) for t in tenants]
         jobs = {t.tenant: jobs_per_tenant for t in tenants}
         if simulators:
             stage(f"recording {demo_episodes} scripted PushT-reach demonstrations")
-            reach_root = record_reach_demonstrations(dep.environment_service, settings.data_dir, demo_episodes)
+            reach_root = record_reach_demonstrations(cluster.environment, settings.data_dir, demo_episodes)
             specs += [reach_sft_spec(model, reach_root, jobs_per_tenant), reach_rl_spec(model, rl_jobs)]
             jobs.update({"reacher-sft": jobs_per_tenant, "reacher-rl": rl_jobs})
             if maniskill_jobs:
@@ -215,30 +226,77 @@ def run_demo(
         created = []
         for spec in specs:
             try:
-                tenant = dep.creator.get(spec["tenant"])  # a re-run continues the same tenants
+                tenant = master.get_tenant(spec["tenant"])  # a re-run continues the same tenants
             except KeyError:
-                tenant = dep.creator.create(spec)
+                tenant = master.create_tenant(spec)
             created.append(tenant)
             stage(f"tenant {tenant.tenant_id} ({tenant.spec.task.value}): schema {tenant.schema_signature}")
         evaluated = [t.tenant_id for t in created if t.backend_config.environment is not None]
         started = time.perf_counter()
-        before = {t: manager.evaluate(t, episodes=eval_episodes) for t in evaluated}
-        for status in manager.wait_all([s.workload_id for s in before.values()]):
+        before = {t: master.evaluate(t, episodes=eval_episodes) for t in evaluated}
+        for status in _wait_all(cluster, [s.workload_id for s in before.values()]):
             stage(f"evaluation of {status.tenant_id} before training: {_eval_line(status)}")
-        submitted = {t.tenant_id: manager.submit(t.tenant_id, jobs=jobs[t.tenant_id]) for t in created}
+        submitted = {t.tenant_id: master.submit_workload(t.tenant_id, jobs=jobs[t.tenant_id]) for t in created}
         for tenant_id, status in submitted.items():
             stage(f"workload {status.workload_id} of {tenant_id}: {jobs[tenant_id]} {status.task.upper()} jobs")
-        final = manager.wait_all([s.workload_id for s in submitted.values()])
-        after = {t: manager.evaluate(t, episodes=eval_episodes) for t in evaluated}
-        after_final = {s.tenant_id: s for s in manager.wait_all([s.workload_id for s in after.values()])}
+            events.follow(status.workload_id)
+        final = _wait_all(cluster, [s.workload_id for s in submitted.values()])
+        after = {t: master.evaluate(t, episodes=eval_episodes) for t in evaluated}
+        after_final = {s.tenant_id: s for s in _wait_all(cluster, [s.workload_id for s in after.values()])}
         seconds = time.perf_counter() - started
         statuses = {s.tenant_id: s for s in final}
-        losses = {s.tenant_id: manager.losses(s.workload_id) for s in final}
-        evaluations = {t: {"before": manager.get(before[t].workload_id), "after": after_final[t]} for t in evaluated}
+        losses = {s.tenant_id: master.workload_losses(s.workload_id) for s in final}
+        evaluations = {
+            t: {"before": master.get_workload(before[t].workload_id), "after": after_final[t]} for t in evaluated
+        }
         return DemoResult(statuses, losses, evaluations, created, backbone, seconds, settings)
     finally:
-        manager.stop()
-        dep.shutdown()
+        events.stop()
+        cluster.close()
+
+
+def _wait_all(cluster: Cluster, workload_ids: list[str], timeout_s: float = 7200.0) -> list[WorkloadStatus]:
+    deadline = time.monotonic() + timeout_s
+    return [cluster.wait_workload(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
+
+
+class _EventFollower:
+    """Polls the Master Service for the events of the workloads it follows and hands them to a
+    callback (the progress bars): the Master is a service, events are rows it serves."""
+
+    def __init__(self, cluster: Cluster, on_event: Callable[[dict[str, Any]], None] | None, poll_s: float = 0.5):
+        self.cluster, self.on_event, self.poll_s = cluster, on_event, poll_s
+        self._after: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def follow(self, workload_id: str) -> None:
+        if self.on_event is None:
+            return
+        self._after.setdefault(workload_id, 0)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="event-follower", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._poll()
+
+    def _poll(self) -> None:
+        for workload_id, after in list(self._after.items()):
+            try:
+                events = self.cluster.master.workload_events(workload_id, after)
+            except Exception:  # a transient failure: the next poll catches up
+                continue
+            for event in events:
+                self._after[workload_id] = event["seq"]
+                self.on_event(event)  # type: ignore[misc]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._poll()  # the last events
 
 
 def _eval_line(status: WorkloadStatus) -> str:
@@ -246,3 +304,130 @@ def _eval_line(status: WorkloadStatus) -> str:
         return f"{status.state} ({status.error})"
     r = status.result
     return f"v{r['policy_version']}: return {r['mean_return']:.2f}, success {r['success_rate']:.0%}"
+
+
+# -- the command: `python -m recipes.main_job` (what ./scripts/run-main runs) ---------------------
+console = Console(width=None if sys.stdout.isatty() else 140)  # logs are not terminals: no 80-column wrap
+
+
+def main(
+    data_dir: Path | None = typer.Option(
+        None,
+        envvar="JOYNEXUS_DATA_DIR",
+        help="Where the store, datasets, checkpoints and MLflow live [default: $JOYNEXUS_DATA_DIR or ./var].",
+    ),
+    jobs: int = typer.Option(12, min=1, help="Training jobs per tenant in this run."),
+    samples_per_job: int = typer.Option(64, min=1, help="Demonstration samples per training job."),
+    simulators: bool = typer.Option(
+        True, help="Include the simulator tenants (RL, SFT on recorded demos, evaluation)."
+    ),
+    rl_jobs: int = typer.Option(30, min=1, help="PPO updates of the PushT-reach RL tenant."),
+) -> None:
+    """Run the main job: SFT, RL and evaluation side by side on one resident backbone per service."""
+    settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+    progress = Progress(
+        TextColumn("[bold]{task.fields[tenant]:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("jobs  loss {task.fields[loss]}  v{task.fields[version]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    bars: dict[str, int] = {}
+    workload_tenant: dict[str, str] = {}
+
+    def on_event(event: dict) -> None:
+        tenant = workload_tenant.get(event["workload_id"])
+        if tenant is None or tenant not in bars:
+            return
+        if event["kind"] == "step":
+            progress.update(bars[tenant], loss=f"{event['loss']:.4f}")
+        elif event["kind"] == "job_completed":
+            progress.update(bars[tenant], completed=event["completed_jobs"], version=event["version"])
+
+    def on_stage(message: str) -> None:
+        progress.console.log(message)
+        if message.startswith("workload "):  # "workload <id> of <tenant>: <n> <TASK> jobs"
+            words = message.split()
+            tenant = words[3].rstrip(":")
+            workload_tenant[words[1]] = tenant
+            bars[tenant] = progress.add_task("", total=int(words[4]), tenant=tenant, loss="   -   ", version=0)
+
+    with progress:
+        result = run_demo(
+            settings,
+            jobs_per_tenant=jobs,
+            samples_per_job=samples_per_job,
+            simulators=simulators,
+            rl_jobs=rl_jobs,
+            on_event=on_event,
+            on_stage=on_stage,
+        )
+
+    table = Table(
+        title=f"main job: {len(result.tenants)} tenants, {result.seconds:.1f} s, one backbone per model service"
+    )
+    for column in ("tenant", "task", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss",
+                   "version", "MLflow model"):  # fmt: skip
+        table.add_column(column)
+    failed = False
+    for tenant in result.tenants:
+        status = result.statuses[tenant.tenant_id]
+        losses = result.losses[tenant.tenant_id]
+        failed |= status.state != "completed"
+        first = sum(losses[:3]) / max(1, len(losses[:3]))
+        last = sum(losses[-3:]) / max(1, len(losses[-3:]))
+        table.add_row(
+            tenant.tenant_id,
+            tenant.spec.task.value,
+            tenant.backend_config.action_module["kind"],
+            tenant.schema_signature[:16],
+            status.workload_id,
+            f"{status.completed_jobs}/{status.target_jobs}",
+            str(status.optimizer_steps),
+            f"{first:.4f}" if losses else "-",
+            f"{last:.4f}" if losses else "-",
+            str(status.version),
+            f"v{status.registered_version}" if status.registered_version else "-",
+        )
+        if status.error:
+            console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
+    console.print(table)
+    if result.evaluations:
+        evals = Table(title="evaluation in the simulator (deterministic policy, one version per run)")
+        for column in ("tenant", "simulator / task", "before: version", "return", "success", "after: version",
+                       "return", "success"):  # fmt: skip
+            evals.add_column(column)
+        for tenant_id, pair in result.evaluations.items():
+            cells = [tenant_id]
+            for when in ("before", "after"):
+                r = pair[when].result
+                if when == "before":
+                    cells.append(f"{r['simulator']}/{r['task']}" if r else "-")
+                cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", f"{r['success_rate']:.0%}"] if r else [
+                    pair[when].state, "-", "-"]  # fmt: skip
+            evals.add_row(*cells)
+        console.print(evals)
+    info = result.backbone
+    console.print(
+        f"backbone [bold]{info['model_id']}[/]: {info['parameter_count']:,} frozen parameters, "
+        f"{info['instances_created']} instance(s) in the Training Model Service (pid {info['pid']}) "
+        f"for {len(result.tenants)} tenants"
+    )
+    s = result.settings
+    console.print(f"control-plane store: {s.resolved_database_url()}")
+    console.print(f"checkpoints: {s.checkpoint_root}")
+    console.print(
+        "MLflow UI (runs, loss curves, registered tenant models):\n"
+        f"  .venv/bin/mlflow ui --backend-store-uri {s.resolved_mlflow_uri()} --port 5000\n"
+        "  then open http://127.0.0.1:5000"
+    )
+    if failed:
+        raise typer.Exit(code=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never try the network for models or data
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    typer.run(main)

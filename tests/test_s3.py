@@ -205,7 +205,7 @@ def test_sft_workload_checkpoints_and_registers_through_s3(tmp_path, s3_endpoint
     """An in-process deployment configured with a bucket: the training service checkpoints into it,
     MLflow logs the payload into s3://<bucket>/mlflow, and the version fetched back by alias loads
     into the Inference Model Service and predicts exactly what the trained slot predicts."""
-    from joynexus.master.orchestrator import Deployment
+    from joynexus.master.deployment import Deployment
     from joynexus.master.workloads import WorkloadManager
     from joynexus.registry import CHAMPION_ALIAS, PAYLOAD_ARTIFACT_DIR
     from joynexus.runtime import Settings

@@ -31,7 +31,7 @@ from joynexus.api.errors import ApiError, Forbidden, NotFound, Unauthenticated, 
 from joynexus.api.gateway import ApiGateway, ApiLimits, manifest_model, tenant_info
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware, WireRoute
 from joynexus.api.services import ApiServices
-from joynexus.api.usage import UsageLedger
+from joynexus.master.usage import UsageLedger
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import MSGPACK_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, msgpack_dumps, wants_msgpack
 from joynexus.spec import WorkloadSpec
@@ -125,7 +125,7 @@ def create_app(
     keys = ApiKeyStore(services.store, admin_key or admin_key_from_env())
     ledger = UsageLedger(
         services.store,
-        checkpoint_root=services.settings.checkpoint_root,
+        checkpoints=services.checkpoints,
         default_max_device_seconds=settings.default_max_device_seconds,
         default_max_queued_workloads=settings.default_max_queued_workloads,
     )
@@ -202,6 +202,21 @@ def create_app(
         if revoked is None:
             raise NotFound("API key", key_id, "key_id")
         return _respond(request, revoked)
+
+    @admin.delete("/tenants/{tenant_id}", response_model=s.TenantDeleted)
+    def delete_tenant(
+        request: Request,
+        tenant_id: TenantIdPath,
+        _: Admin,
+        delete_artifacts: Annotated[
+            bool, Query(description="also delete its checkpoints and registered model (irreversible)")
+        ] = False,
+    ) -> Response:
+        """Delete a tenant: its workloads are cancelled and its jobs released; its keys, slots,
+        serving versions, sessions, queue data, quota and usage rows go; with `delete_artifacts`
+        its checkpoints and registered model too."""
+        report = gateway.delete_tenant(tenant_id, delete_artifacts)
+        return _respond(request, s.TenantDeleted(tenant_id=tenant_id, removed=_jsonable_report(report)))
 
     @admin.put("/tenants/{tenant_id}/quota", response_model=s.Quota)
     def set_quota(request: Request, tenant_id: TenantIdPath, body: s.QuotaUpdate, _: Admin) -> Response:
@@ -399,6 +414,10 @@ def _payload_response(request: Request, payload: bytes, manifest: Any, format: s
             "Content-Disposition": f'attachment; filename="{filename}"',
         },
     )
+
+
+def _jsonable_report(report: dict[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in report.items() if k != "tenant_id"}
 
 
 def _event_stream(

@@ -64,9 +64,15 @@ def _run(fn: Any) -> Any:
 def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind; 127.0.0.1 keeps the API on this machine."),
     port: int = typer.Option(8765, min=0, max=65535),
-    data_dir: Path = typer.Option(Path("var"), help="Where the store, checkpoints and MLflow live."),
+    data_dir: Path | None = typer.Option(
+        None,
+        envvar="JOYNEXUS_DATA_DIR",
+        help="Where the store, checkpoints and MLflow live [default: $JOYNEXUS_DATA_DIR or ./var].",
+    ),
     services: str = typer.Option(
-        "ray", help="'ray': the services as Ray actors (embedded local Ray by default); 'in-process': one process."
+        "ray",
+        help="'ray': the deployment's resident services and Master Service (the one `joynexus up` started, "
+        "else a local Ray started here); 'in-process': everything in this process.",
     ),
     max_body_mb: int = typer.Option(64, min=1, help="Largest request body accepted (MiB)."),
 ) -> None:
@@ -80,14 +86,9 @@ def serve(
     if services not in ("ray", "in-process"):
         console.print(f"[red]--services: {services!r} is not one of ['ray', 'in-process']")
         raise typer.Exit(code=2)
-    settings = Settings(data_dir=data_dir.resolve())
-    console.log(f"starting the services ({services}) on {settings.data_dir}")
-    if services == "ray":
-        from joynexus.master.orchestrator import Deployment
-
-        api_services = ApiServices.from_deployment(Deployment.start(settings))
-    else:
-        api_services = ApiServices.in_process(settings)
+    settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+    console.log(f"connecting to the services ({services}) of {settings.data_dir}")
+    api_services = ApiServices.ray(settings) if services == "ray" else ApiServices.in_process(settings)
     app = create_app(api_services, ApiSettings(host=host, port=port, max_body_bytes=max_body_mb << 20))
     if app.state.generated_admin_key:
         console.print(

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,15 +32,16 @@ from joynexus.api.errors import (
     ServiceUnavailable,
 )
 from joynexus.api.services import ApiServices, timed_call
-from joynexus.api.usage import ENVIRONMENT, INFERENCE, TRAINING, SpendCapReached, UsageLedger
-from joynexus.artifacts import MANIFEST_FILE, CheckpointError, PayloadError, TenantManifest, decode_tenant_payload
+from joynexus.artifacts import CheckpointError, PayloadError, TenantManifest, decode_tenant_payload
 from joynexus.core.tenants import Tenant, simulator_config
 from joynexus.master.tenant_creator import TenantExists
+from joynexus.master.usage import TRAINING, SpendCapReached, UsageLedger
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 PARTITION_PREFIX = "api"
+TENANT_CACHE_S = 2.0
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.+)$", re.S)
 FLOAT_DTYPES = ("float16", "float32", "float64")
 IMAGE_DTYPES = ("uint8", *FLOAT_DTYPES)
@@ -106,71 +108,65 @@ class ApiGateway:
         self.keys = keys
         self.ledger = ledger
         self.limits = limits or ApiLimits()
-        self._tenants: dict[str, Tenant] = {}
+        self._tenants: dict[str, tuple[float, Tenant]] = {}  # short-lived cache of the Master's answers
         self._lock = threading.Lock()
         self._queue_bytes: dict[str, dict[str, int]] = {}
         self._users = 0
         self._tenant_locks: dict[str, threading.Lock] = {}
-        self.workloads = self._workload_manager(max_running_workloads)
+        self.master = services.master
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def _workload_manager(self, max_running: int) -> Any:
-        from joynexus.master.workloads import AdmissionRefused, WorkloadManager
-
-        def admission_check(tenant_id: str) -> None:
-            try:
-                self.check_admission(tenant_id)
-            except QuotaExceeded as error:
-                raise AdmissionRefused(error.message) from None
-
-        return WorkloadManager(self.services, max_running=max_running, admission_check=admission_check)
-
     def start(self) -> None:
-        """Give every known tenant its slot (resuming checkpoints), then start the workload actor.
-        Counted: an app served by two servers at once (a test client and uvicorn) starts once."""
-        with self._lock:
-            self._users += 1
-            if self._users > 1:
-                return
-        for tenant in self.services.creator.list():
-            self._tenants[tenant.tenant_id] = tenant
-            self.services.training_service.add_tenant(tenant.backend_config)
-        self.workloads.start()
+        """Nothing to start: the Master Service owns workloads, slots and admission."""
 
     def stop(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users > 0:
-                return
-        self.workloads.stop()
+        """Nothing to stop (see start)."""
 
     # -- tenants (admin) --------------------------------------------------------------------------
     def create_tenant(self, spec: WorkloadSpec) -> Tenant:
         try:
-            tenant = self.services.creator.create(spec)
+            tenant = self.master.create_tenant(spec)
         except TenantExists as error:
             raise Conflict(str(error), list(error.problems)) from None
         except SpecError as error:  # field paths are relative to the spec, which is the request body
             raise ApiError("invalid workload spec", list(error.problems)).with_status(422, "invalid_spec") from None
-        self.services.training_service.add_tenant(tenant.backend_config)
         with self._lock:
-            self._tenants[tenant.tenant_id] = tenant
+            self._tenants[tenant.tenant_id] = (time.monotonic(), tenant)
         return tenant
 
-    def tenant(self, tenant_id: str) -> Tenant:
+    def delete_tenant(self, tenant_id: str, delete_artifacts: bool) -> dict[str, Any]:
+        try:
+            report = self.master.delete_tenant(tenant_id, delete_artifacts=delete_artifacts)
+        except KeyError:
+            raise NotFound("tenant", tenant_id, "tenant_id") from None
         with self._lock:
-            tenant = self._tenants.get(tenant_id)
-        if tenant is None:
+            self._tenants.pop(tenant_id, None)
+            self._queue_bytes.pop(tenant_id, None)
+        return report
+
+    def tenant(self, tenant_id: str, *, healthy: bool = True) -> Tenant:
+        """The tenant (cached for TENANT_CACHE_S); `healthy` refuses an unhealthy one with its reason."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._tenants.get(tenant_id)
+        if cached is not None and now - cached[0] < TENANT_CACHE_S:
+            tenant = cached[1]
+        else:
             try:
-                tenant = self.services.creator.get(tenant_id)
+                tenant = self.master.get_tenant(tenant_id)
             except KeyError:
                 raise NotFound("tenant", tenant_id, "tenant_id") from None
             with self._lock:
-                self._tenants[tenant_id] = tenant
+                self._tenants[tenant_id] = (now, tenant)
+        if healthy and tenant.status != "active":
+            raise ApiError(
+                f"tenant {tenant_id!r} is {tenant.status}: {tenant.status_reason}",
+                [("tenant", tenant.status_reason or tenant.status)],
+            ).with_status(409, "tenant_unhealthy")
         return tenant
 
     def tenants(self) -> list[Tenant]:
-        return self.services.creator.list()
+        return self.master.list_tenants()
 
     def _tenant_lock(self, tenant_id: str) -> threading.Lock:
         with self._lock:
@@ -184,10 +180,7 @@ class ApiGateway:
             raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
 
     def usage(self, tenant_id: str) -> s.Usage:
-        workloads = self.workloads.list(tenant_id)
-        running = sum(1 for w in workloads if w.state == "running")
-        queued = sum(1 for w in workloads if w.state == "queued")
-        return self.ledger.summary(tenant_id, running=running, queued=queued)
+        return self.master.usage(tenant_id)
 
     # -- workloads (upper layer) ------------------------------------------------------------------
     def submit_workload(self, tenant_id: str, request: s.WorkloadSubmit) -> s.WorkloadInfo:
@@ -202,36 +195,25 @@ class ApiGateway:
             spec = self._check_submitted_spec(tenant, request.spec)
             if jobs is None:
                 jobs = spec.scheduling.completion_target
-        self._check_queued_quota(tenant_id)
+        from joynexus.master.service import TenantUnavailable
         from joynexus.master.workloads import AdmissionRefused
 
         try:
             if task == "eval":
-                if not hasattr(self.workloads, "evaluate"):
-                    raise InvalidInput("task", "this Master Service runs no evaluation workloads")
                 version: int | str = "latest" if request.version is None else request.version
-                status = self.workloads.evaluate(
+                status = self.master.evaluate(
                     tenant_id, version=version, episodes=request.episodes, environment=request.environment
                 )
             else:
-                status = self.workloads.submit(tenant_id, jobs=jobs)
+                status = self.master.submit_workload(tenant_id, jobs=jobs)
         except AdmissionRefused as error:
-            raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
+            field = "quota.max_queued_workloads" if "max_queued_workloads" in str(error) else "quota.max_device_seconds"
+            raise QuotaExceeded(str(error), [(field, str(error))]) from None
+        except TenantUnavailable as error:
+            raise ApiError(str(error), [("tenant", error.reason)]).with_status(409, "tenant_unhealthy") from None
         except (ValueError, TypeError) as error:
             raise invalid_from(error, "task") from None
         return s.WorkloadInfo.model_validate(status.model_dump())
-
-    def _check_queued_quota(self, tenant_id: str) -> None:
-        quota = self.ledger.quota(tenant_id)
-        if quota.max_queued_workloads is None:
-            return
-        queued = sum(1 for w in self.workloads.list(tenant_id) if w.state == "queued")
-        if queued >= quota.max_queued_workloads:
-            reason = (
-                f"{queued} workloads of your tenant are already waiting (quota.max_queued_workloads = "
-                f"{quota.max_queued_workloads}); wait for one to start or cancel one"
-            )
-            raise QuotaExceeded(reason, [("quota.max_queued_workloads", reason)])
 
     def _check_submitted_spec(self, tenant: Tenant, data: dict[str, Any]) -> WorkloadSpec:
         try:
@@ -259,24 +241,24 @@ class ApiGateway:
 
     def workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
         try:
-            status = self.workloads.get(workload_id, tenant_id)
+            status = self.master.get_workload(workload_id, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
         return s.WorkloadInfo.model_validate(status.model_dump())
 
     def list_workloads(self, tenant_id: str) -> list[s.WorkloadInfo]:
-        return [s.WorkloadInfo.model_validate(w.model_dump()) for w in self.workloads.list(tenant_id)]
+        return [s.WorkloadInfo.model_validate(w.model_dump()) for w in self.master.list_workloads(tenant_id)]
 
     def cancel_workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
         try:
-            status = self.workloads.cancel(workload_id, tenant_id)
+            status = self.master.cancel_workload(workload_id, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
         return s.WorkloadInfo.model_validate(status.model_dump())
 
     def workload_events(self, tenant_id: str, workload_id: str, after: int) -> s.WorkloadEvents:
         try:
-            events = self.workloads.events(workload_id, after, tenant_id)
+            events = self.master.workload_events(workload_id, after, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
         info = self.workload(tenant_id, workload_id)
@@ -307,13 +289,10 @@ class ApiGateway:
         """The manifest of one of the tenant's checkpoints (no tensors read)."""
         if version not in self.services.checkpoints.versions(tenant_id):
             raise NotFound("checkpoint version", version, "version")
-        store = self.services.checkpoints
-        folder = store._version_prefix(tenant_id, version)
-        return TenantManifest.from_json(store.blobs.read(f"{folder}/{MANIFEST_FILE}"))
+        return self.services.checkpoints.read_manifest(tenant_id, version)
 
     def _checkpoint_bytes(self, tenant_id: str, version: int) -> int:
-        folder = self.services.settings.checkpoint_root / "tenants" / tenant_id / f"v{version:06d}"
-        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) if folder.is_dir() else 0
+        return self.services.checkpoints.version_bytes(tenant_id, version)
 
     def checkpoint_manifest(self, tenant_id: str, version: int) -> s.Manifest:
         return manifest_model(self._checkpoint_manifest(tenant_id, version))
@@ -457,23 +436,17 @@ class ApiGateway:
         ]
         self.check_admission(tenant_id)
         with self._service_errors("observations"):
-            # submit + wait (not predict): the Inference Model Service is a local object here, and
-            # submit takes `sample`; the request still rides the shared Inference Queue.
-            future = self.services.inference_service.submit(
+            # The request rides the shared Inference Queue of the resident service, which meters it.
+            result = self.services.inference_service.predict(
                 tenant_id,
                 observations,
                 policy_version=request.policy_version,
                 session_id=request.session_id,
                 seeds=request.seeds,
                 sample=request.sample,
+                timeout_s=request.timeout_s,
             )
-            try:
-                result = future.result(timeout=request.timeout_s)
-            except TimeoutError:
-                future.cancel()
-                raise
         seconds = float(result.get("device_seconds", 0.0))
-        self.ledger.record(tenant_id, INFERENCE, "predict", device_seconds=seconds, samples=n)
         values, log_probs = result.get("values"), result.get("log_probs")
         return s.PredictResult(
             policy_version=result["policy_version"],
@@ -701,7 +674,6 @@ class ApiGateway:
         self.check_admission(tenant_id)
         with self._session_errors(session_id, "action"):
             result = self._environment().step(tenant_id, session_id, action)
-        self.ledger.record(tenant_id, ENVIRONMENT, "env_step", env_steps=1)
         return s.EnvResult(data=_to_wire(result))
 
     def close_session(self, tenant_id: str, session_id: str) -> s.Cleared:

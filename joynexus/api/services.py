@@ -1,134 +1,86 @@
-"""The services behind the tenant API, local (in-process) or deployed (Ray actors).
+"""What the tenant API server talks to: the deployment's ONE Master Service and its execution
+services, through the typed handles of a `joynexus.connect.Cluster`, plus the control-plane store
+for API keys.
 
-`ApiServices` carries the same attributes as `joynexus.master.orchestrator.Deployment` (store,
-scheduler, queue, training_service, inference_service, environment_service, creator, tracker)
-plus the checkpoint store, so the `WorkloadManager` runs on it unchanged.
-
-`ApiServices.in_process` has every service in this process (what the tests and a single-process
-server use); `ApiServices.from_deployment` takes a Ray deployment's. A local Training Model
-Service is wrapped in `SerializedService`, which admits one call at a time like a Ray actor does,
-because HTTP handlers and the workload actor loop call it from many threads. The Inference Model
-Service stays concurrent (its queue batches callers together) and is the metered subclass, so
-every prediction carries its share of device time.
+`ApiServices.ray` is the default (`joynexus serve`): the resident named actors of a running
+deployment, the Master Service among them, so the server owns no workload state and a restart of
+it loses nothing. `ApiServices.in_process` puts every service and the Master in this process (tests,
+`joynexus serve --services in-process`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from joynexus.artifacts import CheckpointStore
+from joynexus.connect import Cluster, connect
 from joynexus.core.store import ControlPlaneStore
-from joynexus.master.tenant_creator import TenantCreator
-from joynexus.runtime import ServiceHandle, Settings
-from joynexus.scheduling.training_queue import TrainingQueueClient
-from joynexus.scheduling.training_scheduler import TrainingScheduler
-
-
-class SerializedService:
-    """A local service object behind a lock: one method call at a time, like a Ray actor."""
-
-    def __init__(self, target: Any):
-        self._target = target
-        self._lock = threading.RLock()
-
-    @property
-    def target(self) -> Any:
-        return self._target
-
-    def call_timed(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-        """(result, seconds the method itself ran), not counting the wait for the lock."""
-        with self._lock:
-            started = time.perf_counter()
-            result = getattr(self._target, method)(*args, **kwargs)
-            return result, time.perf_counter() - started
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._target, name)
-        if not callable(attribute):
-            return attribute
-
-        def locked(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                return attribute(*args, **kwargs)
-
-        return locked
+from joynexus.runtime import SerializedService, Settings, handle_of
 
 
 def timed_call(target: Any, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """Call a service method; (result, seconds). For a Ray actor the seconds include its queue."""
-    if isinstance(target, SerializedService):
-        return target.call_timed(method, *args, **kwargs)
+    """Call a service method; (result, seconds). A local serialized service reports the time the
+    method itself ran (not its wait for the lock); a Ray actor's includes its queue."""
+    handle = handle_of(target)
+    if isinstance(handle.target, SerializedService):
+        return handle.target.call_timed(method, *args, **kwargs)
     started = time.perf_counter()
-    result = getattr(ServiceHandle(target), method)(*args, **kwargs)
+    result = getattr(handle, method)(*args, **kwargs)
     return result, time.perf_counter() - started
 
 
 @dataclass
 class ApiServices:
-    settings: Settings
-    store: ControlPlaneStore
-    scheduler: TrainingScheduler
-    queue: TrainingQueueClient
-    training_service: Any
-    inference_service: Any
-    creator: TenantCreator
-    tracker: Any
-    checkpoints: CheckpointStore
-    environment_service: Any | None = None
-    _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    cluster: Cluster
+    store: ControlPlaneStore  # this server's connection to the control-plane store (API keys)
 
     @classmethod
-    def in_process(cls, settings: Settings | None = None) -> ApiServices:
-        """Every service a local object in this process (`Deployment.in_process`): for tests and
-        for a single-process server."""
-        from joynexus.master.orchestrator import Deployment
-
-        return cls.from_deployment(Deployment.in_process(settings))
+    def from_cluster(cls, cluster: Cluster) -> ApiServices:
+        return cls(cluster, ControlPlaneStore(cluster.settings.resolved_database_url()))
 
     @classmethod
-    def from_deployment(cls, deployment: Any) -> ApiServices:
-        """A deployment's services, with this process's metered Inference Model Service in place of
-        the deployment's (so every prediction carries its device time), and a local Training Model
-        Service serialized like an actor."""
-        from joynexus.api.usage import metered_inference_service
-        from joynexus.services.training import BackboneSource
+    def in_process(cls, settings: Settings | None = None, **master_options: Any) -> ApiServices:
+        """Every service and the Master Service in this process."""
+        from joynexus.connect import in_process
+        from joynexus.master.service import MasterOptions
 
-        settings = deployment.settings
-        source = BackboneSource(
-            preset=None if settings.backbone_path else settings.backbone_preset, path=settings.backbone_path
-        )
-        replaced = deployment.inference_service
-        close_replaced = getattr(replaced, "close", None)
-        if callable(close_replaced) and not hasattr(close_replaced, "remote"):
-            close_replaced()  # a local service's batching worker
-        inference = metered_inference_service(source, num_threads=settings.torch_threads)
-        deployment.inference_service = inference
-        training = deployment.training_service
-        if not hasattr(getattr(training, "train_batch", None), "remote"):
-            training = SerializedService(training)
-        services = cls(
-            settings=settings,
-            store=deployment.store,
-            scheduler=deployment.scheduler,
-            queue=deployment.queue,
-            training_service=training,
-            inference_service=inference,
-            creator=deployment.creator,
-            tracker=deployment.tracker,
-            checkpoints=CheckpointStore(settings.checkpoint_root),
-            environment_service=getattr(deployment, "environment_service", None),
-        )
-        services._closers.append(deployment.shutdown)  # environment sessions, inference worker, store
-        return services
+        return cls.from_cluster(in_process(settings or Settings(), options=MasterOptions(**master_options)))
+
+    @classmethod
+    def ray(cls, settings: Settings | None = None) -> ApiServices:
+        """The named actors of the deployment the settings (or `joynexus up`'s record) point at."""
+        return cls.from_cluster(connect(settings, mode="ray"))
+
+    @property
+    def settings(self) -> Settings:
+        return self.cluster.settings
+
+    @property
+    def master(self) -> Any:
+        return self.cluster.master
+
+    @property
+    def training_service(self) -> Any:
+        return self.cluster.training
+
+    @property
+    def inference_service(self) -> Any:
+        return self.cluster.inference
+
+    @property
+    def environment_service(self) -> Any:
+        return self.cluster.environment
+
+    @property
+    def queue(self) -> Any:
+        return self.cluster.queue
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        return self.cluster.checkpoints
 
     def close(self) -> None:
-        closers, self._closers = self._closers, []
-        for close in closers:
-            try:
-                close()
-            except Exception:  # closing is best effort and idempotent
-                pass
+        self.cluster.close()
+        self.store.dispose()

@@ -34,6 +34,10 @@ class BlobStore(Protocol):
         """Names of the direct children of ``prefix`` (empty list if none)."""
         ...
 
+    def total_bytes(self, prefix: str) -> int:
+        """Bytes of every object under ``prefix`` (0 if none)."""
+        ...
+
     def publish_dir(self, prefix: str, files: Mapping[str, bytes]) -> None:
         """Make ``files`` visible under ``prefix`` all at once; FileExistsError if it exists."""
         ...
@@ -121,6 +125,13 @@ class LocalBlobStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    def total_bytes(self, prefix: str) -> int:
+        """Bytes of every file under ``prefix`` (0 if there is none)."""
+        root = self._path(prefix) if prefix else self.root
+        if not root.is_dir():
+            return 0
+        return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
     def put_atomic(self, key: str, data: bytes) -> None:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +147,22 @@ class LocalBlobStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove the object ``prefix`` or everything under ``prefix/``; returns how many files went.
+        The folder is first renamed aside, so readers see it whole or not at all."""
+        target = self._path(prefix)
+        if target.is_file() or target.is_symlink():
+            target.unlink()
+            return 1
+        if not target.exists():
+            return 0
+        doomed = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}deleted-{target.name}-", dir=target.parent))
+        os.replace(target, doomed / target.name)
+        _fsync_dir(target.parent)
+        count = sum(1 for p in doomed.rglob("*") if not p.is_dir())
+        shutil.rmtree(doomed)
+        return count
 
 
 def blob_store_for(location: str | Path | BlobStore) -> BlobStore:

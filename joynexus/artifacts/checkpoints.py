@@ -36,6 +36,10 @@ from joynexus.artifacts.codec import (
     validate_tenant_id,
 )
 
+# Per-tenant high-water mark of every policy version the Training Model Service has issued
+# (exported, published, returned), checkpointed or not: a restarted service never reuses one.
+ISSUED_FILE = "ISSUED"
+
 
 class CheckpointStore:
     """Versioned per-tenant checkpoints: ``tenants/<tenant_id>/v<version:06d>/`` + ``LATEST``.
@@ -118,6 +122,36 @@ class CheckpointStore:
         self._advance_latest(tenant_id, policy_version)
         return manifest
 
+    def record_issued_version(self, tenant_id: str, version: int) -> None:
+        """Durably raise the tenant's issued-version high-water mark to ``version`` (never lowers
+        it). Written like LATEST: one atomic replace, on local disk or S3."""
+        _validate_version(version)
+        with self._latest_lock:
+            current = self.issued_version(tenant_id)
+            if current is None or version > current:
+                self.blobs.put_atomic(f"{self._tenant_prefix(tenant_id)}/{ISSUED_FILE}", f"{version}\n".encode())
+
+    def issued_version(self, tenant_id: str) -> int | None:
+        """The highest version ever recorded as issued for the tenant; None if none was."""
+        key = f"{self._tenant_prefix(tenant_id)}/{ISSUED_FILE}"
+        try:
+            text = self.blobs.read(key).decode("ascii").strip()
+        except FileNotFoundError:
+            return None
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"tenant {tenant_id!r}: file {ISSUED_FILE} is not ASCII") from exc
+        if not text.isdigit():
+            raise CheckpointError(f"tenant {tenant_id!r}: file {ISSUED_FILE} holds {text!r}, not a version number")
+        return int(text)
+
+    def delete_tenant(self, tenant_id: str) -> int:
+        """Remove every object of the tenant (checkpoints, LATEST, ISSUED); returns how many."""
+        delete = getattr(self.blobs, "delete_prefix", None)
+        if delete is None:
+            raise NotImplementedError(f"{self.blobs!r} cannot delete (it has no delete_prefix)")
+        with self._latest_lock:
+            return int(delete(self._tenant_prefix(tenant_id)))
+
     def _advance_latest(self, tenant_id: str, version: int) -> None:
         with self._latest_lock:
             current = self.latest_version(tenant_id)
@@ -148,6 +182,24 @@ class CheckpointStore:
             if m and self.blobs.exists(f"{prefix}/{name}/{MANIFEST_FILE}"):
                 found.append(int(m.group(1)))
         return sorted(found)
+
+    def read_manifest(self, tenant_id: str, version: int) -> TenantManifest:
+        """The manifest of one committed checkpoint, without reading its tensors."""
+        validate_tenant_id(tenant_id)
+        _validate_version(version)
+        try:
+            data = self.blobs.read(f"{self._version_prefix(tenant_id, version)}/{MANIFEST_FILE}")
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"tenant {tenant_id!r} version {version}: no checkpoint") from exc
+        return TenantManifest.from_json(data)
+
+    def version_bytes(self, tenant_id: str, version: int) -> int:
+        """Bytes one checkpoint version takes in the store."""
+        return self.blobs.total_bytes(self._version_prefix(tenant_id, version))
+
+    def tenant_bytes(self, tenant_id: str) -> int:
+        """Bytes every checkpoint of the tenant takes in the store (its storage usage)."""
+        return self.blobs.total_bytes(self._tenant_prefix(validate_tenant_id(tenant_id)))
 
     def tenants(self) -> list[str]:
         """Tenants with at least one committed checkpoint (a LATEST pointer)."""

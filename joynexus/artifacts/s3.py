@@ -151,6 +151,12 @@ class S3BlobStore:
         listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir_key(key), MaxKeys=1)
         return bool(listed.get("KeyCount", 0))
 
+    def total_bytes(self, prefix: str) -> int:
+        """Bytes of every object under ``prefix/`` (one listing, no per-object request)."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self._dir_key(prefix))
+        return sum(int(item["Size"]) for page in pages for item in page.get("Contents", []))
+
     def list_dir(self, prefix: str) -> list[str]:
         start = self._dir_key(prefix)
         names: set[str] = set()
@@ -182,6 +188,34 @@ class S3BlobStore:
 
     def put_atomic(self, key: str, data: bytes) -> None:
         self._put(self._key(key), bytes(data), only_if_absent=False, what=f"{self.uri}/{key}")
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete the object ``prefix`` and every object under ``prefix/``; returns how many."""
+        from botocore.exceptions import ClientError
+
+        keys: list[str] = []
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(prefix))
+            keys.append(self._key(prefix))
+        except ClientError as exc:
+            if _error_code(exc) not in _MISSING_CODES:
+                raise
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._dir_key(prefix)):
+            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = keys[start : start + 1000]
+            response = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise OSError(
+                    f"{self.uri}/{prefix}: {len(errors)} objects not deleted, e.g. {first.get('Key')!r}: "
+                    f"{first.get('Code')} {first.get('Message')}"
+                )
+        return len(keys)
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -23,9 +23,11 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    inspect,
+    text,
 )
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 SEQUENCE_NAMES = ("created_seq", "ready_seq")
@@ -48,7 +50,9 @@ class TenantRecord(Base):
     schema_signature: Mapped[str] = mapped_column(String(64), index=True)
     spec: Mapped[dict] = mapped_column(JSON)
     backend_config: Mapped[dict] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(16), default="active")
+    status: Mapped[str] = mapped_column(String(16), default="active")  # "active" | "unhealthy"
+    # Why the tenant is unhealthy (e.g. its slot failed to build), so the others keep serving.
+    status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -90,6 +94,9 @@ class TrainingJobRecord(Base):
     consumer_role: Mapped[str] = mapped_column(String(64))
     state: Mapped[str] = mapped_column(String(32), index=True)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # Times the job was re-queued because its lease owner died (bounded by recover_orphans' max_attempts).
+    # server_default: the schema upgrade can add the column to a table that already holds rows.
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     terminal_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     result: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -174,6 +181,20 @@ class TenantQuotaRecord(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class WorkloadEventRecord(Base):
+    """A workload's progress events, durable so a stream resumes (Last-Event-ID) across a restart
+    of the Master Service; `seq` is global and increasing."""
+
+    __tablename__ = "workload_events"
+
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    workload_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict] = mapped_column(JSON, default=dict)
+    time: Mapped[float] = mapped_column(Float)
+
+
 def sqlite_url(data_dir: str | Path) -> str:
     path = Path(data_dir).resolve() / "joynexus.db"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +213,7 @@ class ControlPlaneStore:
         else:
             self.engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
         Base.metadata.create_all(self.engine)
+        add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         for name in SEQUENCE_NAMES:
             self._ensure_sequence(name)
@@ -220,6 +242,41 @@ class ControlPlaneStore:
         record.value += 1
         session.flush()
         return record.value
+
+
+def add_missing_columns(engine: Engine) -> list[str]:
+    """Schema upgrade: `create_all` creates missing tables but never alters existing ones, so add
+    each model column an older database lacks (SQLite and PostgreSQL both take
+    `ALTER TABLE ... ADD COLUMN` with a constant default). Returns the added "table.column" names."""
+    added: list[str] = []
+    ddl = engine.dialect.ddl_compiler(engine.dialect, None)
+    prepare = engine.dialect.identifier_preparer
+    for table in Base.metadata.sorted_tables:
+        inspector = inspect(engine)
+        if not inspector.has_table(table.name):
+            continue
+        present = {column["name"] for column in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            spec = f"{prepare.format_column(column)} {column.type.compile(dialect=engine.dialect)}"
+            default = ddl.get_column_default_string(column)
+            if default is not None:
+                spec += f" DEFAULT {default}"
+                if not column.nullable:
+                    spec += " NOT NULL"
+            # Without a server default, existing rows could not satisfy NOT NULL: the column stays
+            # nullable and the ORM's Python default fills it for new rows.
+            try:
+                with engine.begin() as conn:
+                    conn.exec_driver_sql(f"ALTER TABLE {prepare.format_table(table)} ADD COLUMN {spec}")
+            except DBAPIError:
+                # Another process starting at the same time may have added it first.
+                if column.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
+                    raise
+                continue
+            added.append(f"{table.name}.{column.name}")
+    return added
 
 
 def _make_sqlite_transactions_immediate(engine: Engine) -> None:

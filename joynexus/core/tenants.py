@@ -75,6 +75,8 @@ class Tenant:
     spec: WorkloadSpec
     schema_signature: str
     backend_config: TenantBackendConfig
+    status: str = "active"  # "active" | "unhealthy" (see TenantCreator.mark_unhealthy)
+    status_reason: str | None = None
 
 
 def simulator_config(spec: WorkloadSpec | TenantBackendConfig, seed_offset: int = 0) -> dict[str, Any]:
@@ -105,4 +107,6 @@ def tenant_of(record: TenantRecord) -> Tenant:
         spec=WorkloadSpec.model_validate(record.spec),
         schema_signature=record.schema_signature,
         backend_config=TenantBackendConfig.model_validate(record.backend_config),
+        status=record.status or "active",
+        status_reason=record.status_reason,
     )

@@ -3,20 +3,29 @@
 Validates a workload spec against what the backend can do, derives the tenant's schema signature,
 compiles the backend config the model services consume, and persists the tenant together with its
 training policy in ONE transaction — a rejected spec leaves no tenant, policy or file behind.
+Every check that can fail runs before that write, including building the tenant's module on
+torch's meta device the way the Training Model Service builds its slot. It also marks tenants
+unhealthy / healthy and deletes a tenant's control-plane rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from joynexus.core.store import ControlPlaneStore, TenantRecord
+from joynexus.core.store import Base, ControlPlaneStore, TenantRecord
 from joynexus.core.tenants import BackendCapabilities, Tenant, TenantBackendConfig, simulator_config, tenant_of
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.spec import SpecError, TaskType, WorkloadSpec, parse_workload_spec
+
+if TYPE_CHECKING:  # torch is imported only when a spec is compiled
+    from joynexus.models.action_modules import ActionModuleConfig
+
+
+ACTIVE, UNHEALTHY = "active", "unhealthy"  # TenantRecord.status values
 
 
 class TenantExists(SpecError):
@@ -41,7 +50,7 @@ class SpecCompiler:
 
     def compile(self, spec: WorkloadSpec) -> TenantBackendConfig:
         """Check the spec against the backend (raising SpecError naming every bad field) and compile it."""
-        from joynexus.models.action_modules import ActionModuleConfig
+        from joynexus.models.action_modules import ACTION_MODULES, ActionModuleConfig
 
         problems: list[tuple[str, str]] = []
         caps = self.capabilities.base_models.get(spec.base_model)
@@ -82,6 +91,15 @@ class SpecCompiler:
                 problems.append((f"action_module.{name}", item["msg"]))
         except ValueError as error:
             problems.append(("action_module", _first_line(error)))
+        if module_config is not None and module_config.stochastic and not _supports_rl(module_config.kind):
+            # The module would refuse stochastic=True only when the backend builds the slot.
+            problems.append(
+                (
+                    "action_module.kind",
+                    f"{module_config.kind!r} has no tractable action density, which RL (PPO ratios) needs; "
+                    f"kinds that support RL: {sorted(k for k in ACTION_MODULES if _supports_rl(k))}",
+                )
+            )
         if spec.training.microbatch_size > spec.training.samples_per_job:
             problems.append(
                 (
@@ -90,13 +108,23 @@ class SpecCompiler:
                     f"({spec.training.samples_per_job})",
                 )
             )
+        config = None
+        if not problems:
+            assert module_config is not None
+            config = self._backend_config(spec, module_config)
+            problems.extend(backend_build_problems(config))
         if spec.dataset is not None and not problems:
             problems.extend(self._dataset_problems(spec))
         if spec.environment is not None and not problems:
             problems.extend(self._environment_problems(spec))
         if problems:
             raise SpecError(problems)
-        assert module_config is not None
+        assert config is not None
+        return config
+
+    @staticmethod
+    def _backend_config(spec: WorkloadSpec, module_config: ActionModuleConfig) -> TenantBackendConfig:
+        obs = spec.observation
         schema = spec.vla_schema()
         return TenantBackendConfig(
             tenant_id=spec.tenant,
@@ -227,6 +255,67 @@ class TenantCreator:
 
         with self.store.transaction() as session:
             return [tenant_of(r) for r in session.scalars(select(TenantRecord).order_by(TenantRecord.created_at))]
+
+    # -- health: one tenant's failure (e.g. its slot does not build) stays its own ---------------
+    def mark_unhealthy(self, tenant_id: str, reason: str) -> None:
+        self._set_status(tenant_id, UNHEALTHY, reason)
+
+    def mark_healthy(self, tenant_id: str) -> None:
+        self._set_status(tenant_id, ACTIVE, None)
+
+    def _set_status(self, tenant_id: str, status: str, reason: str | None) -> None:
+        with self.store.transaction() as session:
+            record = session.get(TenantRecord, tenant_id, with_for_update=True)
+            if record is None:
+                raise KeyError(f"no tenant {tenant_id!r}")
+            record.status, record.status_reason = status, reason
+
+    def delete(self, tenant_id: str) -> None:
+        """Remove the tenant and every control-plane row of it (policies, jobs, workloads, API keys,
+        quota, usage, ...) in ONE transaction. Its queue partitions, slots and artifacts are the
+        caller's (the Master Service's) to release."""
+        from sqlalchemy import delete
+
+        with self.store.transaction() as session:
+            if session.get(TenantRecord, tenant_id, with_for_update=True) is None:
+                raise KeyError(f"no tenant {tenant_id!r}")
+            # Every table with a tenant_id column, so a table added later cannot keep orphan rows.
+            # Admin API keys have tenant_id NULL and never match.
+            for table in Base.metadata.sorted_tables:
+                if "tenant_id" in table.c:
+                    session.execute(delete(table).where(table.c.tenant_id == tenant_id))
+
+
+def _supports_rl(kind: str) -> bool:
+    from joynexus.models.action_modules import ACTION_MODULES
+
+    cls = ACTION_MODULES.get(kind)
+    return cls is not None and cls.supports_rl
+
+
+def backend_build_problems(config: TenantBackendConfig) -> list[tuple[str, str]]:
+    """Build the tenant's slot module (its value head included) the way the Training Model Service
+    does, but on torch's meta device (no memory, no RNG draws), so a configuration the backend
+    cannot build is refused as a spec problem instead of failing after the tenant is written."""
+    import torch
+
+    from joynexus.models.action_modules import ActionModuleConfig, build_action_module
+
+    problems: list[tuple[str, str]] = []
+    try:
+        # TrainingModelService.add_tenant seeds torch with the tenant's seed before building.
+        torch.Generator().manual_seed(config.seed)
+    except (RuntimeError, ValueError, OverflowError) as error:
+        problems.append(("training.seed", _first_line(error)))
+    try:
+        module_config = ActionModuleConfig.model_validate(config.action_module)
+        with torch.device("meta"):
+            module = build_action_module(module_config)
+        if module_config.value_head and module.value_net is None:
+            problems.append(("action_module", f"kind {module_config.kind!r} built no value head, which GAE needs"))
+    except Exception as error:  # whatever the module raises is this spec's problem, not a server error
+        problems.append(("action_module", _first_line(error)))
+    return problems
 
 
 def _first_line(error: Exception) -> str:

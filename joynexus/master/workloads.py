@@ -8,8 +8,11 @@ completion the workload checkpoints, exports and registers the tenant's policy i
 
 Admission: one running workload per tenant (its training policy has one completion target) and at
 most `max_running` overall; further submissions wait in FIFO order with a visible position.
-Workload state is durable in the control-plane store; progress events are kept in memory for
-streaming.
+
+Durable: the admission queue IS the store (workloads in state `queued`, oldest first), workload
+progress and events are rows, so a restarted Master Service continues: `reconcile()` re-queues or
+fails the jobs a dead owner held, releases the jobs of workloads that ended, and resumes each
+running workload from its recorded progress (or ends it `failed` with the reason it cannot resume).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from joynexus.core.store import WorkloadRecord, utcnow
+from joynexus.core.store import WorkloadEventRecord, WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
 from joynexus.services.actor_loop import ActorLoop, ActorOutcome
@@ -65,7 +68,11 @@ class WorkloadStatus(BaseModel):
 
 class UnknownWorkload(KeyError):
     def __init__(self, workload_id: str):
+        self.workload_id = workload_id
         super().__init__(f"no workload {workload_id!r}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.workload_id,))
 
 
 class AdmissionRefused(RuntimeError):
@@ -87,30 +94,34 @@ class _Active:
     run_id: str | None = None
     failures: list[str] = field(default_factory=list)
     producer: Any = None
+    resumed: bool = False
 
 
 class WorkloadManager:
     def __init__(
         self,
-        deployment: Any,  # joynexus.master.orchestrator.Deployment or anything with the same attributes
+        deployment: Any,  # joynexus.master.deployment.Deployment or anything with the same attributes
         *,
+        owner: str = "master",
         max_running: int = 8,
         max_failures_per_workload: int = 3,
         max_concurrent_rollouts: int = 4,
         admission_check: Callable[[str], None] | None = None,  # raises AdmissionRefused to stop new work
+        max_queued: Callable[[str], int | None] | None = None,  # a tenant's limit of waiting workloads
+        max_job_attempts: int = 3,  # a job whose lease owner died is re-queued at most this often
         on_event: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.dep = deployment
+        self.owner = owner  # lease owner prefix of this Master's actor loop and advantage stage
         self.max_running = max_running
         self.max_failures = max_failures_per_workload
         self.admission_check = admission_check
+        self.max_queued = max_queued
+        self.max_job_attempts = max_job_attempts
         self.on_event = on_event
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
-        self._queue: list[str] = []  # workload ids waiting for admission, FIFO
-        self._events: dict[str, list[dict[str, Any]]] = {}
-        self._seq = 0
         self._stop = threading.Event()
         self._actor_thread: threading.Thread | None = None
         self._stage_thread: threading.Thread | None = None
@@ -120,12 +131,17 @@ class WorkloadManager:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> WorkloadManager:
         if self._actor_thread is None:
-            actor = ActorLoop(self.dep.scheduler, self.dep.training_service, on_outcome=self._on_outcome)
+            actor = ActorLoop(
+                self.dep.scheduler, self.dep.training_service, owner=self.actor_owner, on_outcome=self._on_outcome
+            )
             self._actor_thread = threading.Thread(target=actor.run, args=(self._stop,), name="actor-loop", daemon=True)
             self._actor_thread.start()
         if self._stage_thread is None:
             stage = AdvantageStage(
-                self.dep.scheduler, self.dep.queue, lambda tenant_id: self.dep.creator.get(tenant_id).backend_config
+                self.dep.scheduler,
+                self.dep.queue,
+                lambda tenant_id: self.dep.creator.get(tenant_id).backend_config,
+                owner=self.stage_owner,
             )
             self._stage_thread = threading.Thread(
                 target=stage.run, args=(self._stop,), name="advantage-stage", daemon=True
@@ -133,16 +149,125 @@ class WorkloadManager:
             self._stage_thread.start()
         return self
 
-    def stop(self) -> None:
+    @property
+    def actor_owner(self) -> str:
+        return f"{self.owner}/actor"
+
+    @property
+    def stage_owner(self) -> str:
+        return f"{self.owner}/advantages"
+
+    def stop(self, *, cancel_running: bool = True) -> None:
+        """Stop the actor loop and advantage stage. `cancel_running=False` leaves running workloads
+        `running` in the store (a Master shutting down for a restart resumes them)."""
         with self._lock:
-            active = list(self._active)
-        for workload_id in active:
-            self.cancel(workload_id)
+            active = list(self._active.values())
+        for entry in active:
+            if cancel_running:
+                self.cancel(entry.workload_id)
+            else:
+                entry.stop.set()
         self._stop.set()
         for thread in (self._actor_thread, self._stage_thread):
             if thread is not None:
                 thread.join(timeout=60)
         self._actor_thread = self._stage_thread = None
+
+    def reconcile(self, *, has_partition: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """Bring the store in line with a Master that (re)starts now (paper 4.4: restart from
+        recorded progress). Call before `start()`. Leases held by another owner (a dead Master's
+        actor loop or advantage stage) are re-queued or failed with bounded retries; jobs of
+        workloads that ended are released; jobs a dead producer was still writing are failed; each
+        running training workload resumes from its recorded progress, or ends `failed` with the
+        reason; an evaluation interrupted midway ends `failed` (it is cheap to submit again)."""
+        has_partition = has_partition or self.dep.queue.has_partition
+        report: dict[str, Any] = {"requeued": [], "released": [], "resumed": [], "failed": []}
+        recovered = self.dep.scheduler.recover_orphans(
+            {self.actor_owner, self.stage_owner}, has_partition=has_partition, max_attempts=self.max_job_attempts
+        )
+        report["requeued"] = [j.job_id for j in recovered if j.state not in TERMINAL_STATES]
+        report["released"] = [j.job_id for j in recovered if j.state in TERMINAL_STATES]
+        with self.dep.store.transaction() as s:
+            states = {r.workload_id: (r.state, r.task) for r in s.scalars(select(WorkloadRecord))}
+        for job in self.dep.scheduler.jobs():
+            if job.state in TERMINAL_STATES:
+                continue
+            workload_id = job.metadata.get("workload_id")
+            state, _task = states.get(workload_id, (None, None))
+            reason = None
+            if state != RUNNING:
+                reason = f"workload {workload_id} is {state or 'unknown'}"
+            elif job.state == "reserved":
+                reason = "its producer stopped with the previous Master Service before the data was written"
+            elif not has_partition(job.partition_id):
+                reason = "its partition was lost with the Training Queue"
+            if reason is not None:
+                self.dep.scheduler.abandon(job.job_id, f"reconciled after a restart: {reason}")
+                report["released"].append(job.job_id)
+        for workload_id, (state, task) in states.items():
+            if state != RUNNING:
+                continue
+            if task == "eval":
+                self._fail_record(workload_id, "interrupted by a restart of the Master Service; submit it again")
+                report["failed"].append(workload_id)
+                continue
+            try:
+                self._resume(workload_id)
+                report["resumed"].append(workload_id)
+            except Exception as error:
+                log.exception("workload %s cannot resume", workload_id)
+                self._fail_record(workload_id, f"cannot resume after a restart: {type(error).__name__}: {error}")
+                report["failed"].append(workload_id)
+        return report
+
+    def _resume(self, workload_id: str) -> None:
+        with self.dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            target, completed, version, steps, run_id, tenant_id = (
+                record.target_jobs, record.completed_jobs, record.version, record.optimizer_steps, record.run_id,
+                record.tenant_id,
+            )  # fmt: skip
+        tenant = self.dep.creator.get(tenant_id)
+        if getattr(tenant, "status", "active") != "active":
+            raise RuntimeError(f"tenant {tenant_id!r} is {tenant.status}: {getattr(tenant, 'status_reason', '')}")
+        active = _Active(workload_id, tenant, target, resumed=True)
+        active.completed_jobs, active.version, active.optimizer_steps, active.run_id = completed, version, steps, run_id
+        with self._lock:
+            self._active[workload_id] = active
+        if completed >= target:
+            self._finish(workload_id, WORKLOAD_COMPLETED)
+            return
+        try:
+            self._launch(active)
+        except Exception:
+            with self._lock:
+                self._active.pop(workload_id, None)
+            raise
+
+    def _fail_record(self, workload_id: str, reason: str) -> None:
+        with self.dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            record.state, record.error, record.finished_at = WORKLOAD_FAILED, reason, utcnow()
+        self._emit(workload_id, WORKLOAD_FAILED, error=reason)
+
+    def admit(self) -> None:
+        """Start queued workloads while capacity allows (also after a restart)."""
+        self._admit()
+
+    def running_count(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def count(self, tenant_id: str, state: str) -> int:
+        return self._count(tenant_id, state)
+
+    def publish_weights(self, tenant_id: str) -> int:
+        return self._publish_weights(tenant_id)
+
+    def _count(self, tenant_id: str, state: str) -> int:
+        query = select(func.count()).where(WorkloadRecord.tenant_id == tenant_id, WorkloadRecord.state == state)
+        with self.dep.store.transaction() as s:
+            return int(s.scalar(query) or 0)
 
     # -- API --------------------------------------------------------------------------------
     def submit(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadStatus:
@@ -161,15 +286,20 @@ class WorkloadManager:
         if self.admission_check is not None:
             self.admission_check(tenant_id)
         workload_id = f"wl-{uuid.uuid4().hex[:12]}"
+        if self.max_queued is not None:
+            limit = self.max_queued(tenant_id)
+            queued = self._count(tenant_id, QUEUED)
+            if limit is not None and queued >= limit:
+                raise AdmissionRefused(
+                    f"{queued} workloads of tenant {tenant_id!r} are already waiting (quota.max_queued_workloads = "
+                    f"{limit}); wait for one to start or cancel one"
+                )
         with self.dep.store.transaction() as s:
             s.add(
                 WorkloadRecord(
                     workload_id=workload_id, tenant_id=tenant_id, task=task, state=QUEUED, target_jobs=target
                 )
             )
-        with self._lock:
-            self._queue.append(workload_id)
-            self._events[workload_id] = []
         self._emit(workload_id, "queued", target_jobs=target)
         self._admit()
         return self.get(workload_id)
@@ -210,8 +340,6 @@ class WorkloadManager:
                     version=resolved, started_at=utcnow(),
                 )
             )  # fmt: skip
-        with self._lock:
-            self._events[workload_id] = []
         self._emit(workload_id, "started", version=resolved, episodes=episodes)
 
         def run() -> None:
@@ -262,29 +390,31 @@ class WorkloadManager:
             record = s.get(WorkloadRecord, workload_id)
             if record is None or (tenant_id is not None and record.tenant_id != tenant_id):
                 raise UnknownWorkload(workload_id)  # another tenant's id looks exactly like a missing one
-            return self._status(record)
+            return self._status(record, s)
 
     def list(self, tenant_id: str | None = None) -> list[WorkloadStatus]:
         query = select(WorkloadRecord).order_by(WorkloadRecord.created_at)
         if tenant_id is not None:
             query = query.where(WorkloadRecord.tenant_id == tenant_id)
         with self.dep.store.transaction() as s:
-            return [self._status(r) for r in s.scalars(query)]
+            return [self._status(r, s) for r in s.scalars(query)]
 
     def cancel(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
         status = self.get(workload_id, tenant_id)
         if status.state in FINAL_WORKLOAD_STATES:
             return status
-        with self._lock:
-            if workload_id in self._queue:
-                self._queue.remove(workload_id)
         self._finish(workload_id, CANCELLED, error="cancelled by request")
         return self.get(workload_id)
 
     def events(self, workload_id: str, after: int = 0, tenant_id: str | None = None) -> list[dict[str, Any]]:
         self.get(workload_id, tenant_id)
-        with self._lock:
-            return [e for e in self._events.get(workload_id, []) if e["seq"] > after]
+        query = (
+            select(WorkloadEventRecord)
+            .where(WorkloadEventRecord.workload_id == workload_id, WorkloadEventRecord.seq > after)
+            .order_by(WorkloadEventRecord.seq)
+        )
+        with self.dep.store.transaction() as s:
+            return [_event_dict(r) for r in s.scalars(query)]
 
     def wait(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
         deadline = time.monotonic() + timeout_s
@@ -304,12 +434,17 @@ class WorkloadManager:
             active = self._active.get(workload_id)
             if active is not None:
                 return list(active.losses)
-        return [e["loss"] for e in self._events.get(workload_id, []) if e["kind"] == "step"]
+        return [e["loss"] for e in self.events(workload_id) if e["kind"] == "step"]
 
     # -- internals --------------------------------------------------------------------------
-    def _status(self, record: WorkloadRecord) -> WorkloadStatus:
+    def _status(self, record: WorkloadRecord, session: Any) -> WorkloadStatus:
+        position = None
+        if record.state == QUEUED:
+            ahead = select(func.count()).where(
+                WorkloadRecord.state == QUEUED, WorkloadRecord.created_at < record.created_at
+            )
+            position = int(session.scalar(ahead) or 0) + 1  # the caller's transaction: one at a time
         with self._lock:
-            position = self._queue.index(record.workload_id) + 1 if record.workload_id in self._queue else None
             active = self._active.get(record.workload_id)
         live = {}
         if active is not None:
@@ -342,10 +477,20 @@ class WorkloadManager:
         return WorkloadStatus(**{**base, **live})
 
     def _emit(self, workload_id: str, kind: str, **data: Any) -> None:
+        now = time.time()
+        with self.dep.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            row = WorkloadEventRecord(
+                workload_id=workload_id,
+                tenant_id=record.tenant_id if record is not None else "",
+                kind=kind,
+                data=_jsonable(data),
+                time=now,
+            )
+            s.add(row)
+            s.flush()
+            event = _event_dict(row)
         with self._lock:
-            self._seq += 1
-            event = {"seq": self._seq, "workload_id": workload_id, "kind": kind, "time": time.time(), **data}
-            self._events.setdefault(workload_id, []).append(event)
             self._changed.notify_all()
         if self.on_event is not None:
             self.on_event(event)
@@ -354,19 +499,26 @@ class WorkloadManager:
         """Start queued workloads in FIFO order while capacity allows (skipping tenants that
         already run one, without letting them lose their place)."""
         to_start = []
+        waiting = select(WorkloadRecord).where(WorkloadRecord.state == QUEUED).order_by(WorkloadRecord.created_at)
+        with self.dep.store.transaction() as s:
+            queued = [(r.workload_id, r.tenant_id, r.target_jobs) for r in s.scalars(waiting)]
         with self._lock:
+            if self._stop.is_set():
+                return
             running_tenants = {a.tenant.tenant_id for a in self._active.values()}
-            for workload_id in list(self._queue):
+            for workload_id, tenant_id, target in queued:
                 if len(self._active) + len(to_start) >= self.max_running:
                     break
-                tenant_id = self.get(workload_id).tenant_id
-                if tenant_id in running_tenants:
+                if tenant_id in running_tenants or workload_id in self._active or workload_id in self._finishing:
                     continue
-                self._queue.remove(workload_id)
                 running_tenants.add(tenant_id)
                 to_start.append(workload_id)
-                tenant = self.dep.creator.get(tenant_id)
-                self._active[workload_id] = _Active(workload_id, tenant, self.get(workload_id).target_jobs)
+                try:
+                    tenant = self.dep.creator.get(tenant_id)
+                except KeyError:  # deleted meanwhile
+                    to_start.pop()
+                    continue
+                self._active[workload_id] = _Active(workload_id, tenant, target)
         for workload_id in to_start:
             try:
                 self._launch(self._active[workload_id])
@@ -380,24 +532,27 @@ class WorkloadManager:
         active.version = slot["version"]
         done = dep.scheduler.counts(tenant.tenant_id).get(COMPLETED, 0)
         sched = tenant.spec.scheduling
-        # The policy's completion target covers exactly this workload's jobs on top of earlier ones.
+        # The policy's completion target covers exactly this workload's remaining jobs on top of
+        # every completed one (a resumed workload has some of its own among them already).
         dep.scheduler.register_policy(
             tenant.tenant_id,
             tenant.spec.task.value,
             priority=sched.priority,
             max_in_flight=sched.max_in_flight_jobs,
-            completion_target=done + active.target_jobs,
+            completion_target=done + active.target_jobs - active.completed_jobs,
             max_policy_staleness=sched.max_policy_staleness,
         )
-        active.run_id = dep.tracker.start_workload_run(
-            tenant.tenant_id,
-            active.workload_id,
-            _run_params(tenant, active.target_jobs),
-            tags={"task": tenant.spec.task.value},
-        )
+        if active.run_id is None:
+            active.run_id = dep.tracker.start_workload_run(
+                tenant.tenant_id,
+                active.workload_id,
+                _run_params(tenant, active.target_jobs),
+                tags={"task": tenant.spec.task.value},
+            )
         with dep.store.transaction() as s:
             record = s.get(WorkloadRecord, active.workload_id)
-            record.state, record.started_at, record.run_id = RUNNING, utcnow(), active.run_id
+            record.state, record.run_id = RUNNING, active.run_id
+            record.started_at = record.started_at or utcnow()
         if tenant.spec.task.value == "rl":
             self._publish_weights(tenant.tenant_id)  # rollouts act with the current version
             producer: Any = RolloutProducer(
@@ -443,7 +598,7 @@ class WorkloadManager:
         thread = threading.Thread(target=produce, name=f"{kind}-producer-{tenant.tenant_id}", daemon=True)
         active.threads.append(thread)
         active.producer = producer
-        self._emit(active.workload_id, "started", version=active.version)
+        self._emit(active.workload_id, "resumed" if active.resumed else "started", version=active.version)
         thread.start()
 
     def _publish_weights(self, tenant_id: str) -> int:
@@ -547,11 +702,9 @@ class WorkloadManager:
         for job in self.dep.scheduler.jobs(tenant_id=active.tenant.tenant_id):
             if job.metadata.get("workload_id") != active.workload_id or job.state in TERMINAL_STATES:
                 continue
-            if job.state == "leased":
-                continue  # the actor is training it; its outcome is ignored once the workload is gone
-            try:
-                self.dep.scheduler.fail(job.job_id, f"workload {active.workload_id} ended: {reason}")
-            except Exception:  # it moved on concurrently (e.g. just got leased)
+            try:  # a leased job too: the actor's outcome for it is then refused and ignored
+                self.dep.scheduler.abandon(job.job_id, f"workload {active.workload_id} ended: {reason}")
+            except Exception:  # it finished concurrently
                 pass
 
     def _publish(self, active: _Active) -> int:
@@ -568,6 +721,20 @@ class WorkloadManager:
         return self.dep.tracker.register_tenant_payload(
             run_id=active.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
         )
+
+
+def _event_dict(record: WorkloadEventRecord) -> dict[str, Any]:
+    return {
+        "seq": record.seq, "workload_id": record.workload_id, "kind": record.kind, "time": record.time,
+        **(record.data or {}),
+    }  # fmt: skip
+
+
+def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
+    """Event data as JSON the store keeps (numpy scalars and tuples become plain values)."""
+    import json
+
+    return json.loads(json.dumps(data, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def _iso(value: Any) -> str | None:

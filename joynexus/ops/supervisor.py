@@ -60,6 +60,7 @@ __all__ = [
 STATE_FILE = "services.json"
 ENV_FILE = "env.sh"
 SERVICE_ACTORS = (
+    "joynexus.master",  # first: it stops leasing before the services it drives go away
     "joynexus.environment_service",  # first: its close_all stops simulator worker processes
     "joynexus.inference_service",
     "joynexus.training_service",
@@ -443,12 +444,10 @@ def _create_services() -> None:
     """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
     import ray
 
-    from joynexus.master.orchestrator import Deployment
+    from joynexus.connect import ray_cluster
 
-    settings = Settings()
-    deployment = Deployment.start(settings, detached=True)
-    deployment.inference_service.stats()  # waits until its backbone is loaded
-    deployment.store.dispose()
+    cluster = ray_cluster(Settings(), detached=True)  # the services and the ONE Master Service
+    cluster.inference.stats()  # waits until its backbone is loaded
     ray.shutdown()
 
 
@@ -582,6 +581,11 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     from joynexus.runtime import init_ray
 
     questions = {
+        "joynexus.master": (
+            "ping",
+            lambda r: f"Master Service {r['incarnation']}: {r['tenants']} tenants "
+            f"({len(r['unhealthy_tenants'])} unhealthy), {r['running_workloads']} workloads running",
+        ),
         "joynexus.training_queue": ("partitions", lambda r: f"Training Queue depth: {len(r)} partitions"),
         "joynexus.training_service": ("tenants", lambda r: f"{len(r)} tenant slots"),
         "joynexus.inference_service": (

@@ -64,6 +64,11 @@ class TenantInfo(_Response):
     environment: dict[str, Any] | None = None  # the session config of the tenant's declared environment
 
 
+class TenantDeleted(BaseModel):
+    tenant_id: str
+    removed: dict[str, str] = Field(description="what was removed (counts) or why a part was not")
+
+
 class IssueKeyRequest(_Request):
     label: str = Field(default="", max_length=128)
 

@@ -131,6 +131,26 @@ class TrainingQueue:
         """Release a partition; idempotent (True if something was released)."""
         return self._partitions.pop(partition_id, None) is not None
 
+    def clear_prefix(self, prefix: str) -> int:
+        """Release every partition whose id starts with `prefix`; returns how many."""
+        if not prefix:  # "" would match everything: never wipe the whole queue by accident
+            raise TrainingQueueError("clear_prefix needs a non-empty prefix")
+        victims = [pid for pid in self._partitions if pid.startswith(prefix)]
+        for pid in victims:
+            del self._partitions[pid]
+        return len(victims)
+
+    def clear_tenant(self, tenant_id: str) -> int:
+        """Release every partition of a tenant; returns how many. Both kinds of partition id carry
+        the tenant as their second segment: the API's `api/<tenant>/<name>` and the Training
+        Scheduler's `<domain>/<tenant>/<task>/<job>` (`partition_id_for`)."""
+        if not tenant_id or "/" in tenant_id:
+            raise TrainingQueueError(f"clear_tenant: {tenant_id!r} is not a tenant id")
+        victims = [pid for pid in self._partitions if _tenant_segment(pid) == tenant_id]
+        for pid in victims:
+            del self._partitions[pid]
+        return len(victims)
+
     # -- reads ------------------------------------------------------------------------------
     def get_meta(
         self, partition_id: str, fields: list[str] | tuple[str, ...], batch_size: int, task_name: str = "train"
@@ -172,6 +192,11 @@ class TrainingQueue:
         if part is None:
             raise UnknownPartition(partition_id)
         return part
+
+
+def _tenant_segment(partition_id: str) -> str | None:
+    parts = partition_id.split("/")
+    return parts[1] if len(parts) >= 3 else None
 
 
 def _copy(column: Column) -> Column:
@@ -227,6 +252,12 @@ class TrainingQueueClient:
 
     def clear(self, partition_id: str) -> bool:
         return self._service.clear(partition_id)
+
+    def clear_prefix(self, prefix: str) -> int:
+        return self._service.clear_prefix(prefix)
+
+    def clear_tenant(self, tenant_id: str) -> int:
+        return self._service.clear_tenant(tenant_id)
 
     def describe(self, partition_id: str) -> dict[str, Any]:
         return self._service.describe(partition_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ DROPPED = "dropped"
 
 TERMINAL_STATES = frozenset({COMPLETED, FAILED, DROPPED})
 STAGE_LEASES = {NEEDS_ACTOR_FORWARD: COMPUTING_ACTOR_FORWARD, NEEDS_ADVANTAGES: COMPUTING_ADVANTAGES}
+# A leased state and the state its job returns to when the lease owner dies (recover_orphans).
+LEASED_STATES = {LEASED: READY, **{leased: waiting for waiting, leased in STAGE_LEASES.items()}}
 
 # Transitions a producer or stage may request with `mark`; leases and terminal moves have their own calls.
 _MARK_TRANSITIONS: dict[str, frozenset[str]] = {
@@ -58,6 +60,16 @@ class InvalidTransition(SchedulerError):
     def __init__(self, job_id: str, current: str, requested: str):
         super().__init__(f"job {job_id}: cannot move from {current!r} to {requested!r}")
         self.job_id, self.current, self.requested = job_id, current, requested
+
+
+class LeaseLost(InvalidTransition):
+    """The caller no longer holds the job's lease: it was re-queued (its owner was presumed dead),
+    leased again by another owner, or abandoned. The caller must drop its work on the job."""
+
+    def __init__(self, job_id: str, current: str, requested: str, owner: str, holder: str | None):
+        super().__init__(job_id, current, requested)
+        self.args = (f"job {job_id}: {owner!r} lost its lease (state {current!r}, lease owner {holder!r})",)
+        self.owner, self.holder = owner, holder
 
 
 class UnknownJob(SchedulerError, KeyError):
@@ -88,6 +100,7 @@ class TrainingJob:
     lease_owner: str | None
     terminal_reason: str | None
     result: dict[str, Any] | None = field(default=None)
+    attempts: int = 0  # re-queues after a lease owner died
 
     @property
     def schema_signature(self) -> str | None:
@@ -115,6 +128,7 @@ class TrainingJob:
             lease_owner=record.lease_owner,
             terminal_reason=record.terminal_reason,
             result=dict(record.result) if record.result is not None else None,
+            attempts=record.attempts or 0,
         )
 
 
@@ -239,10 +253,12 @@ class TrainingScheduler:
             s.flush()
             return TrainingJob.from_record(record)
 
-    def mark(self, job_id: str, state: str) -> TrainingJob:
-        """Producer / stage transition (reserved → ready | needs_*; computing_* → next)."""
+    def mark(self, job_id: str, state: str, *, owner: str | None = None) -> TrainingJob:
+        """Producer / stage transition (reserved → ready | needs_*; computing_* → next). A stage
+        passes its `owner` so a job re-queued or re-leased meanwhile raises LeaseLost."""
         with self.store.transaction() as s:
             record = self._locked(s, job_id)
+            self._check_owner(record, owner, state)
             allowed = _MARK_TRANSITIONS.get(record.state, frozenset())
             if state not in allowed:
                 raise InvalidTransition(job_id, record.state, state)
@@ -295,16 +311,103 @@ class TrainingScheduler:
                 return False
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def complete(self, job_id: str, result: dict[str, Any] | None = None) -> TrainingJob:
-        return self._finish(job_id, COMPLETED, reason=None, result=result, from_states={LEASED})
+    def complete(
+        self, job_id: str, result: dict[str, Any] | None = None, *, owner: str | None = None
+    ) -> TrainingJob:
+        """Leased → completed. With `owner`, only while that owner still holds the lease (LeaseLost
+        otherwise); a terminal job (e.g. abandoned meanwhile) always raises InvalidTransition."""
+        return self._finish(job_id, COMPLETED, reason=None, result=result, from_states={LEASED}, owner=owner)
 
-    def fail(self, job_id: str, reason: str) -> TrainingJob:
-        """Any nonterminal job may fail."""
-        return self._finish(job_id, FAILED, reason=reason, result=None, from_states=None)
+    def fail(self, job_id: str, reason: str, *, owner: str | None = None) -> TrainingJob:
+        """Any nonterminal job may fail (with `owner`: only a job that owner holds leased)."""
+        return self._finish(job_id, FAILED, reason=reason, result=None, from_states=None, owner=owner)
 
-    def drop(self, job_id: str, reason: str) -> TrainingJob:
+    def drop(self, job_id: str, reason: str, *, owner: str | None = None) -> TrainingJob:
         """Drop a leased job without training it (e.g. `policy_stale`, eq. 1)."""
-        return self._finish(job_id, DROPPED, reason=reason, result=None, from_states={LEASED})
+        return self._finish(job_id, DROPPED, reason=reason, result=None, from_states={LEASED}, owner=owner)
+
+    def abandon(self, job_id: str, reason: str) -> TrainingJob:
+        """Fail a job from any nonterminal state, leased included (its workload was cancelled or is
+        gone), releasing its partition. Idempotent: a terminal job is returned unchanged. A holder
+        of the lease then gets InvalidTransition from complete/fail/drop, so it cannot resurrect it."""
+        try:
+            return self._finish(job_id, FAILED, reason=reason, result=None, from_states=None)
+        except InvalidTransition as error:
+            if error.current in TERMINAL_STATES:
+                return self.get(job_id)
+            raise
+
+    # -- recovery ---------------------------------------------------------------------------
+    def recover_orphans(
+        self,
+        live_owners: Collection[str],
+        *,
+        has_partition: Callable[[str], bool] | None = None,
+        max_attempts: int = 3,
+    ) -> list[TrainingJob]:
+        """Take back the leases of owners that are gone (a restarted Master, a dead actor or stage).
+
+        Every job in a leased state (leased, computing_*) whose lease owner is not in `live_owners`
+        (a lease taken without an owner counts as orphaned) goes back to the state it was leased
+        from (ready, resp. needs_*) with `attempts` + 1 and no owner, keeping its ready_seq so it
+        keeps its FIFO place. It fails instead, naming the dead owner, when its partition is gone
+        (`has_partition` false) or attempts + 1 > `max_attempts`; failed jobs release their
+        partition. Returns the jobs it changed, as they are now.
+        """
+        if max_attempts < 0:
+            raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
+        live = set(live_owners)
+        with self.store.transaction() as s:
+            leased = s.scalars(
+                select(TrainingJobRecord)
+                .where(TrainingJobRecord.state.in_(list(LEASED_STATES)))
+                .order_by(TrainingJobRecord.created_seq)
+            )
+            orphans = [TrainingJob.from_record(r) for r in leased if r.lease_owner not in live]
+        # Ask the Training Queue outside any transaction (a remote call must not hold the write lock).
+        plans: list[tuple[TrainingJob, str | None]] = []
+        for job in orphans:
+            attempts = job.attempts + 1
+            if has_partition is not None and not has_partition(job.partition_id):
+                reason: str | None = f"lease owner {job.lease_owner!r} is gone and partition {job.partition_id} is lost"
+            elif attempts > max_attempts:
+                reason = f"lease owner {job.lease_owner!r} is gone; retries exhausted ({attempts} > {max_attempts})"
+            else:
+                reason = None
+            plans.append((job, reason))
+        changed: list[TrainingJob] = []
+        with self.store.transaction() as s:
+            now = utcnow()
+            for job, reason in plans:
+                if reason is None:
+                    values: dict[str, Any] = dict(state=LEASED_STATES[job.state], lease_owner=None, leased_at=None)
+                else:
+                    values = dict(state=FAILED, terminal_reason=reason, finished_at=now)
+                # Compare-and-set on what we saw: a job that finished or moved meanwhile is left alone.
+                owner_is = (
+                    TrainingJobRecord.lease_owner.is_(None)
+                    if job.lease_owner is None
+                    else TrainingJobRecord.lease_owner == job.lease_owner
+                )
+                hit = s.execute(
+                    update(TrainingJobRecord)
+                    .where(
+                        TrainingJobRecord.job_id == job.job_id,
+                        TrainingJobRecord.state == job.state,
+                        TrainingJobRecord.attempts == job.attempts,
+                        owner_is,
+                    )
+                    .values(attempts=job.attempts + 1, updated_at=now, **values)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if hit == 1:
+                    record = s.get(TrainingJobRecord, job.job_id, populate_existing=True)
+                    changed.append(TrainingJob.from_record(record))
+        if self.release_partition is not None:
+            for job in changed:
+                if job.state == FAILED:
+                    self.release_partition(job.partition_id)
+        return changed
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, job_id: str) -> TrainingJob:
@@ -336,6 +439,14 @@ class TrainingScheduler:
         if record is None:
             raise UnknownJob(job_id)
         return record
+
+    @staticmethod
+    def _check_owner(record: TrainingJobRecord, owner: str | None, requested: str) -> None:
+        """With an owner: the job must still be leased by it (leases store "" as None)."""
+        if owner is None:
+            return
+        if record.state not in LEASED_STATES or record.lease_owner != (owner or None):
+            raise LeaseLost(record.job_id, record.state, requested, owner, record.lease_owner)
 
     def _lease(
         self, state: str, leased_state: str, domains: list[str], consumer_role: str, owner: str, order: tuple
@@ -375,9 +486,11 @@ class TrainingScheduler:
         reason: str | None,
         result: dict[str, Any] | None,
         from_states: set[str] | None,
+        owner: str | None = None,
     ) -> TrainingJob:
         with self.store.transaction() as s:
             record = self._locked(s, job_id)
+            self._check_owner(record, owner, state)
             if record.state in TERMINAL_STATES or (from_states is not None and record.state not in from_states):
                 raise InvalidTransition(job_id, record.state, state)
             record.state = state

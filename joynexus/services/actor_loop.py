@@ -10,17 +10,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from joynexus.scheduling.training_scheduler import TrainingJob, TrainingScheduler
+from joynexus.scheduling.training_scheduler import InvalidTransition, TrainingJob, TrainingScheduler
 
 log = logging.getLogger(__name__)
 
 POLICY_STALE = "policy_stale"
+LOST = "lost"  # the actor's lease was taken back (job abandoned or re-queued); not a terminal outcome
 
 
 @dataclass(frozen=True)
 class ActorOutcome:
     job: TrainingJob
-    state: str  # completed | failed | dropped
+    state: str  # completed | failed | dropped | lost
     metrics: dict[str, Any] | None
     reason: str | None
 
@@ -52,6 +53,9 @@ class ActorLoop:
         self.on_outcome = on_outcome
 
     def step(self, wait_s: float = 0.5) -> ActorOutcome | None:
+        """Lease, train and finish one job. Every scheduler call names this loop's owner, so a job
+        abandoned or re-queued while it trained is not resurrected: that comes back as a `lost`
+        outcome, which `on_outcome` does not see (the job's real outcome is someone else's)."""
         job = self.scheduler.lease_next(consumer_role="actor", domains=self.domains, owner=self.owner)
         if job is None:
             self.scheduler.wait_for_ready(consumer_role="actor", domains=self.domains, timeout_s=wait_s)
@@ -59,20 +63,36 @@ class ActorLoop:
         try:
             actor_version = self.service.policy_version(job.tenant_id)
             if is_stale(job, actor_version):
-                outcome = ActorOutcome(self.scheduler.drop(job.job_id, POLICY_STALE), "dropped", None, POLICY_STALE)
+                dropped = self.scheduler.drop(job.job_id, POLICY_STALE, owner=self.owner)
+                outcome = ActorOutcome(dropped, "dropped", None, POLICY_STALE)
             else:
                 metrics = self.service.train_job(job)
                 result = {k: v for k, v in metrics.items() if k != "losses"}
                 result["mean_loss"] = sum(metrics["losses"]) / len(metrics["losses"])
-                outcome = ActorOutcome(self.scheduler.complete(job.job_id, result), "completed", metrics, None)
+                done = self.scheduler.complete(job.job_id, result, owner=self.owner)
+                outcome = ActorOutcome(done, "completed", metrics, None)
+        except InvalidTransition as lost:
+            return self._lost(job, lost)
         except Exception as error:  # one tenant's failure must not stop the actor for the others
             cause = getattr(error, "cause", None) or error  # unwrap Ray's RayTaskError
             reason = f"{type(cause).__name__}: {cause}"
             log.warning("training job %s of tenant %s failed: %s", job.job_id, job.tenant_id, reason)
-            outcome = ActorOutcome(self.scheduler.fail(job.job_id, reason), "failed", None, reason)
+            try:
+                failed = self.scheduler.fail(job.job_id, reason, owner=self.owner)
+                outcome = ActorOutcome(failed, "failed", None, reason)
+            except InvalidTransition as lost:
+                return self._lost(job, lost)
         if self.on_outcome is not None:
             self.on_outcome(outcome)
         return outcome
+
+    def _lost(self, job: TrainingJob, error: InvalidTransition) -> ActorOutcome:
+        log.warning("training job %s of tenant %s: lease lost, result discarded: %s", job.job_id, job.tenant_id, error)
+        try:
+            current = self.scheduler.get(job.job_id)
+        except Exception:  # the outcome is informational; never stop the loop for it
+            current = job
+        return ActorOutcome(current, LOST, None, str(error))
 
     def run(self, stop: threading.Event, wait_s: float = 0.2) -> None:
         while not stop.is_set():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -35,7 +36,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from joynexus.envs.base import (
     build_simulator,
     validate_action,
 )
+
+if TYPE_CHECKING:  # imported when used: spawned session workers import this module and need no SQLAlchemy
+    from joynexus.core.metering import UsageMeter
 
 __all__ = [
     "ENVIRONMENT_SERVICE_ACTOR_NAME",
@@ -60,6 +64,8 @@ __all__ = [
 ]
 
 ENVIRONMENT_SERVICE_ACTOR_NAME = "joynexus.environment_service"
+
+log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
 _MAX_TOMBSTONES = 4096  # closed / failed ids remembered so close() stays idempotent and failures explain themselves
@@ -300,7 +306,11 @@ class EnvironmentService:
         max_sessions: int = 16,
         max_sessions_per_tenant: int = 8,
         start_method: str = "spawn",
+        meter: UsageMeter | None = None,
+        database_url: str | None = None,
     ) -> None:
+        """`meter` (or `database_url`, from which a Ray actor builds its own) records every step as
+        environment usage of the session's tenant; without either nothing is recorded."""
         if step_timeout_s <= 0 or reset_timeout_s <= 0:
             raise ValueError("step_timeout_s and reset_timeout_s must be > 0")
         if max_sessions < 1 or max_sessions_per_tenant < 1:
@@ -316,6 +326,9 @@ class EnvironmentService:
         self._lock = threading.Lock()  # guards _sessions and _tombstones, never held across IPC
         self._sessions: dict[str, _Session] = {}
         self._tombstones: OrderedDict[str, _Session] = OrderedDict()
+        from joynexus.core.metering import build_meter
+
+        self.meter, self._owns_meter = build_meter(meter, database_url)  # last: nothing to undo if a check fails
 
     # -- lifecycle ---------------------------------------------------------------------------- #
     def open_session(self, tenant_id: str, rollout_id: str, config: SimulatorConfig | dict[str, Any]) -> str:
@@ -387,8 +400,25 @@ class EnvironmentService:
                 pass
             self._reap(session, grace_s=_CLOSE_TIMEOUT_S)
 
+    def flush_usage(self) -> bool:
+        """Write the metered usage now (a usage read right after the work sees all of it)."""
+        return self.meter.try_flush() if self.meter is not None else True
+
+    def close_tenant(self, tenant_id: str) -> int:
+        """Close every session of one tenant (tenant deletion) and forget its failed ones."""
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if s.tenant_id == tenant_id and s.state == "ready"]
+            for gone in [k for k, t in self._tombstones.items() if t.tenant_id == tenant_id]:
+                del self._tombstones[gone]
+        for session in sessions:
+            try:
+                self.close(tenant_id, session.session_id)
+            except UnknownSession:
+                pass
+        return len(sessions)
+
     def close_all(self) -> None:
-        """Close every session of every tenant (service shutdown)."""
+        """Close every session of every tenant (service shutdown) and write the metered steps."""
         with self._lock:
             sessions = [s for s in self._sessions.values() if s.state == "ready"]
         for session in sessions:
@@ -396,6 +426,8 @@ class EnvironmentService:
                 self.close(session.tenant_id, session.session_id)
             except UnknownSession:
                 pass
+        if self.meter is not None:  # flushed, not closed: the service may still be used after this
+            self.meter.try_flush()
 
     # -- queries ------------------------------------------------------------------------------ #
     def spec(self, tenant_id: str, session_id: str) -> dict[str, Any]:
@@ -432,6 +464,7 @@ class EnvironmentService:
             self._check_usable(session)
             result = self._request(session, {"cmd": "step", "action": act}, self.step_timeout_s, "step")
             session.steps += 1
+        self._meter_steps(tenant_id, 1)
         return result
 
     def batch_step(self, tenant_id: str, actions: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -448,6 +481,7 @@ class EnvironmentService:
                 results[session_id] = _error_entry(exc)
         ready.sort(key=lambda item: item[0].session_id)  # one lock order for every caller: no deadlock
         held: list[_Session] = []
+        stepped = 0  # steps that ran, for metering
         try:
             pending: dict[Connection, _Session] = {}
             for session, act in ready:
@@ -473,14 +507,24 @@ class EnvironmentService:
                     try:
                         results[session.session_id] = self._receive(session)
                         session.steps += 1
+                        stepped += 1
                     except Exception as exc:
                         results[session.session_id] = _error_entry(exc)
         finally:
             for session in held:
                 session.lock.release()
+        self._meter_steps(tenant_id, stepped)
         return {sid: results[sid] for sid in actions}  # the caller's order
 
     # -- internals ---------------------------------------------------------------------------- #
+    def _meter_steps(self, tenant_id: str, steps: int) -> None:
+        if self.meter is None or steps <= 0:
+            return
+        try:
+            self.meter.record(tenant_id, "environment", "env_step", env_steps=steps)
+        except Exception as error:  # metering never fails a step that ran
+            log.warning("environment usage of tenant %r not recorded: %s", tenant_id, error)
+
     def _get(self, tenant_id: str, session_id: str) -> _Session:
         with self._lock:
             session = self._sessions.get(session_id)
@@ -600,12 +644,15 @@ def _error_entry(exc: BaseException) -> dict[str, Any]:
     return {"error": str(exc), "error_type": type(exc).__name__}
 
 
-def environment_service_actor(namespace: str | None = None, detached: bool = False, **kwargs: Any) -> Any:
+def environment_service_actor(
+    namespace: str | None = None, detached: bool = False, database_url: str | None = None, **kwargs: Any
+) -> Any:
     """Get or create the named Environment Service actor (Ray must be initialized).
 
     ``kwargs`` go to `EnvironmentService`, except ``max_concurrency`` (default 32: calls from
     several tenants run side by side on the actor's threads) and ``num_cpus`` (default 0: the
-    simulation runs in the session worker processes, not in the actor).
+    simulation runs in the session worker processes, not in the actor). `database_url`: the
+    control-plane store the actor meters env steps into (None: no metering).
     """
     from joynexus.runtime import named_actor
 
@@ -618,5 +665,6 @@ def environment_service_actor(namespace: str | None = None, detached: bool = Fal
         detached=detached,
         num_cpus=num_cpus,
         max_concurrency=max_concurrency,
+        database_url=database_url,
         **kwargs,
     )

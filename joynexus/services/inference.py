@@ -15,10 +15,11 @@ state when it is submitted, so eviction never breaks a request already in the qu
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +27,15 @@ import numpy as np
 import torch
 
 from joynexus.artifacts import decode_tenant_payload
+from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.scheduling.inference_queue import InferenceQueue, InferenceRequest, Observation
 from joynexus.services.training import BackboneSource
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
+
+log = logging.getLogger(__name__)
 
 
 class InferenceError(RuntimeError):
@@ -62,6 +66,7 @@ class _Pinned:
     state: ServingState
     seeds: list[int] | None
     sample: bool = False
+    operation: str = "predict"  # what the usage entry is recorded as ("predict", "rollout", ...)
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -78,7 +83,11 @@ class InferenceModelService:
         max_versions_per_tenant: int = 3,
         num_threads: int | None = None,
         start_worker: bool = True,
+        meter: UsageMeter | None = None,
+        database_url: str | None = None,
     ):
+        """`meter` (or `database_url`, from which a Ray actor builds its own) records each request's
+        device-seconds as inference usage of its tenant; without either nothing is recorded."""
         if max_versions_per_tenant < 1:
             raise ValueError(f"max_versions_per_tenant must be >= 1, got {max_versions_per_tenant}")
         if num_threads:
@@ -87,6 +96,7 @@ class InferenceModelService:
             BackboneSource.model_validate(backbone_source) if isinstance(backbone_source, dict) else backbone_source
         )
         self.backbone: ResidentBackbone = source.build()
+        self.meter, self._owns_meter = build_meter(meter, database_url)
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_versions = max_versions_per_tenant
@@ -151,6 +161,15 @@ class InferenceModelService:
         with self._lock:
             return sorted(self._states)
 
+    def flush_usage(self) -> bool:
+        """Write the metered usage now (a usage read right after the work sees all of it)."""
+        return self.meter.try_flush() if self.meter is not None else True
+
+    def remove_tenant(self, tenant_id: str) -> int:
+        """Forget every serving state of the tenant (tenant deletion); returns how many versions."""
+        with self._lock:
+            return len(self._states.pop(tenant_id, {}))
+
     def _resolve(self, tenant_id: str, version: int | None) -> ServingState:
         with self._lock:
             versions = self._states.get(tenant_id)
@@ -174,11 +193,15 @@ class InferenceModelService:
         session_id: str | None = None,
         seeds: list[int] | None = None,
         sample: bool = False,
+        operation: str = "predict",
     ) -> Future:
         """Enqueue a request and return its future (the hook rollout loops call per env step).
         The version is resolved now, so the request is served by exactly that version.
         `sample=True` draws from the tenant's Gaussian policy and returns log-probabilities
-        (RL rollouts); otherwise the deterministic action (evaluation, serving)."""
+        (RL rollouts); otherwise the deterministic action (evaluation, serving). `operation` names
+        the purpose in the tenant's usage ("predict", "rollout", ...)."""
+        if not isinstance(operation, str) or not 0 < len(operation) <= 32:
+            raise ValueError(f"operation: expected a name of 1..32 characters, got {operation!r}")
         state = self._resolve(tenant_id, policy_version)
         if sample and state.module.log_std is None:
             raise ValueError(f"sample: tenant {tenant_id!r}'s module is not a stochastic policy (not an RL tenant)")
@@ -193,7 +216,7 @@ class InferenceModelService:
             observations=observations,
             policy_version=state.version,
             session_id=session_id,
-            context=_Pinned(state, seeds, sample),
+            context=_Pinned(state, seeds, sample, operation),
         )
         return self.queue.enqueue(request)
 
@@ -207,11 +230,19 @@ class InferenceModelService:
         seeds: list[int] | None = None,
         sample: bool = False,
         timeout_s: float | None = 60.0,
+        operation: str = "predict",
     ) -> dict[str, Any]:
         """Actions (and values where the module has a value head) for a tenant's observations;
-        `sample=True` also returns the log-probabilities of the sampled actions (see `submit`)."""
+        `sample=True` also returns the log-probabilities of the sampled actions (see `submit`).
+        The result's `device_seconds` is this request's share of its shared batch's time."""
         future = self.submit(
-            tenant_id, observations, policy_version=policy_version, session_id=session_id, seeds=seeds, sample=sample
+            tenant_id,
+            observations,
+            policy_version=policy_version,
+            session_id=session_id,
+            seeds=seeds,
+            sample=sample,
+            operation=operation,
         )
         return future.result(timeout=timeout_s)
 
@@ -240,7 +271,11 @@ class InferenceModelService:
                 self.execute(batch)
 
     def execute(self, batch: list[InferenceRequest]) -> None:
-        """One shared backbone forward for the batch, then each request's own tenant decode."""
+        """One shared backbone forward for the batch, then each request's own tenant decode. The
+        batch's time is split over its requests by samples: each result carries its share as
+        `device_seconds`, and the meter records it as the tenant's inference usage. Results are
+        released together, once the batch time (and so each share) is known."""
+        started = time.perf_counter()
         images: list[list[torch.Tensor]] = []
         instructions: list[str] = []
         slices: list[slice] = []
@@ -254,20 +289,37 @@ class InferenceModelService:
             features = self.backbone.encode(images, instructions)
         except Exception as error:  # a bad shared forward fails the batch, never the service
             for request in batch:
-                request.future.set_exception(InferenceError(f"shared backbone forward failed: {error}"))
+                _settle(request.future, exception=InferenceError(f"shared backbone forward failed: {error}"))
             return
+        served: list[tuple[InferenceRequest, dict[str, Any]]] = []
         for request, rows in zip(batch, slices, strict=True):
             if request.future.done():  # cancelled by its caller
                 continue
             try:
-                request.future.set_result(self._decode(request, features.select(rows).trimmed(), images, rows))
+                served.append((request, self._decode(request, features.select(rows).trimmed(), images, rows)))
             except Exception as error:
                 self._stats["failed_requests"] += 1
-                request.future.set_exception(error)
+                _settle(request.future, exception=error)
+        # Every member shares the forward, so shares are over the whole batch; failed requests are not charged.
+        shares = split_group_seconds(time.perf_counter() - started, [r.size for r in batch])
+        share_of = {id(request): share for request, share in zip(batch, shares, strict=True)}
+        for request, result in served:
+            result["device_seconds"] = share_of[id(request)]
+            self._meter_request(request, result["device_seconds"])
+            _settle(request.future, result=result)
         self._stats["batches"] += 1
         self._stats["requests"] += len(batch)
         self._stats["samples"] += len(images)
         self._batch_sizes.append(len(images))
+
+    def _meter_request(self, request: InferenceRequest, seconds: float) -> None:
+        if self.meter is None:
+            return
+        try:
+            operation = request.context.operation
+            self.meter.record(request.tenant_id, INFERENCE, operation, device_seconds=seconds, samples=request.size)
+        except Exception as error:  # metering never fails a served request
+            log.warning("inference usage of tenant %r not recorded: %s", request.tenant_id, error)
 
     def _decode(self, request: InferenceRequest, features: Any, images: list, rows: slice) -> dict[str, Any]:
         pinned: _Pinned = request.context
@@ -326,6 +378,22 @@ class InferenceModelService:
         self.queue.close()
         if self._worker is not None:
             self._worker.join(timeout=5)
+        if self.meter is not None:  # write what the last batches recorded; a shared meter stays open
+            if self._owns_meter:
+                self.meter.close()
+            else:
+                self.meter.try_flush()
+
+
+def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve a request's future unless its caller cancelled it meanwhile."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 def inference_service_actor(
@@ -337,9 +405,11 @@ def inference_service_actor(
     num_cpus: float = 1,
     namespace: str | None = None,
     detached: bool = False,
+    database_url: str | None = None,
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Inference Model Service actor. It is a threaded actor: many callers
-    block in `predict` at once while its worker thread batches their requests together."""
+    block in `predict` at once while its worker thread batches their requests together.
+    `database_url`: the control-plane store the actor meters inference usage into (None: no metering)."""
     from joynexus.runtime import named_actor
 
     return named_actor(
@@ -353,4 +423,5 @@ def inference_service_actor(
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
         num_threads=num_threads,
+        database_url=database_url,
     )

@@ -20,6 +20,7 @@ import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig, simulator_config
 from joynexus.envs.base import unit_to_bounds
+from joynexus.runtime import handle_of
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
@@ -33,24 +34,23 @@ def predict_many(
     policy_version: int | None,
     sample: bool,
     session_ids: list[str] | None = None,
+    operation: str = "rollout",
 ) -> list[dict[str, Any]]:
     """One request per observation, all in flight at once, so the Inference Scheduler can batch
-    them with each other and with other tenants' requests."""
-    sessions = session_ids or [None] * len(observations)
-    submit = getattr(inference, "submit", None)
-    if submit is not None and not hasattr(submit, "remote"):  # a local service: futures
-        futures = [
-            submit(tenant_id, [obs], policy_version=policy_version, session_id=sid, sample=sample)
-            for obs, sid in zip(observations, sessions, strict=True)
-        ]
-        return [f.result(timeout=120) for f in futures]
-    import ray
+    them with each other and with other tenants' requests. `operation` names the use in the
+    service's metering ("rollout", "evaluate")."""
+    from joynexus.services.inference import InferenceModelService
 
-    refs = [
-        inference.predict.remote(tenant_id, [obs], policy_version=policy_version, session_id=sid, sample=sample)
+    sessions = session_ids or [None] * len(observations)
+    handle = handle_of(inference)
+    futures = [
+        handle.start(
+            InferenceModelService.predict, tenant_id, [obs], policy_version=policy_version, session_id=sid,
+            sample=sample, operation=operation,
+        )
         for obs, sid in zip(observations, sessions, strict=True)
-    ]
-    return ray.get(refs)
+    ]  # fmt: skip
+    return [f.result(timeout=180) for f in futures]
 
 
 def to_observation(raw: dict[str, Any], cameras: tuple[str, ...], instruction: str) -> Observation:
@@ -341,8 +341,9 @@ def evaluate_policy(
     try:
         while len(stats.returns) < episodes:
             preds = predict_many(
-                inference, config.tenant_id, envs.obs, policy_version=resolved, sample=False, session_ids=envs.ids
-            )
+                inference, config.tenant_id, envs.obs, policy_version=resolved, sample=False, session_ids=envs.ids,
+                operation="evaluate",
+            )  # fmt: skip
             envs.act([p["actions"][0] for p in preds], stats)
     finally:
         envs.close()

@@ -23,7 +23,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from joynexus.artifacts import CheckpointStore, TenantManifest, encode_tenant_payload
+from joynexus.artifacts import (
+    ACTION_MODULE_FILE,
+    OPTIMIZER_TENSORS_FILE,
+    CheckpointError,
+    CheckpointStore,
+    TenantManifest,
+    encode_tenant_payload,
+)
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone, TinyBackboneSpec
@@ -69,7 +76,10 @@ class TenantSlot:
     config: TenantBackendConfig
     module: ActionModule
     optimizer: torch.optim.Optimizer
-    version: int = 0
+    version: int = 0  # the version of the weights the slot holds now
+    # Highest version number ever issued for this tenant (>= version; higher after a restore from an
+    # older checkpoint): the next version is issued_version + 1, so no number is reused.
+    issued_version: int = 0
     optimizer_steps: int = 0
     jobs_completed: int = 0
     samples_trained: int = 0
@@ -183,6 +193,9 @@ class TrainingModelService:
         if resume and self.checkpoints.latest_version(config.tenant_id) is not None:
             self._restore(slot)
             resumed = True
+        # Versions after the restored checkpoint may have been issued (exported, published) before a
+        # crash with other weights: continue numbering after every version ever issued.
+        slot.issued_version = max(slot.version, self.checkpoints.issued_version(config.tenant_id) or 0)
         self._slots[config.tenant_id] = slot
         return {"tenant_id": config.tenant_id, "version": slot.version, "resumed": resumed}
 
@@ -194,13 +207,38 @@ class TrainingModelService:
                 f"checkpoint of tenant {tenant_id!r} v{manifest.policy_version} has schema signature "
                 f"{manifest.schema_signature}, the tenant's spec has {slot.config.schema_signature}"
             )
-        slot.module.load_state_dict(module_state)
+        where = f"checkpoint of tenant {tenant_id!r} v{manifest.policy_version}"
+        try:
+            slot.module.load_state_dict(module_state)
+        except (RuntimeError, ValueError, KeyError) as exc:  # verified bytes, but not this module's tensors
+            raise CheckpointError(
+                f"{where}: file {ACTION_MODULE_FILE} does not fit the tenant's module: {exc}"
+            ) from exc
         if optimizer_state is not None:
-            slot.optimizer.load_state_dict(optimizer_state)
+            try:
+                slot.optimizer.load_state_dict(optimizer_state)
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"{where}: file {OPTIMIZER_TENSORS_FILE} does not fit the tenant's optimizer: {exc}"
+                ) from exc
         slot.version = manifest.policy_version
         slot.optimizer_steps = int(manifest.extra.get("optimizer_steps", 0))
         slot.jobs_completed = int(manifest.extra.get("jobs_completed", 0))
         slot.samples_trained = int(manifest.extra.get("samples_trained", 0))
+
+    def remove_tenant(self, tenant_id: str) -> bool:
+        """Drop the tenant's slot (module, optimizer, pending gradients) from memory; its checkpoints
+        stay (CheckpointStore.delete_tenant removes those). False if it had no slot."""
+        self._pending_gradients().pop(tenant_id, None)
+        return self._slots.pop(tenant_id, None) is not None
+
+    def _issue_version(self, slot: TenantSlot) -> int:
+        """Number a parameter change: the next never-issued version, made durable BEFORE the slot
+        (and so any export, result or checkpoint) shows it; a crash after this only skips a number."""
+        version = max(slot.version, slot.issued_version) + 1
+        self.checkpoints.record_issued_version(slot.config.tenant_id, version)
+        slot.issued_version = slot.version = version
+        return version
 
     def _slot(self, tenant_id: str) -> TenantSlot:
         slot = self._slots.get(tenant_id)
@@ -214,7 +252,7 @@ class TrainingModelService:
         slot = self._slot(tenant_id)
         _check_annotations(batch, tenant_id, slot.config.schema_signature)
         loss = self._step(slot, batch)
-        slot.version += 1  # every parameter change is a new version: exports and checkpoints stay unambiguous
+        self._issue_version(slot)  # every parameter change is a new version: exports and checkpoints stay unambiguous
         return {"tenant_id": tenant_id, "loss": loss, "optimizer_steps": slot.optimizer_steps, "version": slot.version}
 
     def train_job(self, job: TrainingJob | dict[str, Any]) -> dict[str, Any]:
@@ -246,7 +284,7 @@ class TrainingModelService:
                 samples += meta.size
         if samples == 0:
             raise TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples")
-        slot.version += 1
+        self._issue_version(slot)
         slot.jobs_completed += 1
         every = slot.config.checkpoint_every_jobs
         manifest = self._save_slot(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
@@ -377,10 +415,9 @@ class TrainingModelService:
                 # trimmed(): drop the padding columns other tenants' longer prompts added, so the
                 # head sees exactly the shapes a forward of its own microbatch would give.
                 loss: float | None = self._update(slot, features.select(own_rows).trimmed(), batch)
+                self._issue_version(slot)  # as train_batch: every parameter change is a new version
             except Exception as exc:  # one tenant's failure is its own; the group goes on
                 loss, error = None, f"{type(exc).__name__}: {exc}"
-            else:
-                slot.version += 1  # as train_batch: every parameter change is a new version
             result = {
                 "tenant_id": slot.config.tenant_id,
                 "loss": loss,
@@ -611,7 +648,7 @@ class TrainingModelService:
         slot.samples_trained += pending["samples"]
         mean_loss = sum(pending["losses"]) / len(pending["losses"])
         slot.losses.append(mean_loss)
-        slot.version += 1
+        self._issue_version(slot)
         return {
             "tenant_id": tenant_id,
             "loss": mean_loss,

@@ -108,7 +108,7 @@ def api(tmp_path_factory) -> ApiWorld:
     from joynexus.runtime import Settings
 
     data_dir = tmp_path_factory.mktemp("api")
-    services = ApiServices.in_process(Settings(data_dir=data_dir))
+    services = ApiServices.in_process(Settings(data_dir=data_dir), default_max_queued_workloads=3)
     settings = ApiSettings(max_body_bytes=MAX_BODY_BYTES, default_max_queued_workloads=3, stream_poll_s=0.05)
     app = create_app(services, settings, admin_key=ADMIN_KEY)
     # raise_server_exceptions=False: a 500 comes back as the client would see it (no traceback).

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from joynexus.client import AsyncJoyNexusClient
+from joynexus.runtime import handle_of
 from tests.api.conftest import wire
 
 
@@ -96,7 +97,7 @@ async def _session(client: AsyncJoyNexusClient, tenant, rounds: int, predict_fan
 
 def test_two_tenants_hammering_at_once_get_what_they_get_alone(api, live_server, monkeypatch):
     # a wider batching window than the 5 ms default, so concurrent predicts surely share batches
-    monkeypatch.setattr(api.services.inference_service, "max_wait_s", 0.05)
+    monkeypatch.setattr(handle_of(api.services.inference_service).target, "max_wait_s", 0.05)
     solo = {"arm": api.tenant("solo", "arm"), "flow": api.tenant("solo", "flow")}
     pair = {"arm": api.tenant("pair", "arm"), "flow": api.tenant("pair", "flow")}
 

@@ -25,19 +25,29 @@ def reach_spec(tenant: str, root, *, environment: bool = True) -> dict:
     return spec
 
 
+class Handles:
+    def __init__(self, cluster):
+        from flows.tasks import shared_tracker
+
+        self.cluster = cluster
+        self.master = cluster.master
+        shared_tracker.cache_clear()
+        self.tracker = shared_tracker()
+
+
 @pytest.fixture(scope="module")
 def handles(prefect_api, tmp_path_factory):
-    from joynexus.master.orchestrator import Deployment
-    from joynexus.ops.supervisor import use_services
+    from joynexus.connect import in_process, use_cluster
     from joynexus.runtime import Settings
 
     root = tmp_path_factory.mktemp("flows")
-    deployment = Deployment.in_process(Settings(data_dir=root / "data", torch_threads=1))
+    cluster = in_process(Settings(data_dir=root / "data", torch_threads=1))
+    previous = use_cluster(cluster)
     try:
-        with use_services(deployment) as handles:
-            yield handles
+        yield Handles(cluster)
     finally:
-        deployment.shutdown()
+        use_cluster(previous)
+        cluster.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +117,7 @@ def test_periodic_evaluation_evaluates_the_pinned_champion_and_logs_its_history(
 
     no_env = reach_spec("no-env", tmp_path / "ds", environment=False)
     write_dataset_for(no_env, episodes=2, length=8)
-    handles.deployment.creator.create(no_env)
+    handles.master.create_tenant(no_env)
 
     champion = handles.tracker.alias_version("reacher", CHAMPION_ALIAS)
     results = periodic_evaluation(episodes=1)

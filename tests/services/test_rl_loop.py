@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from joynexus.master.orchestrator import Deployment
+from joynexus.master.deployment import Deployment
 from joynexus.master.workloads import WorkloadManager
 from joynexus.runtime import Settings
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY

@@ -1,8 +1,10 @@
-"""Master Service: the deployment handles (paper section 4.1.1).
+"""Master Service: its wiring (paper section 4.1.1).
 
-`Deployment` connects the control plane (SQL store, Training Scheduler, tenant creator) to the
-execution plane (the named Ray actors: Training Queue, Training Model Service, Inference Model
-Service) and to MLflow. The workload orchestrator that runs on it is `joynexus.master.workloads`.
+`Deployment` is what the Master Service runs on: the control plane (SQL store, Training Scheduler,
+tenant creator), typed handles of the execution plane (Training Queue, Training Model Service,
+Inference Model Service, Environment Service: named Ray actors, or local objects in one process),
+the checkpoint store and MLflow. Clients never build one: they reach the Master through
+`joynexus.connect`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from joynexus.artifacts import CheckpointStore
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.registry import ExperimentTracker
-from joynexus.runtime import Settings, init_ray
+from joynexus.runtime import SerializedService, Settings, handle_of, init_ray, service_handle
 from joynexus.scheduling.training_queue import TrainingQueueClient, training_queue_actor
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.services.environment import environment_service_actor
-from joynexus.services.inference import inference_service_actor
-from joynexus.services.training import BackboneSource, training_service_actor
+from joynexus.services.environment import EnvironmentService, environment_service_actor
+from joynexus.services.inference import InferenceModelService, inference_service_actor
+from joynexus.services.training import BackboneSource, TrainingModelService, training_service_actor
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,12 @@ class Deployment:
     store: ControlPlaneStore
     scheduler: TrainingScheduler
     queue: TrainingQueueClient
-    training_service: Any  # Ray actor handle of TrainingModelService
-    inference_service: Any  # Ray actor handle of InferenceModelService
-    environment_service: Any  # Ray actor handle of EnvironmentService
+    training_service: TrainingModelService  # typed handles: a named Ray actor or a local object
+    inference_service: InferenceModelService
+    environment_service: EnvironmentService
     creator: TenantCreator
     tracker: ExperimentTracker
+    checkpoints: CheckpointStore
 
     @classmethod
     def start(cls, settings: Settings | None = None, *, detached: bool = False) -> Deployment:
@@ -47,28 +51,11 @@ class Deployment:
         already running are reused as they are (no backbone reload). `detached=True` creates them
         with a detached lifetime, so they outlive this driver (`joynexus up`)."""
         settings = settings or Settings()
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        checkpoints = _checkpoint_location(settings, in_process=False)  # before Ray starts: see there
-        init_ray(settings.ray_address)
-        queue = TrainingQueueClient(training_queue_actor(namespace=settings.ray_namespace, detached=detached))
-        source = _backbone_source(settings)
-        service = training_service_actor(
-            source,
-            checkpoints,
-            queue.handle,
-            num_threads=settings.torch_threads,
-            namespace=settings.ray_namespace,
-            detached=detached,
-        )
-        inference = inference_service_actor(
-            source, num_threads=settings.torch_threads, namespace=settings.ray_namespace, detached=detached
-        )
-        environment = environment_service_actor(namespace=settings.ray_namespace, detached=detached)
-        # A non-detached actor is destroyed once the handle that created it goes away (handles got
-        # by name do not count). Keep every handle for the life of this driver, so a later
-        # Deployment in this process reuses the running services instead of catching them in
-        # teardown ("all references to the actor were removed").
-        _RESIDENT_ACTORS.extend((queue.handle, service, inference, environment))
+        queue_actor, service, inference, environment = create_service_actors(settings, detached=detached)
+        queue = TrainingQueueClient(queue_actor)
+        service = service_handle(TrainingModelService, service)
+        inference = service_handle(InferenceModelService, inference)
+        environment = service_handle(EnvironmentService, environment)
         caps = BaseModelCapabilities(**_capabilities_fields(service.capabilities()))
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
@@ -76,26 +63,26 @@ class Deployment:
             store, scheduler, BackendCapabilities.single(caps), environment_probe=_probe(environment)
         )
         tracker = ExperimentTracker(settings.resolved_mlflow_uri(), artifact_location=_artifact_location(settings))
-        return cls(settings, store, scheduler, queue, service, inference, environment, creator, tracker)
+        checkpoints = CheckpointStore(_checkpoint_location(settings, in_process=True))
+        return cls(settings, store, scheduler, queue, service, inference, environment, creator, tracker, checkpoints)
 
     @classmethod
     def in_process(cls, settings: Settings | None = None) -> Deployment:
         """The same deployment with every service a local object in this process (no Ray): for
         tests and for embedding the services in one process."""
         from joynexus.scheduling.training_queue import TrainingQueue
-        from joynexus.services.environment import EnvironmentService
-        from joynexus.services.inference import InferenceModelService
-        from joynexus.services.training import TrainingModelService
 
         settings = settings or Settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         source = _backbone_source(settings)
         queue = TrainingQueue()
-        service = TrainingModelService(
-            source, _checkpoint_location(settings, in_process=True), queue=queue, num_threads=settings.torch_threads
-        )
-        inference = InferenceModelService(source, num_threads=settings.torch_threads)
-        environment = EnvironmentService()
+        checkpoints = _checkpoint_location(settings, in_process=True)
+        local_training = TrainingModelService(source, checkpoints, queue=queue, num_threads=settings.torch_threads)
+        # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
+        service = service_handle(TrainingModelService, SerializedService(local_training))
+        database_url = settings.resolved_database_url()  # the services meter usage into the store
+        inference = InferenceModelService(source, num_threads=settings.torch_threads, database_url=database_url)
+        environment = EnvironmentService(database_url=database_url)
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
         creator = TenantCreator(
@@ -103,15 +90,50 @@ class Deployment:
         )
         tracker = ExperimentTracker(settings.resolved_mlflow_uri(), artifact_location=_artifact_location(settings))
         return cls(
-            settings, store, scheduler, TrainingQueueClient(queue), service, inference, environment, creator, tracker
-        )
+            settings, store, scheduler, TrainingQueueClient(queue), service,
+            service_handle(InferenceModelService, inference), service_handle(EnvironmentService, environment),
+            creator, tracker, CheckpointStore(checkpoints),
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         self.environment_service.close_all()  # simulator worker processes never outlive us
-        close = getattr(self.inference_service, "close", None)
-        if callable(close) and not hasattr(close, "remote"):
-            close()  # stop the local batching worker; a Ray actor goes with its cluster
+        if not handle_of(self.inference_service).is_remote:
+            self.inference_service.close()  # stop the local batching worker; a Ray actor goes with its cluster
         self.store.dispose()
+
+
+def create_service_actors(settings: Settings, *, detached: bool = False) -> tuple[Any, Any, Any, Any]:
+    """Connect to (or start) Ray and get-or-create the named execution-plane actors: Training
+    Queue, Training Model Service, Inference Model Service, Environment Service (raw actor handles).
+    Running actors are reused as they are (no backbone reload)."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = _checkpoint_location(settings, in_process=False)  # before Ray starts: see there
+    init_ray(settings.ray_address)
+    queue = training_queue_actor(namespace=settings.ray_namespace, detached=detached)
+    source = _backbone_source(settings)
+    service = training_service_actor(
+        source,
+        checkpoints,
+        queue,
+        num_threads=settings.torch_threads,
+        namespace=settings.ray_namespace,
+        detached=detached,
+    )
+    inference = inference_service_actor(
+        source,
+        num_threads=settings.torch_threads,
+        namespace=settings.ray_namespace,
+        detached=detached,
+        database_url=settings.resolved_database_url(),
+    )
+    environment = environment_service_actor(
+        namespace=settings.ray_namespace, detached=detached, database_url=settings.resolved_database_url()
+    )
+    # A non-detached actor is destroyed once the handle that created it goes away (handles got by
+    # name do not count). Keep every handle for the life of this driver, so a later call in this
+    # process reuses the running services instead of catching them in teardown.
+    _RESIDENT_ACTORS.extend((queue, service, inference, environment))
+    return queue, service, inference, environment
 
 
 def _probe(environment: Any) -> Any:

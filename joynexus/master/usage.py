@@ -5,10 +5,11 @@ What is metered, and where the number comes from:
   Service spent on them (`seconds` it returns, else the time of the call); workload training is
   read from the completed training jobs' results in the control-plane store (`seconds`,
   `samples`), so nothing is counted twice;
-- inference device-seconds: `MeteredInferenceModelService` times every shared backbone batch and
-  gives each request its share, split by the request's share of the batch's samples;
-- environment steps: one per step call;
-- storage: bytes of the tenant's checkpoint folder.
+- inference device-seconds and environment steps: metered inside the Inference Model Service and
+  the Environment Service themselves (`joynexus.core.metering.UsageMeter`), so API calls, RL
+  rollouts and evaluations are all counted: every shared backbone batch is timed and each request
+  gets its share by samples;
+- storage: bytes of the tenant's checkpoints, as the CheckpointStore counts them.
 
 Quotas: a spend cap on device-seconds (training + inference) stops admission of new work once
 reached (`SpendCapReached`, a clear message, HTTP 429); work already running finishes. Running
@@ -18,18 +19,20 @@ in its queue with a visible position, up to `max_queued_workloads`.
 
 from __future__ import annotations
 
-import functools
-import time
-from concurrent.futures import Future
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
 
+from joynexus.core.metering import ENVIRONMENT, INFERENCE, TRAINING
 from joynexus.core.store import ControlPlaneStore, TenantQuotaRecord, TrainingJobRecord, UsageRecord, utcnow
 from joynexus.protocol.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
 
-TRAINING, INFERENCE, ENVIRONMENT = "training", "inference", "environment"
+if TYPE_CHECKING:
+    from joynexus.artifacts import CheckpointStore
+
+__all__ = ["ENVIRONMENT", "INFERENCE", "TRAINING", "SpendCapReached", "UsageLedger"]
 
 
 class SpendCapReached(RuntimeError):
@@ -43,11 +46,23 @@ class UsageLedger:
         self,
         store: ControlPlaneStore,
         *,
+        checkpoints: CheckpointStore | None = None,
         checkpoint_root: Path | None = None,
         default_max_device_seconds: float | None = None,
         default_max_queued_workloads: int | None = 8,
     ):
+        """`checkpoints` answers the tenants' storage bytes (`tenant_bytes`); `checkpoint_root`, a local
+        folder read directly, is deprecated (it misses object-store checkpoints)."""
+        if checkpoints is not None and checkpoint_root is not None:
+            raise ValueError("pass either checkpoints or checkpoint_root, not both")
+        if checkpoint_root is not None:
+            warnings.warn(
+                "UsageLedger(checkpoint_root=...) is deprecated; pass checkpoints=CheckpointStore",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.store = store
+        self.checkpoints = checkpoints
         self.checkpoint_root = checkpoint_root
         self.default_max_device_seconds = default_max_device_seconds
         self.default_max_queued_workloads = default_max_queued_workloads
@@ -140,7 +155,9 @@ class UsageLedger:
         )
 
     def storage_bytes(self, tenant_id: str) -> int:
-        if self.checkpoint_root is None:
+        if self.checkpoints is not None:
+            return int(self.checkpoints.tenant_bytes(tenant_id))
+        if self.checkpoint_root is None:  # deprecated path below: a local checkpoint folder
             return 0
         folder = Path(self.checkpoint_root) / "tenants" / tenant_id
         if not folder.is_dir():
@@ -181,62 +198,3 @@ class UsageLedger:
                     seconds += float(result.get("seconds") or 0.0)
                     samples += int(result.get("samples") or 0)
         return seconds, samples
-
-
-def split_group_seconds(seconds: float, samples_per_member: list[int]) -> list[float]:
-    """A grouped batch's time split by each member's share of its samples."""
-    total = sum(samples_per_member)
-    if total <= 0:
-        return [0.0 for _ in samples_per_member]
-    return [seconds * n / total for n in samples_per_member]
-
-
-@functools.cache
-def _metered_inference_class() -> type:
-    from joynexus.services.inference import InferenceError, InferenceModelService
-
-    class MeteredInferenceModelService(InferenceModelService):
-        """The Inference Model Service with per-request device time: every shared batch is timed
-        and each request's result gets `device_seconds`, its share of the batch time by samples.
-        The caller's future resolves only after that is attached."""
-
-        def execute(self, batch: list[Any]) -> None:
-            callers = [request.future for request in batch]
-            for request in batch:
-                inner: Future = Future()
-                if request.future.cancelled():
-                    inner.cancel()
-                request.future = inner
-            started = time.perf_counter()
-            try:
-                super().execute(batch)
-            finally:
-                shares = split_group_seconds(time.perf_counter() - started, [r.size for r in batch])
-                for request, caller, share in zip(batch, callers, shares, strict=True):
-                    inner, request.future = request.future, caller
-                    _forward(inner, caller, share, InferenceError)
-
-    return MeteredInferenceModelService
-
-
-def _forward(inner: Future, caller: Future, share: float, error_type: type[Exception]) -> None:
-    if caller.done():  # cancelled by its caller meanwhile
-        return
-    try:
-        if not inner.done():
-            caller.set_exception(error_type("the request was not served by its batch"))
-        elif inner.cancelled():
-            caller.cancel()
-        elif inner.exception() is not None:
-            caller.set_exception(inner.exception())
-        else:
-            result = dict(inner.result())
-            result["device_seconds"] = share
-            caller.set_result(result)
-    except Exception:  # InvalidStateError: the caller cancelled between the check and the set
-        pass
-
-
-def metered_inference_service(*args: Any, **kwargs: Any) -> Any:
-    """Build a MeteredInferenceModelService (imported lazily: it pulls in torch)."""
-    return _metered_inference_class()(*args, **kwargs)

@@ -1,0 +1,194 @@
+"""Service location: where a deployment's services are, and typed handles to them.
+
+Every entry point (the tenant API server, the Prefect flows, the CLI, the main job) calls
+`connect()` and gets a `Cluster`: a typed handle of the ONE Master Service (tenants, workloads,
+admission, usage) and of the execution services (Training / Inference Model Service, Environment
+Service, Training Queue) for the lower-layer primitives. Nothing here starts or stops processes
+(that is `joynexus.ops.supervisor`).
+
+- Ray mode: a Ray address is known (``JOYNEXUS_RAY_ADDRESS``, or `joynexus up`'s record in the data
+  dir), or the caller asks for Ray (the main job starts a local one). The named actors are used as
+  they run; missing ones are created (detached only when asked, as `joynexus up` does).
+- In-process mode: no address and not asked for Ray: the services and the Master Service are local
+  objects of this process (tests, `joynexus serve --services in-process`, flows run without a
+  deployment).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from joynexus.artifacts import CheckpointStore
+from joynexus.runtime import Settings, service_handle
+
+if TYPE_CHECKING:
+    from joynexus.master.service import MasterOptions, MasterService
+    from joynexus.master.workloads import WorkloadStatus
+    from joynexus.scheduling.training_queue import TrainingQueueClient
+    from joynexus.services.environment import EnvironmentService
+    from joynexus.services.inference import InferenceModelService
+    from joynexus.services.training import TrainingModelService
+
+Mode = Literal["auto", "ray", "in-process"]
+FINAL_STATES = ("completed", "failed", "cancelled")
+
+
+@dataclass
+class Cluster:
+    """Typed handles of one deployment's services, as a client sees them."""
+
+    settings: Settings
+    master: MasterService
+    training: TrainingModelService
+    inference: InferenceModelService
+    environment: EnvironmentService
+    queue: TrainingQueueClient
+    mode: str  # "ray" | "in-process"
+    _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _checkpoints: CheckpointStore | None = field(default=None, repr=False)
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """The deployment's checkpoint store (local folder or S3), read-only use by clients."""
+        if self._checkpoints is None:
+            self._checkpoints = CheckpointStore(checkpoint_location(self.settings))
+        return self._checkpoints
+
+    def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
+        """Wait for a workload to end (or the timeout), in bounded calls to the Master."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            status = self.master.wait_workload(workload_id, max(0.0, min(left, 30.0)))
+            if status.state in FINAL_STATES or time.monotonic() >= deadline:
+                return status
+
+    def close(self) -> None:
+        """Release what this client holds (an in-process deployment's services and threads).
+        Resident services of a Ray deployment keep running."""
+        closers, self._closers = self._closers, []
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # closing is best effort and idempotent
+                pass
+
+
+def checkpoint_location(settings: Settings) -> Any:
+    """Where checkpoints live for these settings: an S3 blob store or the local folder."""
+    if not settings.s3_bucket:
+        return settings.checkpoint_root
+    from joynexus.artifacts.s3 import S3BlobStore
+
+    return S3BlobStore.from_uri(settings.checkpoint_location, endpoint_url=settings.s3_endpoint_url)
+
+
+def effective_settings(settings: Settings | None = None) -> Settings:
+    """Settings, completed with the endpoints `joynexus up` recorded in the data dir."""
+    from joynexus.ops.supervisor import effective_settings as recorded
+
+    return recorded(settings)
+
+
+def connect(
+    settings: Settings | None = None,
+    *,
+    mode: Mode = "auto",
+    detached: bool = False,
+    options: MasterOptions | None = None,
+) -> Cluster:
+    """The deployment's services. `auto`: Ray if an address is known, else in process."""
+    settings = effective_settings(settings)
+    if mode == "in-process" or (mode == "auto" and not settings.ray_address):
+        return in_process(settings, options=options)
+    return ray_cluster(settings, detached=detached, options=options)
+
+
+def in_process(settings: Settings | None = None, *, options: MasterOptions | None = None) -> Cluster:
+    """Every service and the Master Service as local objects of this process."""
+    from joynexus.master.deployment import Deployment
+    from joynexus.master.service import MasterService
+
+    settings = settings or Settings()
+    deployment = Deployment.in_process(settings)
+    master = MasterService(deployment=deployment, options=options)
+    cluster = Cluster(
+        settings=settings,
+        master=master,
+        training=deployment.training_service,
+        inference=deployment.inference_service,
+        environment=deployment.environment_service,
+        queue=deployment.queue,
+        mode="in-process",
+        _checkpoints=deployment.checkpoints,
+    )
+    cluster._closers.append(master.close)
+    return cluster
+
+
+def ray_cluster(
+    settings: Settings, *, detached: bool = False, options: MasterOptions | None = None, timeout_s: float = 600.0
+) -> Cluster:
+    """Connect to (or start) Ray and use the deployment's named actors, creating missing ones."""
+    import ray
+
+    from joynexus.master.deployment import create_service_actors
+    from joynexus.master.service import MasterService, master_service_actor
+    from joynexus.scheduling.training_queue import TrainingQueueClient
+    from joynexus.services.environment import EnvironmentService
+    from joynexus.services.inference import InferenceModelService
+    from joynexus.services.training import TrainingModelService
+
+    with _create_lock:
+        queue, training, inference, environment = create_service_actors(settings, detached=detached)
+        master_actor = master_service_actor(settings, options=options, detached=detached)
+        _RESIDENT.append(master_actor)
+    master = service_handle(MasterService, master_actor)
+    ray.get(master_actor.ping.remote(), timeout=timeout_s)  # waits until it has reconciled and started
+    return Cluster(
+        settings=settings,
+        master=master,
+        training=service_handle(TrainingModelService, training),
+        inference=service_handle(InferenceModelService, inference),
+        environment=service_handle(EnvironmentService, environment),
+        queue=TrainingQueueClient(queue),
+        mode="ray",
+    )
+
+
+_create_lock = threading.Lock()
+_RESIDENT: list[Any] = []  # creating handles of non-detached actors live as long as this driver
+_shared_lock = threading.Lock()
+_shared: Cluster | None = None
+
+
+def shared(settings: Settings | None = None) -> Cluster:
+    """The process-wide Cluster (created on first use, closed at exit): what flow tasks use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            import atexit
+
+            _shared = connect(settings)
+            atexit.register(close_shared)
+        return _shared
+
+
+def use_cluster(cluster: Cluster | None) -> Cluster | None:
+    """Make `shared()` return `cluster` (tests); returns the previous one."""
+    global _shared
+    with _shared_lock:
+        previous, _shared = _shared, cluster
+    return previous
+
+
+def close_shared() -> None:
+    global _shared
+    with _shared_lock:
+        cluster, _shared = _shared, None
+    if cluster is not None:
+        cluster.close()

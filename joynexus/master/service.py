@@ -1,0 +1,301 @@
+"""The Master Service (paper section 4.1.1): ONE per deployment.
+
+It owns the control plane's moving parts: the tenant creator, the workload manager with its
+admission queue, the shared actor loop and the advantage stage. Every entry point (the tenant API
+server, the Prefect flows, the CLI, the main job) is a client of it through a typed handle
+(`joynexus.connect`), so two drivers can never lease each other's jobs.
+
+In a deployment it is the named, detached Ray actor `joynexus.master` (threaded: a client blocked
+in `wait_workload` does not hold up the others); in one process (tests, `--services in-process`)
+the same class is a local object. On start it gives every tenant its slot (a tenant whose slot
+cannot be built, e.g. a corrupt checkpoint, is marked unhealthy with the reason and the others are
+served), reconciles the store with what survived (`WorkloadManager.reconcile`) and starts the
+actor loop and advantage stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from joynexus.core.tenants import Tenant
+from joynexus.master.deployment import Deployment
+from joynexus.master.workloads import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager, WorkloadStatus
+from joynexus.runtime import Settings, named_actor
+from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
+
+log = logging.getLogger(__name__)
+
+MASTER_ACTOR = "joynexus.master"
+UNHEALTHY = "unhealthy"
+
+
+class MasterOptions(BaseModel):
+    """Admission and retry limits of the Master Service."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_running_workloads: int = Field(default=8, ge=1)
+    max_failures_per_workload: int = Field(default=3, ge=1)
+    max_concurrent_rollouts: int = Field(default=4, ge=1)
+    max_job_attempts: int = Field(default=3, ge=1, description="re-queues of a job whose lease owner died")
+    default_max_device_seconds: float | None = Field(default=None, ge=0)
+    default_max_queued_workloads: int | None = Field(default=8, ge=0)
+    max_wait_s: float = Field(default=30.0, gt=0, description="longest single wait_workload call")
+
+
+class TenantUnavailable(RuntimeError):
+    """The tenant exists but its backend slot could not be built; the reason says why."""
+
+    def __init__(self, tenant_id: str, reason: str):
+        self.tenant_id, self.reason = tenant_id, reason
+        super().__init__(f"tenant {tenant_id!r} is unhealthy: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.tenant_id, self.reason))
+
+
+class MasterService:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        deployment: Deployment | None = None,
+        options: MasterOptions | None = None,
+        detached: bool = False,
+    ):
+        self.options = options or MasterOptions()
+        self.deployment = deployment or Deployment.start(settings, detached=detached)
+        self.settings = self.deployment.settings
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
+        from joynexus.master.usage import UsageLedger
+
+        self.ledger = UsageLedger(
+            self.deployment.store,
+            checkpoints=self.deployment.checkpoints,
+            default_max_device_seconds=self.options.default_max_device_seconds,
+            default_max_queued_workloads=self.options.default_max_queued_workloads,
+        )
+        self.workloads = WorkloadManager(
+            self.deployment,
+            owner=f"master-{self.incarnation}",
+            max_running=self.options.max_running_workloads,
+            max_failures_per_workload=self.options.max_failures_per_workload,
+            max_concurrent_rollouts=self.options.max_concurrent_rollouts,
+            max_job_attempts=self.options.max_job_attempts,
+            admission_check=self._check_spend,
+            max_queued=lambda tenant_id: self.ledger.quota(tenant_id).max_queued_workloads,
+        )
+        self._restore_tenant_slots()
+        self.last_reconcile = self.workloads.reconcile()
+        if any(self.last_reconcile.values()):
+            log.warning("reconciled after a restart: %s", self.last_reconcile)
+        self.workloads.start()
+        self.workloads.admit()
+
+    def _check_spend(self, tenant_id: str) -> None:
+        from joynexus.master.usage import SpendCapReached
+
+        try:
+            self.ledger.check_spend(tenant_id)
+        except SpendCapReached as error:
+            raise AdmissionRefused(str(error)) from None
+
+    # -- service ----------------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        """Cheap liveness answer: which incarnation is serving, since when, what it holds."""
+        tenants = self.deployment.creator.list()
+        return {
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "tenants": len(tenants),
+            "unhealthy_tenants": {t.tenant_id: t.status_reason for t in tenants if t.status == UNHEALTHY},
+            "running_workloads": self.workloads.running_count(),
+            "reconciled": self.last_reconcile,
+        }
+
+    def capabilities(self) -> Any:
+        return self.deployment.training_service.capabilities()
+
+    def shutdown(self, *, cancel_running: bool = False) -> None:
+        """Stop the actor loop and advantage stage; running workloads stay `running` in the store
+        unless `cancel_running`, so the next Master resumes them."""
+        self.workloads.stop(cancel_running=cancel_running)
+
+    def close(self) -> None:
+        """Shut down and release what this process holds (an in-process deployment's services)."""
+        self.shutdown(cancel_running=True)
+        self.deployment.shutdown()
+
+    # -- tenants ----------------------------------------------------------------------------------
+    def create_tenant(self, spec: WorkloadSpec | dict[str, Any]) -> Tenant:
+        """Validate (every check that can fail runs before anything is written), persist, and give
+        the tenant its slot. A slot that still cannot be built removes the tenant again: no
+        half-made tenant is left behind."""
+        if not isinstance(spec, WorkloadSpec):
+            spec = parse_workload_spec(spec)
+        tenant = self.deployment.creator.create(spec)
+        try:
+            self.deployment.training_service.add_tenant(tenant.backend_config)
+        except Exception as error:
+            reason = _reason(error)
+            log.warning("tenant %s: the backend could not build its slot (%s); removing it", tenant.tenant_id, reason)
+            self._forget_tenant(tenant.tenant_id, delete_artifacts=False)
+            raise SpecError([("action_module", f"the backend could not build this tenant: {reason}")]) from None
+        return tenant
+
+    def get_tenant(self, tenant_id: str) -> Tenant:
+        return self.deployment.creator.get(tenant_id)
+
+    def list_tenants(self) -> list[Tenant]:
+        return self.deployment.creator.list()
+
+    def check_tenant(self, tenant_id: str) -> Tenant:
+        """The tenant if it is healthy; TenantUnavailable (with the reason) if not; KeyError if absent."""
+        tenant = self.deployment.creator.get(tenant_id)
+        if tenant.status == UNHEALTHY:
+            raise TenantUnavailable(tenant_id, tenant.status_reason or "unknown")
+        return tenant
+
+    def retry_tenant(self, tenant_id: str) -> Tenant:
+        """Try to build an unhealthy tenant's slot again (e.g. after an operator repaired its
+        checkpoint); healthy again on success."""
+        tenant = self.deployment.creator.get(tenant_id)
+        self._restore_slot(tenant)
+        return self.deployment.creator.get(tenant_id)
+
+    def delete_tenant(self, tenant_id: str, *, delete_artifacts: bool = False) -> dict[str, Any]:
+        """Remove a tenant: its workloads are cancelled, its jobs released, its queue partitions,
+        slots, serving states, sessions, keys, quota and usage rows removed; with
+        `delete_artifacts` its checkpoints and registered model too."""
+        self.deployment.creator.get(tenant_id)  # KeyError if absent
+        for status in self.workloads.list(tenant_id):
+            if status.state not in FINAL_WORKLOAD_STATES:
+                self.workloads.cancel(status.workload_id)
+        return self._forget_tenant(tenant_id, delete_artifacts=delete_artifacts)
+
+    def _forget_tenant(self, tenant_id: str, *, delete_artifacts: bool) -> dict[str, Any]:
+        dep = self.deployment
+        report: dict[str, Any] = {"tenant_id": tenant_id}
+        for job in dep.scheduler.jobs(tenant_id=tenant_id):
+            dep.scheduler.abandon(job.job_id, f"tenant {tenant_id!r} deleted")
+        steps = (
+            ("queue_partitions", lambda: dep.queue.clear_tenant(tenant_id)),
+            ("training_slot", lambda: dep.training_service.remove_tenant(tenant_id)),
+            ("serving_versions", lambda: dep.inference_service.remove_tenant(tenant_id)),
+            ("sessions", lambda: dep.environment_service.close_tenant(tenant_id)),
+        )
+        if delete_artifacts:
+            steps += (
+                ("checkpoint_objects", lambda: dep.checkpoints.delete_tenant(tenant_id)),
+                ("registered_model", lambda: dep.tracker.delete_tenant_model(tenant_id)),
+            )
+        for name, step in steps:
+            try:
+                report[name] = step()
+            except Exception as error:  # keep deleting: what is left is reported, the rows go anyway
+                report[name] = f"not removed: {_reason(error)}"
+                log.warning("deleting tenant %s: %s failed: %s", tenant_id, name, _reason(error))
+        dep.creator.delete(tenant_id)
+        return report
+
+    def _restore_tenant_slots(self) -> None:
+        for tenant in self.deployment.creator.list():
+            self._restore_slot(tenant)
+
+    def _restore_slot(self, tenant: Tenant) -> None:
+        try:
+            self.deployment.training_service.add_tenant(tenant.backend_config)
+        except Exception as error:
+            reason = _reason(error)
+            log.warning("tenant %s is unhealthy: %s", tenant.tenant_id, reason)
+            self.deployment.creator.mark_unhealthy(tenant.tenant_id, reason)
+            return
+        if tenant.status == UNHEALTHY:
+            self.deployment.creator.mark_healthy(tenant.tenant_id)
+
+    # -- workloads --------------------------------------------------------------------------------
+    def submit_workload(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadStatus:
+        self.check_tenant(tenant_id)
+        return self.workloads.submit(tenant_id, jobs=jobs)
+
+    def evaluate(
+        self,
+        tenant_id: str,
+        *,
+        version: int | str = "latest",
+        episodes: int = 4,
+        environment: dict[str, Any] | None = None,
+    ) -> WorkloadStatus:
+        self.check_tenant(tenant_id)
+        return self.workloads.evaluate(tenant_id, version=version, episodes=episodes, environment=environment)
+
+    def get_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
+        return self.workloads.get(workload_id, tenant_id)
+
+    def list_workloads(self, tenant_id: str | None = None) -> list[WorkloadStatus]:
+        return self.workloads.list(tenant_id)
+
+    def cancel_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
+        return self.workloads.cancel(workload_id, tenant_id)
+
+    def workload_events(self, workload_id: str, after: int = 0, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        return self.workloads.events(workload_id, after, tenant_id)
+
+    def wait_workload(self, workload_id: str, timeout_s: float = 30.0) -> WorkloadStatus:
+        """Wait up to min(timeout_s, options.max_wait_s) for the workload to end; clients loop."""
+        return self.workloads.wait(workload_id, min(timeout_s, self.options.max_wait_s))
+
+    def workload_losses(self, workload_id: str) -> list[float]:
+        return self.workloads.losses(workload_id)
+
+    # -- usage and quotas -------------------------------------------------------------------------
+    def usage(self, tenant_id: str) -> Any:
+        self.deployment.creator.get(tenant_id)
+        for service in (self.deployment.inference_service, self.deployment.environment_service):
+            service.flush_usage()  # read-your-writes: the services batch their metering
+        return self.ledger.summary(
+            tenant_id,
+            running=self.workloads.count(tenant_id, "running"),
+            queued=self.workloads.count(tenant_id, "queued"),
+        )
+
+    def quota(self, tenant_id: str) -> Any:
+        return self.ledger.quota(tenant_id)
+
+    def set_quota(self, tenant_id: str, update: Any) -> Any:
+        self.deployment.creator.get(tenant_id)
+        return self.ledger.set_quota(tenant_id, update)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def publish_weights(self, tenant_id: str) -> int:
+        """Training -> inference weight sync of the tenant's current version (paper A.1)."""
+        self.check_tenant(tenant_id)
+        return self.workloads.publish_weights(tenant_id)
+
+
+def master_service_actor(
+    settings: Settings, *, options: MasterOptions | None = None, detached: bool = False
+) -> Any:
+    """Get the deployment's Master Service actor, creating it if absent (Ray must be initialized).
+    Threaded, so blocking waits of some clients do not hold up the others."""
+    return named_actor(
+        MasterService,
+        MASTER_ACTOR,
+        settings,
+        options=options,
+        detached=detached,
+        namespace=settings.ray_namespace,
+        max_concurrency=64,
+    )
+
+
+def _reason(error: BaseException) -> str:
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
