@@ -18,6 +18,7 @@ from joynexus.scheduling.training_scheduler import (
     COMPUTING_ADVANTAGES,
     NEEDS_ADVANTAGES,
     READY,
+    InvalidTransition,
     TrainingJob,
     TrainingScheduler,
 )
@@ -76,8 +77,17 @@ class AdvantageStage:
         except Exception as error:
             reason = f"advantages: {type(error).__name__}: {error}"
             log.warning("job %s: %s", job.job_id, reason)
-            return self.scheduler.fail(job.job_id, reason)
-        return self.scheduler.mark(job.job_id, READY)
+            return self._settle(lambda: self.scheduler.fail(job.job_id, reason, owner=self.owner), job)
+        return self._settle(lambda: self.scheduler.mark(job.job_id, READY, owner=self.owner), job)
+
+    def _settle(self, transition: Callable[[], TrainingJob], job: TrainingJob) -> TrainingJob:
+        """Apply the stage's outcome unless the job was taken from us meanwhile (its workload ended,
+        or a restarted Master re-queued it): then it is not ours to move, and the stage goes on."""
+        try:
+            return transition()
+        except InvalidTransition as lost:
+            log.info("job %s is no longer this stage's: %s", job.job_id, lost)
+            return job
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         while not stop.is_set():
