@@ -400,6 +400,11 @@ class _Calls:
         return _Call("DELETE", f"/v1/admin/keys/{key_id}", s.KeyInfo)
 
     @staticmethod
+    def delete_tenant(tenant_id: str, delete_artifacts: bool) -> _Call:
+        params = {"delete_artifacts": delete_artifacts}
+        return _Call("DELETE", f"/v1/admin/tenants/{tenant_id}", s.TenantDeleted, params=params)
+
+    @staticmethod
     def set_quota(tenant_id: str, max_device_seconds: float | None, max_queued_workloads: int | None) -> _Call:
         body = s.QuotaUpdate(max_device_seconds=max_device_seconds, max_queued_workloads=max_queued_workloads)
         return _Call("PUT", f"/v1/admin/tenants/{tenant_id}/quota", s.Quota, body.model_dump())
@@ -698,6 +703,11 @@ class JoyNexusClient(_Base):
 
     def revoke_key(self, key_id: str) -> s.KeyInfo:
         return self._run(_Calls.revoke_key(key_id))
+
+    def delete_tenant(self, tenant_id: str, *, delete_artifacts: bool = False) -> s.TenantDeleted:
+        """Delete a tenant with its keys, slots, queue data (and with `delete_artifacts` its
+        checkpoints and registered model)."""
+        return self._run(_Calls.delete_tenant(tenant_id, delete_artifacts))
 
     def set_quota(
         self, tenant_id: str, *, max_device_seconds: float | None = None, max_queued_workloads: int | None = None

@@ -164,6 +164,22 @@ def tenant_revoke(key_id: str = typer.Argument(...), url: str | None = URL, admi
     console.print(f"key {info.key_id} of {info.tenant_id} revoked at {info.revoked_at}")
 
 
+@tenant_app.command("delete")
+def tenant_delete(
+    tenant_id: str = typer.Argument(...),
+    delete_artifacts: bool = typer.Option(False, help="Also delete its checkpoints and registered model."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    url: str | None = URL,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Delete a tenant: cancel its workloads, remove its keys, slots and queue data."""
+    if not yes:
+        typer.confirm(f"delete tenant {tenant_id!r}{' and its artifacts' if delete_artifacts else ''}?", abort=True)
+    with _client(url, admin_key, "admin key") as client:
+        deleted = _run(lambda: client.delete_tenant(tenant_id, delete_artifacts=delete_artifacts))
+    console.print(f"tenant {deleted.tenant_id} deleted: {deleted.removed}")
+
+
 @tenant_app.command("quota")
 def tenant_quota(
     tenant_id: str = typer.Argument(...),

@@ -1,0 +1,301 @@
+"""The tenant API on the Ray serving path that `joynexus serve` uses by default (`ApiServices.ray`):
+the workloads run in the ONE resident Master Service actor `joynexus.master`, predictions are
+answered by the resident Inference Model Service actor, metering is written by the services
+themselves, and two API servers over the same deployment share one Master without leasing jobs.
+
+Everything lives in a namespace of its own, so named actors of other tests in the same Ray never
+collide; the module kills its actors at the end (and stops Ray if it started it).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.api.conftest import ADMIN_KEY, sample_batch, wire
+from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
+
+ray = pytest.importorskip("ray")
+
+SERVICE_ACTORS = (
+    "joynexus.master",
+    "joynexus.environment_service",
+    "joynexus.inference_service",
+    "joynexus.training_service",
+    "joynexus.training_queue",
+)
+FINAL = ("completed", "failed", "cancelled")
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def rl_spec(tenant: str) -> dict[str, Any]:
+    """PPO on gym-pusht PushT-reach (recipes/main_job.py reach_rl_spec), as small as it gets."""
+    return {
+        "tenant": tenant,
+        "base_model": TINY_MODEL_ID,
+        "task": "rl",
+        "action_module": {"kind": "oft_mlp", "size": "tiny"},
+        "observation": {
+            "cameras": ["top"],
+            "image_size": [32, 32],
+            "state_dim": 4,
+            "action_dim": 2,
+            "action_chunk": 1,
+            "instruction": "move the pusher to the T-shaped block",
+        },
+        "environment": {
+            "simulator": "pusht",
+            "task": "PushT-reach-v0",
+            "num_envs": 2,
+            "horizon": 4,
+            "max_episode_steps": 6,
+        },
+        "rl": {"advantage": "gae", "ppo_epochs": 1, "gamma": 0.95},
+        "scheduling": {"max_in_flight_jobs": 1, "completion_target": 1, "max_policy_staleness": 1},
+        "training": {"samples_per_job": 8, "microbatch_size": 8, "learning_rate": 5e-5},
+    }
+
+
+@dataclass
+class Tenant:
+    tenant_id: str
+    api_key: str
+    spec: dict[str, Any]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+@dataclass
+class RayApi:
+    namespace: str
+    data_dir: Path
+    services: Any  # server 1's ApiServices
+    services2: Any  # server 2's, over the same deployment
+    client: Any  # TestClient of server 1
+    client2: Any  # TestClient of server 2
+
+    def actor(self, name: str) -> Any:
+        return ray.get_actor(name, namespace=self.namespace)
+
+    def master_ping(self) -> dict[str, Any]:
+        return ray.get(self.actor("joynexus.master").ping.remote(), timeout=60)
+
+    def create_tenant(self, spec: dict[str, Any], client: Any = None) -> Tenant:
+        response = (client or self.client).post("/v1/admin/tenants", json=spec, headers=ADMIN)
+        assert response.status_code == 201, response.text
+        return Tenant(spec["tenant"], response.json()["key"]["api_key"], spec)
+
+    def submit(self, tenant: Tenant, client: Any = None, **body: Any) -> str:
+        response = (client or self.client).post("/v1/workloads", json=body, headers=tenant.headers)
+        assert response.status_code == 202, response.text
+        return response.json()["workload_id"]
+
+    def wait(self, tenant: Tenant, workload_id: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            response = self.client.get(f"/v1/workloads/{workload_id}", headers=tenant.headers)
+            assert response.status_code == 200, response.text
+            info = response.json()
+            if info["state"] in FINAL or time.monotonic() > deadline:
+                return info
+            time.sleep(0.2)
+
+    def usage(self, tenant: Tenant) -> dict[str, Any]:
+        response = self.client.get("/v1/usage", headers=tenant.headers)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def _kill_namespace_actors(namespace: str) -> None:
+    """What `joynexus down` does (joynexus.ops.supervisor._kill_actors), in this driver."""
+    for name in SERVICE_ACTORS:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        if name == "joynexus.environment_service":
+            try:
+                ray.get(handle.close_all.remote(), timeout=20)  # stop the simulator worker processes
+            except Exception:
+                pass
+        ray.kill(handle, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def ray_api(tmp_path_factory) -> RayApi:
+    from fastapi.testclient import TestClient
+
+    from joynexus.api.app import ApiSettings, create_app
+    from joynexus.api.services import ApiServices
+    from joynexus.runtime import Settings
+
+    started_ray = not ray.is_initialized()  # other modules init and shut down their own Ray
+    namespace = f"test-api-ray-{uuid.uuid4().hex[:8]}"
+    data_dir = tmp_path_factory.mktemp("api-ray")
+    settings = Settings(data_dir=data_dir, ray_namespace=namespace, torch_threads=1)
+    api_settings = ApiSettings(stream_poll_s=0.05)
+    services = services2 = None
+    try:
+        services = ApiServices.ray(settings)  # starts a local Ray here if none runs
+        services2 = ApiServices.ray(settings)  # a second API server over the same deployment
+        app = create_app(services, api_settings, admin_key=ADMIN_KEY)
+        app2 = create_app(services2, api_settings, admin_key=ADMIN_KEY)
+        with (
+            TestClient(app, raise_server_exceptions=False) as client,
+            TestClient(app2, raise_server_exceptions=False) as client2,
+        ):
+            yield RayApi(namespace, data_dir, services, services2, client, client2)
+    finally:
+        for each in (services, services2):
+            if each is not None:
+                each.close()
+        if ray.is_initialized():
+            _kill_namespace_actors(namespace)
+            if started_ray:
+                ray.shutdown()
+
+
+@dataclass
+class Trained:
+    sft: Tenant
+    rl: Tenant
+    sft_workload: dict[str, Any]
+    rl_workload: dict[str, Any]
+    evaluation: dict[str, Any]
+    predicted: dict[str, Any]
+    inference_before: dict[str, Any]
+    inference_after: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def trained(ray_api: RayApi) -> Trained:
+    """An SFT and an RL tenant, trained side by side through HTTP; an evaluation; a prediction."""
+    spec = sft_spec("ray-sft", ray_api.data_dir / "datasets" / "ray-sft", jobs=1, samples_per_job=16)
+    write_dataset_for(spec, episodes=2, length=12)
+    sft = ray_api.create_tenant(spec)
+    rl = ray_api.create_tenant(rl_spec("ray-rl"))
+
+    sft_id = ray_api.submit(sft, jobs=1)
+    rl_id = ray_api.submit(rl, jobs=1)
+    sft_workload = ray_api.wait(sft, sft_id)
+    rl_workload = ray_api.wait(rl, rl_id)
+    evaluation = ray_api.wait(rl, ray_api.submit(rl, task="eval", episodes=1))
+
+    inference = ray_api.actor("joynexus.inference_service")
+    before = ray.get(inference.stats.remote(), timeout=60)
+    batch = sample_batch(sft.spec, 2, seed=3)
+    body = {"observations": wire({"images": batch["images"], "state": batch["state"]})}
+    response = ray_api.client.post("/v1/predict", json=body, headers=sft.headers)
+    assert response.status_code == 200, response.text
+    after = ray.get(inference.stats.remote(), timeout=60)
+    return Trained(sft, rl, sft_workload, rl_workload, evaluation, response.json(), before, after)
+
+
+def test_the_api_runs_on_ray_in_its_own_namespace(ray_api: RayApi):
+    from joynexus.runtime import handle_of
+
+    for name in SERVICE_ACTORS:
+        assert ray_api.actor(name) is not None  # named actors live in the settings' namespace
+    named = ray.util.list_named_actors(all_namespaces=True)
+    masters = [a for a in named if a["name"] == "joynexus.master" and a["namespace"] == ray_api.namespace]
+    assert len(masters) == 1
+    for services in (ray_api.services, ray_api.services2):
+        assert services.cluster.mode == "ray"
+        for service in (services.master, services.training_service, services.inference_service):
+            assert handle_of(service).is_remote
+
+
+def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, trained: Trained):
+    from joynexus.core.store import ControlPlaneStore
+    from joynexus.master.workloads import WorkloadManager
+    from joynexus.scheduling.training_scheduler import TrainingScheduler
+
+    assert trained.sft_workload["state"] == "completed", trained.sft_workload
+    assert trained.rl_workload["state"] == "completed", trained.rl_workload
+    assert trained.sft_workload["version"] == trained.rl_workload["version"] == 1
+    assert trained.evaluation["state"] == "completed", trained.evaluation
+    assert trained.evaluation["task"] == "eval" and trained.evaluation["result"]["episodes"] == 1
+    assert trained.evaluation["result"]["policy_version"] == 1
+
+    ping = ray_api.master_ping()
+    assert ping["running_workloads"] == 0 and ping["tenants"] >= 2 and not ping["unhealthy_tenants"]
+    # Both servers reach the same incarnation of the Master: the actor, not a copy in this process.
+    assert ray_api.services.master.ping()["incarnation"] == ray_api.services2.master.ping()["incarnation"]
+    assert ray_api.services.master.ping()["incarnation"] == ping["incarnation"]
+    # Every training job was leased and completed by that Master's actor loop.
+    store = ControlPlaneStore(ray_api.services.settings.resolved_database_url())
+    try:
+        scheduler = TrainingScheduler(store)
+        for tenant in (trained.sft, trained.rl):
+            jobs = scheduler.jobs(tenant_id=tenant.tenant_id)
+            assert [job.state for job in jobs] == ["completed"]
+            assert {job.lease_owner for job in jobs} == {f"master-{ping['incarnation']}/actor"}
+    finally:
+        store.dispose()
+    # The server process holds no WorkloadManager of this deployment (nor an actor loop).
+    local = [
+        o for o in gc.get_objects() if isinstance(o, WorkloadManager) and o.dep.settings.data_dir == ray_api.data_dir
+    ]
+    assert local == []
+
+
+def test_predict_is_answered_by_the_resident_inference_service(trained: Trained):
+    from joynexus.protocol.wire import Tensor
+
+    body = trained.predicted
+    assert body["policy_version"] == 1  # the SFT workload published its version to the inference actor
+    assert Tensor.model_validate(body["actions"]).to_numpy().shape == (2, 2, 3)
+    assert np.isfinite(Tensor.model_validate(body["actions"]).to_numpy()).all()
+    before, after = trained.inference_before, trained.inference_after
+    assert after["requests"] >= before["requests"] + 1 and after["samples"] >= before["samples"] + 2
+    assert after["tenants"][trained.sft.tenant_id] == [1]
+    assert trained.rl.tenant_id in after["tenants"]  # rollouts and the evaluation rode the same service
+    assert after["backbone_instances_created"] == 1  # one backbone in the actor for every tenant
+
+
+def test_metering_is_written_by_the_services(ray_api: RayApi, trained: Trained):
+    rl = ray_api.usage(trained.rl)
+    # Rollouts and the evaluation went straight to the resident services, never through the API.
+    assert rl["env_steps"] > 0 and rl["device_seconds"]["inference"] > 0, rl
+    assert rl["device_seconds"]["training"] > 0 and rl["samples_trained"] == 8, rl
+    sft = ray_api.usage(trained.sft)
+    assert sft["device_seconds"]["inference"] > 0 and sft["samples_predicted"] >= 2, sft
+    assert sft["device_seconds"]["training"] > 0 and sft["samples_trained"] == 16, sft
+    assert sft["env_steps"] == 0
+    # The second server reads the same ledger.
+    other = ray_api.client2.get("/v1/usage", headers=trained.sft.headers).json()
+    assert other["samples_predicted"] == sft["samples_predicted"]
+
+
+def test_two_api_servers_share_the_workloads_and_neither_leases_jobs(ray_api: RayApi):
+    spec = sft_spec("ray-shared", ray_api.data_dir / "datasets" / "ray-shared", jobs=50, samples_per_job=16)
+    write_dataset_for(spec, episodes=2, length=12)
+    tenant = ray_api.create_tenant(spec, client=ray_api.client2)  # created through server 2
+    workload_id = ray_api.submit(tenant, jobs=50)  # submitted through server 1
+
+    seen = ray_api.client2.get(f"/v1/workloads/{workload_id}", headers=tenant.headers)
+    assert seen.status_code == 200 and seen.json()["workload_id"] == workload_id
+    listed = ray_api.client2.get("/v1/workloads", headers=tenant.headers).json()
+    assert [w["workload_id"] for w in listed] == [workload_id]
+    deadline = time.monotonic() + 30
+    while ray_api.master_ping()["running_workloads"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_api.master_ping()["running_workloads"] == 1  # the resident Master runs it
+
+    cancelled = ray_api.client2.post(f"/v1/workloads/{workload_id}/cancel", headers=tenant.headers)
+    assert cancelled.status_code == 200, cancelled.text
+    final = ray_api.wait(tenant, workload_id, timeout_s=60)  # read back through server 1
+    # "failed" too: a producer's error can race the cancel (see tests/api/test_client.py)
+    assert final["state"] in ("cancelled", "failed") and final["completed_jobs"] < 50, final
+    assert ray_api.master_ping()["running_workloads"] == 0
+    for services in (ray_api.services, ray_api.services2):
+        assert not hasattr(services, "workloads") and not hasattr(services.cluster, "workloads")
