@@ -91,6 +91,8 @@ def tenant_info(tenant: Tenant) -> s.TenantInfo:
         microbatch_size=cfg.microbatch_size,
         stochastic=bool(cfg.action_module.get("stochastic", False)),
         environment=simulator_config(cfg) if getattr(cfg, "environment", None) else None,
+        status=tenant.status,
+        status_reason=tenant.status_reason,
     )
 
 

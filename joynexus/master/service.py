@@ -128,8 +128,9 @@ class MasterService:
         self.workloads.stop(cancel_running=cancel_running)
 
     def close(self) -> None:
-        """Shut down and release what this process holds (an in-process deployment's services)."""
-        self.shutdown(cancel_running=True)
+        """Shut down and release what this process holds (an in-process deployment's services).
+        Running workloads stay `running` in the store: the next Master on it resumes them."""
+        self.shutdown(cancel_running=False)
         self.deployment.shutdown()
 
     # -- tenants ----------------------------------------------------------------------------------

@@ -168,6 +168,10 @@ class WorkloadManager:
             else:
                 entry.stop.set()
         self._stop.set()
+        for entry in active:  # producers finish the job they are writing; the next Master resumes the rest
+            for thread in entry.threads:
+                if thread is not threading.current_thread():
+                    thread.join(timeout=60)
         for thread in (self._actor_thread, self._stage_thread):
             if thread is not None:
                 thread.join(timeout=60)

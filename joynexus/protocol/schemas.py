@@ -62,6 +62,8 @@ class TenantInfo(_Response):
     microbatch_size: int
     stochastic: bool = False  # a Gaussian policy (RL tenants): predict(sample=True), loss="policy_gradient"
     environment: dict[str, Any] | None = None  # the session config of the tenant's declared environment
+    status: str = "active"  # "active" | "unhealthy" (its backend slot could not be built; see status_reason)
+    status_reason: str | None = None
 
 
 class TenantDeleted(BaseModel):
