@@ -66,7 +66,7 @@ def test_four_lifecycles_at_once_share_one_backbone_and_keep_their_own_versions(
     )
     specs = {}
     for tenant, shape in SHAPES.items():
-        specs[tenant] = sft_spec(tenant, tmp_path / "datasets" / tenant, jobs=JOBS, samples_per_job=32, **shape)
+        specs[tenant] = sft_spec(tenant, tmp_path / "datasets" / tenant, jobs=JOBS, samples_per_job=64, **shape)
         write_dataset_for(specs[tenant], episodes=2, length=16)
 
     logs = tmp_path / "logs"
