@@ -31,6 +31,7 @@ from joynexus.api.errors import ApiError, Forbidden, NotFound, Unauthenticated, 
 from joynexus.api.gateway import ApiGateway, ApiLimits, manifest_model, tenant_info
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware, WireRoute
 from joynexus.api.services import ApiServices
+from joynexus.api.streaming import PolicyStream, StreamSettings
 from joynexus.master.usage import UsageLedger
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import MSGPACK_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, msgpack_dumps, wants_msgpack
@@ -52,6 +53,7 @@ class ApiSettings(BaseModel):
     stream_poll_s: float = Field(default=0.25, gt=0)
     stream_heartbeat_s: float = Field(default=15.0, gt=0)
     limits: ApiLimits = Field(default_factory=ApiLimits)
+    policy_stream: StreamSettings = Field(default_factory=StreamSettings)  # /v1/stream (websocket)
 
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
@@ -221,7 +223,7 @@ def create_app(
     @admin.put("/tenants/{tenant_id}/quota", response_model=s.Quota)
     def set_quota(request: Request, tenant_id: TenantIdPath, body: s.QuotaUpdate, _: Admin) -> Response:
         gateway.tenant(tenant_id)
-        return _respond(request, ledger.set_quota(tenant_id, body))
+        return _respond(request, gateway.master.set_quota(tenant_id, body))
 
     @admin.get("/usage", response_model=list[s.Usage])
     def all_usage(request: Request, _: Admin) -> Response:
@@ -397,6 +399,7 @@ def create_app(
 
     for router in (public, admin, upper, lower):
         app.include_router(router)
+    app.include_router(PolicyStream(gateway, keys, settings.policy_stream).router())  # robots: /v1/stream
     return app
 
 

@@ -231,6 +231,14 @@ class WorkloadManager:
                 record.target_jobs, record.completed_jobs, record.version, record.optimizer_steps, record.run_id,
                 record.tenant_id,
             )  # fmt: skip
+        # The scheduler is the truth for jobs: the dead Master may have completed one whose progress
+        # row it did not write yet; counting from the record alone would train one job too many.
+        done = sum(
+            1
+            for job in self.dep.scheduler.jobs(tenant_id=tenant_id, states=[COMPLETED])
+            if job.metadata.get("workload_id") == workload_id
+        )
+        completed = max(completed, done)
         tenant = self.dep.creator.get(tenant_id)
         if getattr(tenant, "status", "active") != "active":
             raise RuntimeError(f"tenant {tenant_id!r} is {tenant.status}: {getattr(tenant, 'status_reason', '')}")

@@ -189,7 +189,7 @@ def test_sigkill_mid_workload_then_restart_resumes_without_reissuing_a_version(t
     scheduler = TrainingScheduler(store)
     with store.transaction() as s:
         states = {r.workload_id: (r.state, r.completed_jobs) for r in s.scalars(select(WorkloadRecord))}
-    assert states[a1][0] == "running" and states[a1][1] >= 4 and states[a2] == ("queued", 0)
+    assert states[a1][0] == "running" and states[a1][1] >= 2 and states[a2] == ("queued", 0)
     orphans = [j for j in scheduler.jobs() if j.state not in TERMINAL_STATES]
     last_seq = max_event_seq(store)
     store.dispose()
@@ -312,7 +312,7 @@ def test_leases_of_a_dead_owner_are_requeued_with_bounded_retries_when_the_queue
         assert "retries exhausted (4 > 3)" in sched.get(second.job_id).terminal_reason
         assert sched.get(unwritten.job_id).state == "failed"
         assert sched.get(ended.job_id).state == "failed" and not dep.queue.has_partition(ended.partition_id)
-        assert dead not in {j.lease_owner for j in sched.jobs()}
+        assert dead not in {j.lease_owner for j in sched.jobs() if j.state not in TERMINAL_STATES}
 
         status = master.workloads.wait("wl-running", 120)
         assert status.state == "completed" and status.completed_jobs == 3
