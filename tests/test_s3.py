@@ -250,3 +250,42 @@ def test_sft_workload_checkpoints_and_registers_through_s3(tmp_path, s3_endpoint
     finally:
         workloads.stop()
         dep.shutdown()
+
+
+def test_the_api_reads_checkpoints_through_the_store_on_s3(tmp_path, s3_endpoint, bucket, monkeypatch):
+    """With a bucket, the API's versions, manifests, exports of older versions and storage usage come
+    from the bucket (the checkpoint store), not from a local folder that does not exist."""
+    from fastapi.testclient import TestClient
+
+    from joynexus.api.app import create_app
+    from joynexus.api.services import ApiServices
+    from joynexus.runtime import Settings
+    from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
+
+    monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)
+    settings = Settings(data_dir=tmp_path / "data", s3_bucket=bucket, s3_endpoint_url=s3_endpoint, torch_threads=1)
+    spec = sft_spec("s3-api", tmp_path / "dataset", jobs=2, samples_per_job=8, base_model=TINY_MODEL_ID)
+    spec["training"] = {**spec.get("training", {}), "checkpoint_every_jobs": 1}
+    write_dataset_for(spec, episodes=2, length=8)
+    services = ApiServices.in_process(settings)
+    admin = {"Authorization": "Bearer jnx_admin_s3test"}
+    try:
+        with TestClient(create_app(services, admin_key="jnx_admin_s3test")) as client:
+            created = client.post("/v1/admin/tenants", json=spec, headers=admin)
+            assert created.status_code == 201, created.text
+            me = {"Authorization": f"Bearer {created.json()['key']['api_key']}"}
+            submitted = client.post("/v1/workloads", json={"jobs": 2}, headers=me).json()
+            final = services.cluster.wait_workload(submitted["workload_id"], 300)
+            assert final.state == "completed", final.error
+            versions = client.get("/v1/versions", headers=me).json()
+            checkpoints = {c["version"]: c for c in versions["checkpoints"]}
+            assert set(checkpoints) >= {1, 2} and all(c["size_bytes"] > 0 for c in checkpoints.values())
+            manifest = client.get("/v1/checkpoints/1/manifest", headers=me).json()
+            assert manifest["digest"] == checkpoints[1]["digest"] and manifest["tenant_id"] == "s3-api"
+            old = client.get("/v1/versions/1/export", headers=me)
+            assert old.status_code == 200 and len(old.content) > 0
+            usage = client.get("/v1/usage", headers=me).json()
+            assert usage["storage_bytes"] >= sum(c["size_bytes"] for c in checkpoints.values())
+        assert not (settings.checkpoint_root / "tenants").exists()  # nothing on local disk
+    finally:
+        services.close()
