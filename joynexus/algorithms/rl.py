@@ -1,5 +1,6 @@
-"""RL estimators and objectives (paper A.5, A.6): PPO-style GAE, a GRPO-style group-relative
-estimator, and the PPO clipped surrogate with a value loss. Pure functions over tensors / arrays,
+"""RL estimators and objectives (paper A.5, A.6): PPO-style GAE (time-limit truncation bootstrapped,
+not treated as termination), GRPO's group-relative estimator over groups of attempts from one
+initial state, and the PPO clipped surrogate with a value loss. Pure functions over tensors / arrays,
 so the advantage stage and the actor share them and tests pin their numbers down."""
 
 from __future__ import annotations
@@ -20,21 +21,31 @@ def gae(
     *,
     gamma: float = 0.99,
     lam: float = 0.95,
+    truncated: np.ndarray | None = None,
+    truncation_values: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Generalized advantage estimation over (T, E) arrays (time, environment).
 
-    `dones[t]` marks that the episode ended at step t (terminated: no bootstrap past it);
-    `last_values` (E,) bootstraps the step after the horizon. Returns (advantages, returns)."""
+    `dones[t]` marks that the episode ended at step t (the env was reset after it): nothing is
+    carried across it. `truncated[t]` (a subset of `dones`) marks the ends that were a time limit,
+    not a termination: the episode did not really end there, so its last step bootstraps from
+    `truncation_values[t]`, V of the observation it was cut at. A terminated step bootstraps
+    nothing. `last_values` (E,) bootstraps the step after the horizon (the rollout's own cut).
+    Returns (advantages, returns)."""
     rewards = np.asarray(rewards, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
     dones = np.asarray(dones, dtype=bool)
+    cut = np.zeros_like(dones) if truncated is None else np.asarray(truncated, dtype=bool) & dones
+    cut_values = np.zeros_like(rewards) if truncation_values is None else np.asarray(truncation_values, np.float64)
     horizon = rewards.shape[0]
     advantages = np.zeros_like(rewards)
     running = np.zeros(rewards.shape[1:], dtype=np.float64)
     next_values = np.asarray(last_values, dtype=np.float64)
     for t in reversed(range(horizon)):
         alive = 1.0 - dones[t]
-        delta = rewards[t] + gamma * next_values * alive - values[t]
+        # After a cut the next state's value is V(s_cut); after a termination it is 0.
+        bootstrap = np.where(dones[t], np.where(cut[t], cut_values[t], 0.0), next_values)
+        delta = rewards[t] + gamma * bootstrap - values[t]
         running = delta + gamma * lam * alive * running
         advantages[t] = running
         next_values = values[t]
@@ -54,16 +65,65 @@ def discounted_returns(rewards: np.ndarray, dones: np.ndarray, *, gamma: float =
     return out.astype(np.float32)
 
 
+def attempt_returns(rewards: np.ndarray, dones: np.ndarray, *, gamma: float = 0.99) -> np.ndarray:
+    """Per step, the discounted return of the attempt (episode segment) it belongs to, counted from
+    the attempt's first step: an attempt runs from a reset (or the rollout's start) to its episode's
+    end or the rollout's horizon. Over (T, E)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    dones = np.asarray(dones, dtype=bool)
+    out = np.zeros_like(rewards)
+    horizon = rewards.shape[0]
+    for env in range(rewards.shape[1]):
+        start = 0
+        for t in range(horizon):
+            if dones[t, env] or t == horizon - 1:
+                segment = rewards[start : t + 1, env]
+                out[start : t + 1, env] = float(np.sum(segment * gamma ** np.arange(len(segment))))
+                start = t + 1
+    return out.astype(np.float32)
+
+
 def grpo_advantages(
-    rewards: np.ndarray, dones: np.ndarray, *, gamma: float = 0.99, eps: float = 1e-6
+    rewards: np.ndarray,
+    dones: np.ndarray,
+    groups: np.ndarray | None = None,
+    *,
+    gamma: float = 0.99,
+    eps: float = 1e-6,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Group-relative advantages: each step's reward-to-go, normalized against the group of all
-    environments at the same time step (the group shares the policy and task), no critic needed.
-    Returns (advantages, returns)."""
-    returns = discounted_returns(rewards, dones, gamma=gamma)
-    mean = returns.mean(axis=1, keepdims=True)
-    std = returns.std(axis=1, keepdims=True)
-    return ((returns - mean) / (std + eps)).astype(np.float32), returns
+    """Group-relative advantages (GRPO, Shao et al. 2024, outcome form) over (T, E) arrays.
+
+    A group is G attempts from the SAME initial state (the producer resets a group's environments
+    with one seed); `groups[t, e]` is the group id of step t of env e, -1 for steps outside every
+    group (e.g. an env's later attempts, which had less of the horizon left and are not comparable).
+    Each attempt's return R (`attempt_returns`) is its outcome; every step of an attempt gets
+    (R - mean_group(R)) / (std_group(R) + eps), statistics over the group's attempts (not steps).
+    A group whose returns are all equal carries no signal: 0. Steps outside groups: 0. No critic.
+    `groups=None`: each env's first attempt, all in one group. Returns (advantages, returns)."""
+    returns = attempt_returns(rewards, dones, gamma=gamma)
+    dones = np.asarray(dones, dtype=bool)
+    horizon, num_envs = returns.shape
+    if groups is None:
+        ended = np.cumsum(dones, axis=0) - dones  # episode ends before step t
+        groups = np.where(ended == 0, 0, -1)
+    groups = np.asarray(groups, dtype=np.int64).reshape(horizon, num_envs)
+    # An attempt starts at t = 0 or after a done; its group is the group id of its first step.
+    starts = np.zeros_like(dones)
+    starts[0] = True
+    starts[1:] = dones[:-1]
+    attempt_id = np.cumsum(starts.T.reshape(-1)).reshape(num_envs, horizon).T - 1  # unique per (env, attempt)
+    advantages = np.zeros_like(returns)
+    for group in np.unique(groups[groups >= 0]):
+        rows = groups == group
+        members = dict(zip(attempt_id[rows].tolist(), returns[rows].tolist(), strict=True))
+        outcomes = np.asarray(list(members.values()), dtype=np.float64)
+        spread = outcomes.std()
+        if len(outcomes) < 2 or spread <= 1e-12 * max(1.0, float(np.abs(outcomes).max())):
+            continue  # all equal (or a lone attempt): no relative signal
+        mean = outcomes.mean()
+        for attempt, value in members.items():
+            advantages[rows & (attempt_id == attempt)] = (value - mean) / (spread + eps)
+    return advantages.astype(np.float32), returns
 
 
 @dataclass(frozen=True)

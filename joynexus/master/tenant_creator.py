@@ -100,6 +100,7 @@ class SpecCompiler:
                     f"kinds that support RL: {sorted(k for k in ACTION_MODULES if _supports_rl(k))}",
                 )
             )
+        problems.extend(_rl_problems(spec))
         if spec.training.microbatch_size > spec.training.samples_per_job:
             problems.append(
                 (
@@ -195,6 +196,28 @@ class SpecCompiler:
         )
         report = validate_dataset(root, spec.dataset.repo_id, expectation, raise_on_error=False)
         return [(failure.field, failure.reason) for failure in report.failures]
+
+
+def _rl_problems(spec: WorkloadSpec) -> list[tuple[str, str]]:
+    """GRPO groups: num_envs = groups x group_size, at least two attempts per group."""
+    if spec.task is not TaskType.RL or spec.environment is None:
+        return []
+    rl, num_envs = spec.rl, spec.environment.num_envs
+    if rl.advantage != "grpo":
+        if rl.group_size is not None:
+            return [("rl.group_size", "only the 'grpo' estimator forms groups; leave it unset for 'gae'")]
+        return []
+    size = rl.group_size or num_envs
+    if rl.group_size is None and num_envs < 2:
+        return [("environment.num_envs", "GRPO compares attempts within a group: give at least 2 environments")]
+    if num_envs % size:
+        return [
+            (
+                "rl.group_size",
+                f"{size} does not divide environment.num_envs ({num_envs}); num_envs must be groups x group_size",
+            )
+        ]
+    return []
 
 
 class TenantCreator:

@@ -125,6 +125,7 @@ class WorkloadManager:
         self._stop = threading.Event()
         self._actor_thread: threading.Thread | None = None
         self._stage_thread: threading.Thread | None = None
+        self._admission_thread: threading.Thread | None = None
         self._rollout_slots = threading.BoundedSemaphore(max_concurrent_rollouts)
         self._finishing: set[str] = set()
 
@@ -147,7 +148,19 @@ class WorkloadManager:
                 target=stage.run, args=(self._stop,), name="advantage-stage", daemon=True
             )
             self._stage_thread.start()
+        if self._admission_thread is None:
+            self._admission_thread = threading.Thread(target=self._admission_tick, name="admission", daemon=True)
+            self._admission_thread.start()
         return self
+
+    def _admission_tick(self, interval_s: float = 1.0) -> None:
+        """Admit on a timer too, not only on submit/finish: the queue is the store, so work queued by
+        another path (a restart, a finish that raced a submit) starts within a second."""
+        while not self._stop.wait(interval_s):
+            try:
+                self._admit()
+            except Exception:  # a store hiccup: the next tick tries again
+                log.exception("admission tick failed")
 
     @property
     def actor_owner(self) -> str:
@@ -172,10 +185,10 @@ class WorkloadManager:
             for thread in entry.threads:
                 if thread is not threading.current_thread():
                     thread.join(timeout=60)
-        for thread in (self._actor_thread, self._stage_thread):
+        for thread in (self._actor_thread, self._stage_thread, self._admission_thread):
             if thread is not None:
                 thread.join(timeout=60)
-        self._actor_thread = self._stage_thread = None
+        self._actor_thread = self._stage_thread = self._admission_thread = None
 
     def reconcile(self, *, has_partition: Callable[[str], bool] | None = None) -> dict[str, Any]:
         """Bring the store in line with a Master that (re)starts now (paper 4.4: restart from
@@ -328,15 +341,11 @@ class WorkloadManager:
         Environment Service at ONE policy version, resolved once at the start. No training job,
         no partition, no version change. `environment` overrides the tenant's declared one."""
         tenant = self.dep.creator.get(tenant_id)
-        config = tenant.backend_config
-        if environment is not None:
-            from joynexus.spec import EnvironmentSpec
-
-            config = config.model_copy(update={"environment": EnvironmentSpec(**environment).model_dump(mode="json")})
-        if config.environment is None:
-            raise ValueError(f"environment: tenant {tenant_id!r} declares none; pass one to evaluate in")
-        if episodes < 1:
-            raise ValueError(f"episodes: expected >= 1, got {episodes}")
+        config = self._evaluation_config(tenant, environment)
+        if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
+            raise ValueError(f"episodes: expected an int >= 1, got {episodes!r}")
+        if version != "latest" and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version: expected a policy version (an int >= 0) or 'latest', got {version!r}")
         if self.admission_check is not None:
             self.admission_check(tenant_id)
         if self.dep.inference_service.latest_version(tenant_id) is None:
@@ -344,6 +353,9 @@ class WorkloadManager:
             self.dep.training_service.add_tenant(tenant.backend_config)
             self._publish_weights(tenant_id)
         resolved = self.dep.inference_service.latest_version(tenant_id) if version == "latest" else version
+        if resolved is None:
+            raise ValueError(f"version: tenant {tenant_id!r} has no policy version being served")
+        self._serve_version(tenant_id, resolved)
         workload_id = f"ev-{uuid.uuid4().hex[:12]}"
         with self.dep.store.transaction() as s:
             s.add(
@@ -396,6 +408,79 @@ class WorkloadManager:
 
         threading.Thread(target=run, name=f"evaluation-{tenant_id}", daemon=True).start()
         return self.get(workload_id)
+
+    def _evaluation_config(self, tenant: Tenant, environment: dict[str, Any] | None) -> Any:
+        """The tenant's backend config with the environment to evaluate in, checked before anything
+        starts: the simulator is registered, the task exists, and the simulator renders the cameras
+        and gives the state / action dims the tenant's schema needs (an environment other than the
+        one the tenant creator probed at creation is probed here). ValueError("field: reason")."""
+        from pydantic import ValidationError
+
+        from joynexus.core.tenants import simulator_config
+        from joynexus.envs import available_simulators
+        from joynexus.spec import EnvironmentSpec
+
+        config = tenant.backend_config
+        if environment is None:
+            if config.environment is None:
+                raise ValueError(f"environment: tenant {tenant.tenant_id!r} declares none; pass one to evaluate in")
+            return config  # probed when the tenant was created
+        if not isinstance(environment, dict):
+            raise ValueError(f"environment: expected a mapping (simulator, task, ...), not {type(environment)}")
+        try:
+            spec = EnvironmentSpec(**environment)
+        except ValidationError as error:
+            item = error.errors()[0]
+            where = ".".join(str(part) for part in item["loc"])
+            raise ValueError(f"environment.{where}: {item['msg']}") from None
+        if spec.simulator not in available_simulators():
+            raise ValueError(
+                f"environment.simulator: {spec.simulator!r} is not a registered simulator; known: "
+                f"{available_simulators()}"
+            )
+        config = config.model_copy(update={"environment": spec.model_dump(mode="json")})
+        probe = getattr(getattr(self.dep.creator, "compiler", None), "environment_probe", None)
+        if probe is None:
+            return config
+        try:
+            sim = probe(simulator_config(config))
+        except Exception as error:  # the adapter refused: a bad task, cameras it cannot render, ...
+            text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            field = next(
+                (f for f in ("cameras", "control_mode", "reward_mode", "max_episode_steps") if text.startswith(f)),
+                "task",
+            )
+            raise ValueError(f"environment.{field}: {text}") from None
+        if tuple(sim["cameras"]) != tuple(config.cameras):
+            raise ValueError(
+                f"environment.cameras: the tenant's schema needs cameras {list(config.cameras)}, "
+                f"{spec.simulator}/{spec.task} renders {list(sim['cameras'])}"
+            )
+        for name, ours in (("state_dim", config.state_dim), ("action_dim", config.action_dim)):
+            if int(sim[name]) != ours:
+                raise ValueError(
+                    f"environment.task: {spec.simulator}/{spec.task} gives {name} {sim[name]}, "
+                    f"the tenant's schema needs {ours}"
+                )
+        return config
+
+    def _serve_version(self, tenant_id: str, version: int) -> None:
+        """Make `version` servable for the evaluation: served already, or loaded from its checkpoint;
+        ValueError("version: ...") naming what exists otherwise."""
+        served = self.dep.inference_service.versions(tenant_id)
+        if version in served:
+            return
+        store = getattr(self.dep, "checkpoints", None)
+        checkpoints = store.versions(tenant_id) if store is not None else []
+        if version not in checkpoints:
+            raise ValueError(
+                f"version: tenant {tenant_id!r} has no policy version {version} (served: {served}, "
+                f"checkpoints: {checkpoints})"
+            )
+        from joynexus.artifacts import encode_tenant_payload
+
+        manifest, module_state, _ = self.dep.checkpoints.load_tenant(tenant_id, version)
+        self.dep.inference_service.load_weights(encode_tenant_payload(module_state, manifest))
 
     def get(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
         with self.dep.store.transaction() as s:

@@ -83,7 +83,10 @@ class ActorLoop:
             except InvalidTransition as lost:
                 return self._lost(job, lost)
         if self.on_outcome is not None:
-            self.on_outcome(outcome)
+            try:
+                self.on_outcome(outcome)
+            except Exception:  # the Master's bookkeeping failing must not stop training for every tenant
+                log.exception("handling the outcome of job %s failed", job.job_id)
         return outcome
 
     def _lost(self, job: TrainingJob, error: InvalidTransition) -> ActorOutcome:

@@ -26,19 +26,32 @@ from joynexus.scheduling.training_scheduler import (
 log = logging.getLogger(__name__)
 
 ADVANTAGE_INPUT_FIELDS = ("reward", "value", "done", "bootstrap_value")
+# Written by the rollout producer since time-limit truncation and GRPO groups are recorded; a
+# partition without them (an older producer, a lower-layer client) is read as before: every
+# episode end a termination, every env's first attempt in one group.
+OPTIONAL_ADVANTAGE_FIELDS = ("truncated", "group")
 
 
 def compute_advantages(data: dict[str, np.ndarray], num_envs: int, horizon: int, rl: dict) -> dict[str, np.ndarray]:
-    """Rows are time-major (row = t * num_envs + env); returns flat `advantage` and `return`."""
+    """Rows are time-major (row = t * num_envs + env); returns flat `advantage` and `return`.
+
+    `done` marks an episode end (the env was reset after the step); `truncated` the ends that were
+    a time limit, which GAE bootstraps from `bootstrap_value` (V of the observation cut at), as it
+    does at the horizon (the last row's `bootstrap_value`). GRPO normalizes within `group`."""
     shape = (horizon, num_envs)
     rewards = np.asarray(data["reward"], dtype=np.float32).reshape(shape)
     dones = np.asarray(data["done"], dtype=bool).reshape(shape)
     if rl["advantage"] == "grpo":
-        advantages, returns = grpo_advantages(rewards, dones, gamma=rl["gamma"])
+        groups = np.asarray(data["group"], dtype=np.int64).reshape(shape) if "group" in data else None
+        advantages, returns = grpo_advantages(rewards, dones, groups, gamma=rl["gamma"])
     else:
         values = np.asarray(data["value"], dtype=np.float32).reshape(shape)
-        last = np.asarray(data["bootstrap_value"], dtype=np.float32).reshape(shape)[-1]
-        advantages, returns = gae(rewards, values, dones, last, gamma=rl["gamma"], lam=rl["gae_lambda"])
+        bootstrap = np.asarray(data["bootstrap_value"], dtype=np.float32).reshape(shape)
+        truncated = np.asarray(data["truncated"], dtype=bool).reshape(shape) if "truncated" in data else None
+        advantages, returns = gae(
+            rewards, values, dones, bootstrap[-1], gamma=rl["gamma"], lam=rl["gae_lambda"],
+            truncated=truncated, truncation_values=bootstrap,
+        )  # fmt: skip
     return {"advantage": advantages.reshape(-1), "return": returns.reshape(-1)}
 
 
@@ -64,9 +77,9 @@ class AdvantageStage:
             rl = self.tenant_config(job.tenant_id).rl
             if rl is None:
                 raise ValueError(f"tenant {job.tenant_id!r} has no rl section")
-            meta = self.queue.get_meta(
-                job.partition_id, ADVANTAGE_INPUT_FIELDS, job.sample_count, "compute_advantages_and_returns"
-            )
+            present = set(self.queue.describe(job.partition_id)["fields"])
+            fields = ADVANTAGE_INPUT_FIELDS + tuple(f for f in OPTIONAL_ADVANTAGE_FIELDS if f in present)
+            meta = self.queue.get_meta(job.partition_id, fields, job.sample_count, "compute_advantages_and_returns")
             if meta is None or meta.size != job.sample_count:
                 raise ValueError(f"partition {job.partition_id} holds {0 if meta is None else meta.size} samples, "
                                  f"the job planned {job.sample_count}")  # fmt: skip

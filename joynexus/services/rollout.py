@@ -24,6 +24,7 @@ from joynexus.runtime import handle_of
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
+from joynexus.spec import MAX_ENVIRONMENT_SEED
 
 
 def predict_many(
@@ -109,19 +110,39 @@ class _EnvGroup:
         self.obs = [self._obs(env.reset(config.tenant_id, sid)) for sid in self.ids]
         self.episode_return = [0.0] * n
         self.episode_length = [0] * n
+        # Per env, the seed its next episodes start from (None: the simulator's own RNG stream);
+        # GRPO sets one seed per group so a group's attempts start from the same state.
+        self.episode_seeds: list[int | None] = [None] * n
+        # Per env whose episode ended in the last act(): the observation it ended at (before the reset).
+        self.final_obs: dict[int, Observation] = {}
+
+    def reset_all(self, seeds: list[int | None]) -> None:
+        """Start a fresh episode in every env (an unfinished one is dropped, not counted), env i
+        from seeds[i]; later episodes of env i start from the same seed."""
+        self.episode_seeds = list(seeds)
+        for i, sid in enumerate(self.ids):
+            self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, sid, seed=seeds[i]))
+            self.episode_return[i], self.episode_length[i] = 0.0, 0
 
     def _obs(self, raw: dict[str, Any]) -> Observation:
         return to_observation(raw, self.config.cameras, self.config.instruction)
 
-    def act(self, chunks: list[np.ndarray], stats: EpisodeStats) -> tuple[np.ndarray, np.ndarray]:
+    def act(
+        self, chunks: list[np.ndarray | None], stats: EpisodeStats, active: list[bool] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Execute each env's action chunk open-loop (stopping at an episode end); returns each
-        env's summed reward and whether its episode ended. Ended episodes are reset."""
+        env's summed reward, whether its episode terminated, and whether it was truncated (a time
+        limit: not a termination). Ended episodes are reset; `final_obs` keeps where they ended.
+        Envs with `active[i]` False do not step (their chunk may be None)."""
         n = len(self.ids)
         rewards, done = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=bool)
+        terminated, truncated = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        idle = np.zeros(n, dtype=bool) if active is None else ~np.asarray(active, dtype=bool)
+        self.final_obs = {}
         success = [False] * n
-        chunk_len = chunks[0].shape[0]
+        chunk_len = next(c for c, off in zip(chunks, idle, strict=True) if not off).shape[0]
         for k in range(chunk_len):
-            live = {self.ids[i]: self.to_env_action(chunks[i][k]) for i in range(n) if not done[i]}
+            live = {self.ids[i]: self.to_env_action(chunks[i][k]) for i in range(n) if not (done[i] or idle[i])}
             if not live:
                 break
             results = self.env.batch_step(self.config.tenant_id, live)
@@ -136,16 +157,19 @@ class _EnvGroup:
                 success[i] = success[i] or bool(result.get("success"))
                 if result["terminated"] or result["truncated"]:
                     done[i] = True
+                    terminated[i] = bool(result["terminated"])
+                    truncated[i] = not terminated[i]  # a success on the last allowed step is a termination
                 self.obs[i] = self._obs(result["observation"])
-        for i in range(n):
+        for i in np.flatnonzero(~idle):
             self.episode_return[i] += float(rewards[i])
             if done[i]:
                 stats.returns.append(self.episode_return[i])
                 stats.lengths.append(self.episode_length[i])
                 stats.successes.append(success[i])
                 self.episode_return[i], self.episode_length[i] = 0.0, 0
-                self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, self.ids[i]))
-        return rewards, done
+                self.final_obs[i] = self.obs[i]
+                self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, self.ids[i], seed=self.episode_seeds[i]))
+        return rewards, terminated, truncated
 
     def to_env_action(self, action: np.ndarray) -> np.ndarray:
         return unit_to_bounds(action, self.low, self.high)
@@ -180,6 +204,14 @@ class RolloutProducer:
         self.rollout_slots = rollout_slots
         self.num_envs = int(config.environment["num_envs"])
         self.horizon = int(config.environment["horizon"])
+        # GRPO: num_envs = groups x group_size; every rollout resets a group's envs from one seed.
+        self.grpo = config.rl["advantage"] == "grpo"
+        self.group_size = int(config.rl.get("group_size") or self.num_envs)
+        if self.grpo and (self.group_size < 2 or self.num_envs % self.group_size):
+            raise ValueError(
+                f"rl.group_size: {self.group_size} must be >= 2 and divide environment.num_envs ({self.num_envs})"
+            )
+        self.rollouts = 0  # rollouts produced by this producer (GRPO draws fresh group seeds per rollout)
         self._envs: _EnvGroup | None = None
         self.stats = EpisodeStats()
 
@@ -233,25 +265,49 @@ class RolloutProducer:
         if self._envs is None:
             self._envs = _EnvGroup(self.env, cfg, f"{cfg.tenant_id}-{uuid.uuid4().hex[:8]}", self.num_envs)
         envs = self._envs
+        env_group = np.arange(self.num_envs) // self.group_size
+        if self.grpo:  # a group's G envs start from the same state, fresh states every rollout
+            envs.reset_all([self._group_seed(int(g)) for g in env_group])
+        first_attempt = np.ones(self.num_envs, dtype=bool)
+        self.rollouts += 1
         columns: dict[str, list[Any]] = {k: [] for k in ("images", "state", "action", "log_prob", "value", "reward")}
-        columns["done"] = []
-        for _t in range(self.horizon):
+        for name in ("done", "terminated", "truncated", "group"):
+            columns[name] = []
+        # bootstrap[t, i] = V(s_{t+1}) where GAE needs it: at a time-limit truncation (the observation
+        # the episode was cut at) and after the horizon (where each env stands); 0 elsewhere.
+        bootstrap = np.zeros((self.horizon, self.num_envs), dtype=np.float32)
+        has_critic = False
+        for t in range(self.horizon):
             preds = predict_many(
                 self.inference, cfg.tenant_id, envs.obs, policy_version=version, sample=True, session_ids=envs.ids
             )
+            has_critic = preds[0]["values"] is not None
             for obs, pred in zip(envs.obs, preds, strict=True):
                 columns["images"].append(np.stack(obs.images))
                 columns["state"].append(obs.state)
                 columns["action"].append(pred["actions"][0])
                 columns["log_prob"].append(float(pred["log_probs"][0]))
-                columns["value"].append(float(pred["values"][0]) if pred["values"] is not None else 0.0)
-            rewards, done = envs.act([p["actions"][0] for p in preds], self.stats)
+                columns["value"].append(float(pred["values"][0]) if has_critic else 0.0)
+            rewards, terminated, truncated = envs.act([p["actions"][0] for p in preds], self.stats)
+            done = terminated | truncated
             columns["reward"].extend(rewards.tolist())
             columns["done"].extend(done.tolist())
-        last = predict_many(self.inference, cfg.tenant_id, envs.obs, policy_version=version, sample=False)
-        bootstrap = np.zeros(self.num_envs * self.horizon, dtype=np.float32)
-        if last[0]["values"] is not None:  # the value of where each env stands after the horizon
-            bootstrap[-self.num_envs :] = [float(p["values"][0]) for p in last]
+            columns["terminated"].extend(terminated.tolist())
+            columns["truncated"].extend(truncated.tolist())
+            # GRPO compares each env's first attempt in its group; later attempts had less horizon left.
+            columns["group"].extend(np.where(first_attempt, env_group, -1).tolist() if self.grpo else [-1] * len(done))
+            first_attempt &= ~done
+            cut = [i for i in range(self.num_envs) if truncated[i]]
+            if has_critic and cut:
+                values = predict_many(
+                    self.inference, cfg.tenant_id, [envs.final_obs[i] for i in cut], policy_version=version,
+                    sample=False,
+                )  # fmt: skip
+                bootstrap[t, cut] = [float(p["values"][0]) for p in values]
+        if has_critic:  # the value of where each env stands after the horizon (ended ones: unused)
+            last = predict_many(self.inference, cfg.tenant_id, envs.obs, policy_version=version, sample=False)
+            live = ~np.asarray(columns["done"][-self.num_envs :], dtype=bool)
+            bootstrap[-1, live] = np.asarray([float(p["values"][0]) for p in last], dtype=np.float32)[live]
         n = self.num_envs * self.horizon
         chunk = cfg.action_chunk
         return {
@@ -262,14 +318,25 @@ class RolloutProducer:
             "log_prob": np.asarray(columns["log_prob"], dtype=np.float32),
             "value": np.asarray(columns["value"], dtype=np.float32),
             "reward": np.asarray(columns["reward"], dtype=np.float32),
-            "done": np.asarray(columns["done"], dtype=bool),
-            "bootstrap_value": bootstrap,
+            "done": np.asarray(columns["done"], dtype=bool),  # the episode ended (either way): env reset after it
+            "terminated": np.asarray(columns["terminated"], dtype=bool),
+            "truncated": np.asarray(columns["truncated"], dtype=bool),  # a time limit: bootstrapped, not terminal
+            "group": np.asarray(columns["group"], dtype=np.int64),  # GRPO group id; -1: in no group
+            "bootstrap_value": bootstrap.reshape(-1),
             "task": [cfg.instruction] * n,
             # Every sample carries its tenant, schema and behavior version (paper A.4).
             "tenant_id": [cfg.tenant_id] * n,
             "schema_signature": [cfg.schema_signature] * n,
             "behavior_policy_version": np.full(n, version, dtype=np.int64),
         }
+
+    def _group_seed(self, group: int) -> int:
+        """The initial-state seed of a GRPO group in this rollout: fixed by the environment seed,
+        the rollout's index and the group, and spread over the seed range (evaluation episodes
+        use environment.seed + 10_000 + i, which these practically never hit)."""
+        base = int(self.config.environment["seed"])
+        state = np.random.SeedSequence([base, self.rollouts, group]).generate_state(1, np.uint32)[0]
+        return int(state) % MAX_ENVIRONMENT_SEED
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> int:
         """Launch the next rollout as soon as the tenant has capacity; no cross-tenant barrier."""
@@ -322,7 +389,11 @@ def evaluate_policy(
     seed_offset: int = 10_000,
 ) -> EvaluationResult:
     """Run `episodes` episodes of the tenant's environment task at ONE policy version, resolved
-    once here (so a benchmark never mixes revisions while the tenant keeps training)."""
+    once here (so a benchmark never mixes revisions while the tenant keeps training).
+
+    Episode j starts from seed environment.seed + seed_offset + j, whatever the policy does, so two
+    evaluations of one tenant (before and after training) run the same episodes: env i of the `n`
+    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order."""
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     if version == "latest":
@@ -336,26 +407,42 @@ def evaluate_policy(
     if config.environment is None:
         raise ValueError(f"tenant {config.tenant_id!r} declares no environment to evaluate in")
     n = min(episodes, num_envs or int(config.environment["num_envs"]))
-    stats = EpisodeStats()
+    base_seed = int(config.environment["seed"]) + seed_offset  # env i's first episode: session seed base + i
+    finished = [0] * n  # episodes env i has finished; its k-th is episode i + k * n
+    quota = [len(range(i, episodes, n)) for i in range(n)]
+    results: dict[int, tuple[float, int, bool]] = {}  # episode -> (return, length, success)
     envs = _EnvGroup(environment, config, f"eval-{uuid.uuid4().hex[:8]}", n, seed_offset=seed_offset)
     try:
-        while len(stats.returns) < episodes:
+        while len(results) < episodes:
+            active = [finished[i] < quota[i] for i in range(n)]
+            # The episode an env starts after this one ends (unused when its quota is done).
+            envs.episode_seeds = [base_seed + i + (finished[i] + 1) * n for i in range(n)]
+            running = [i for i in range(n) if active[i]]
             preds = predict_many(
-                inference, config.tenant_id, envs.obs, policy_version=resolved, sample=False, session_ids=envs.ids,
-                operation="evaluate",
+                inference, config.tenant_id, [envs.obs[i] for i in running], policy_version=resolved, sample=False,
+                session_ids=[envs.ids[i] for i in running], operation="evaluate",
             )  # fmt: skip
-            envs.act([p["actions"][0] for p in preds], stats)
+            chunks: list[np.ndarray | None] = [None] * n
+            for i, pred in zip(running, preds, strict=True):
+                chunks[i] = pred["actions"][0]
+            stats = EpisodeStats()
+            _, terminated, truncated = envs.act(chunks, stats, active=active)
+            ended = [i for i in range(n) if terminated[i] or truncated[i]]  # in the order act() recorded them
+            for i, ret, length, success in zip(ended, stats.returns, stats.lengths, stats.successes, strict=True):
+                results[i + finished[i] * n] = (ret, length, success)
+                finished[i] += 1
     finally:
         envs.close()
-    returns = stats.returns[:episodes]
+    ordered = [results[j] for j in range(episodes)]
+    returns = [r for r, _, _ in ordered]
     return EvaluationResult(
         tenant_id=config.tenant_id,
         policy_version=int(resolved),
         simulator=config.environment["simulator"],
         task=config.environment["task"],
         episodes=len(returns),
-        success_rate=float(np.mean(stats.successes[:episodes])),
+        success_rate=float(np.mean([s for _, _, s in ordered])),
         mean_return=float(np.mean(returns)),
-        mean_length=float(np.mean(stats.lengths[:episodes])),
+        mean_length=float(np.mean([n_ for _, n_, _ in ordered])),
         returns=tuple(returns),
     )

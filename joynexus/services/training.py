@@ -348,6 +348,8 @@ class TrainingModelService:
                         clip=rl["clip"],
                         value_coef=rl["value_coef"],
                         entropy_coef=rl["entropy_coef"],
+                        # GRPO advantages are normalized within their groups already (0 outside them).
+                        normalize_advantages=rl["advantage"] != "grpo",
                     )
                     last["out"] = out
                     return out.total
@@ -356,7 +358,8 @@ class TrainingModelService:
                 out = last["out"]
                 stats["clip_fraction"].append(float(out.clip_fraction))
                 stats["approx_kl"].append(float(out.approx_kl))
-                stats["value_loss"].append(float(out.value.detach()))
+                if module.config.value_head:  # only what the algorithm computes: GRPO has no critic
+                    stats["value_loss"].append(float(out.value.detach()))
                 stats["entropy"].append(float(out.entropy.detach()))
                 if epoch == 0:
                     samples += meta.size
