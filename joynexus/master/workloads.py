@@ -599,6 +599,14 @@ class WorkloadManager:
         waiting = select(WorkloadRecord).where(WorkloadRecord.state == QUEUED).order_by(WorkloadRecord.created_at)
         with self.dep.store.transaction() as s:
             queued = [(r.workload_id, r.tenant_id, r.target_jobs) for r in s.scalars(waiting)]
+        # Store reads happen before taking self._lock, never under it: readers hold a transaction
+        # while they take the lock (_status), so the other order would deadlock on SQLite.
+        tenants: dict[str, Tenant] = {}
+        for tenant_id in {tenant_id for _, tenant_id, _ in queued}:
+            try:
+                tenants[tenant_id] = self.dep.creator.get(tenant_id)
+            except KeyError:  # deleted meanwhile
+                pass
         with self._lock:
             if self._stop.is_set():
                 return
@@ -608,13 +616,11 @@ class WorkloadManager:
                     break
                 if tenant_id in running_tenants or workload_id in self._active or workload_id in self._finishing:
                     continue
+                tenant = tenants.get(tenant_id)
+                if tenant is None:
+                    continue
                 running_tenants.add(tenant_id)
                 to_start.append(workload_id)
-                try:
-                    tenant = self.dep.creator.get(tenant_id)
-                except KeyError:  # deleted meanwhile
-                    to_start.pop()
-                    continue
                 self._active[workload_id] = _Active(workload_id, tenant, target)
         for workload_id in to_start:
             try:
