@@ -7,7 +7,8 @@ Two layers, as in the paper (section 4.1, Fig. 4):
   optim_step, predict through the shared Inference Queue, environment sessions, Training Queue
   partitions, export_params, load_weights, save.
 
-Every route but /v1/health needs `Authorization: Bearer <key>`. A tenant key scopes every call to
+Every route but /v1/health (and /metrics, unless `ApiSettings.metrics_public` is off) needs
+`Authorization: Bearer <key>`. A tenant key scopes every call to
 its tenant; the admin key creates tenants, issues keys and sets quotas. Bodies are JSON, or
 msgpack with `Content-Type: application/msgpack` (answers in msgpack with `Accept:
 application/msgpack`). The OpenAPI document is at /openapi.json, the docs at /docs.
@@ -33,6 +34,7 @@ from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware, 
 from joynexus.api.services import ApiServices
 from joynexus.api.streaming import PolicyStream, StreamSettings
 from joynexus.master.usage import UsageLedger
+from joynexus.ops.metrics import MetricsEndpoint
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import MSGPACK_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, msgpack_dumps, wants_msgpack
 from joynexus.spec import WorkloadSpec
@@ -54,6 +56,11 @@ class ApiSettings(BaseModel):
     stream_heartbeat_s: float = Field(default=15.0, gt=0)
     limits: ApiLimits = Field(default_factory=ApiLimits)
     policy_stream: StreamSettings = Field(default_factory=StreamSettings)  # /v1/stream (websocket)
+    # GET /metrics (Prometheus text format). Public by default: Prometheus scrapes inside the cluster
+    # without credentials, and the page holds aggregate numbers only (tenant ids, no keys, no data);
+    # False: the admin key is needed (bearer_token in the scrape config).
+    metrics_public: bool = True
+    metrics_timeout_s: float = Field(default=3.0, gt=0, description="per-source limit of one scrape")
 
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
@@ -158,6 +165,22 @@ def create_app(
     app.state.settings = settings
     app.state.generated_admin_key = keys.ensure_admin_key()
     install_exception_handlers(app)
+    metrics = MetricsEndpoint(services.cluster, timeout_s=settings.metrics_timeout_s)
+    app.state.metrics = metrics
+
+    @app.get(
+        "/metrics",
+        tags=["meta"],
+        response_class=Response,
+        dependencies=[] if settings.metrics_public else [Depends(_admin_only)],
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}},
+    )
+    def prometheus_metrics() -> Response:
+        """Control, learning and system signals (joynexus.ops.metrics); sources that do not answer
+        in time are left out and counted in joynexus_scrape_errors_total."""
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
     app.add_middleware(IdempotencyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 

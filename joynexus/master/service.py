@@ -255,6 +255,30 @@ class MasterService:
     def workload_losses(self, workload_id: str) -> list[float]:
         return self.workloads.losses(workload_id)
 
+    # -- metrics (joynexus.ops.metrics: one call per scrape) ----------------------------------------
+    def learning_signals(self) -> dict[str, dict[str, float]]:
+        """Per tenant, the latest loss, PPO statistics and rollout returns (from workload events)."""
+        from joynexus.master.signals import learning_signals
+
+        return learning_signals(self.deployment.store)
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Control and learning signals for a metrics scrape, as plain data (a few aggregate store
+        queries; no call to the services, so a busy Training Model Service never stalls a scrape)."""
+        from joynexus.master.signals import control_signals
+
+        tenants = self.deployment.creator.list()
+        known = {t.tenant_id for t in tenants}
+        return {
+            **control_signals(self.deployment.store),
+            "learning": {t: v for t, v in self.learning_signals().items() if t in known},
+            "tenants": {t.tenant_id: t.status for t in tenants},
+            "running_workloads": self.workloads.running_count(),
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "rss_bytes": _rss_bytes(),
+        }
+
     # -- usage and quotas -------------------------------------------------------------------------
     def usage(self, tenant_id: str) -> Any:
         self.deployment.creator.get(tenant_id)
@@ -294,6 +318,15 @@ def master_service_actor(
         namespace=settings.ray_namespace,
         max_concurrency=64,
     )
+
+
+def _rss_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # metrics never fail for it
+        return None
 
 
 def _reason(error: BaseException) -> str:

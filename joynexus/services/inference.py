@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from joynexus.artifacts import decode_tenant_payload
+from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogram
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.backbone import ResidentBackbone
@@ -103,8 +104,11 @@ class InferenceModelService:
         self.queue = InferenceQueue()
         self._states: dict[str, OrderedDict[int, ServingState]] = {}
         self._lock = threading.RLock()
-        self._stats = {"batches": 0, "requests": 0, "samples": 0, "failed_requests": 0}
+        self._stats = {"batches": 0, "requests": 0, "samples": 0, "failed_requests": 0, "busy_seconds": 0.0}
         self._batch_sizes: list[int] = []
+        # For /metrics (joynexus.ops.metrics): served requests' latency, physical batch sizes.
+        self._latency = BucketHistogram(LATENCY_BOUNDS)
+        self._batch_hist = BucketHistogram(BATCH_BOUNDS)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         if start_worker:
@@ -301,13 +305,17 @@ class InferenceModelService:
                 self._stats["failed_requests"] += 1
                 _settle(request.future, exception=error)
         # Every member shares the forward, so shares are over the whole batch; failed requests are not charged.
-        shares = split_group_seconds(time.perf_counter() - started, [r.size for r in batch])
+        busy = time.perf_counter() - started
+        shares = split_group_seconds(busy, [r.size for r in batch])
         share_of = {id(request): share for request, share in zip(batch, shares, strict=True)}
         for request, result in served:
             result["device_seconds"] = share_of[id(request)]
             self._meter_request(request, result["device_seconds"])
             _settle(request.future, result=result)
+            self._latency.observe(time.monotonic() - request.enqueued_at)
         self._stats["batches"] += 1
+        self._stats["busy_seconds"] += busy
+        self._batch_hist.observe(len(images))
         self._stats["requests"] += len(batch)
         self._stats["samples"] += len(images)
         self._batch_sizes.append(len(images))
@@ -371,6 +379,10 @@ class InferenceModelService:
             "max_batch_samples": max(sizes) if sizes else 0,
             "tenants": {t: self.versions(t) for t in self.tenants()},
             "backbone_instances_created": ResidentBackbone.instances_created,
+            "latency_seconds": self._latency.snapshot(),
+            "batch_samples": self._batch_hist.snapshot(),
+            "rss_bytes": _rss_bytes(),
+            "device_memory_bytes": _device_memory_bytes(),
         }
 
     def close(self) -> None:
@@ -383,6 +395,20 @@ class InferenceModelService:
                 self.meter.close()
             else:
                 self.meter.try_flush()
+
+
+def _rss_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # a status answer never fails for it
+        return None
+
+
+def _device_memory_bytes() -> int | None:
+    """Accelerator memory torch holds allocated in this process (None without CUDA)."""
+    return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else None
 
 
 def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
