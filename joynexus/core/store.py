@@ -18,6 +18,7 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     Float,
+    Index,
     Integer,
     String,
     Text,
@@ -26,7 +27,7 @@ from sqlalchemy import (
     inspect,
     text,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -104,6 +105,12 @@ class TrainingJobRecord(Base):
     ready_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     leased_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    __table_args__ = (
+        # Admission counts a policy's jobs by state (reserve); leasing walks the ready jobs in lease order.
+        Index("ix_training_jobs_policy_state", "policy_key", "state"),
+        Index("ix_training_jobs_lease_order", "state", "priority", "ready_seq"),
+    )
 
 
 class WorkloadRecord(Base):
@@ -214,7 +221,9 @@ class ControlPlaneStore:
             self.engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
         Base.metadata.create_all(self.engine)
         add_missing_columns(self.engine)
+        add_missing_indexes(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(self.engine.execution_options(**{_READ_ONLY: True}), expire_on_commit=False)
         for name in SEQUENCE_NAMES:
             self._ensure_sequence(name)
 
@@ -229,6 +238,20 @@ class ControlPlaneStore:
     @contextmanager
     def transaction(self) -> Iterator[Session]:
         with self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A write transaction on a Core connection (SQLite: `BEGIN IMMEDIATE`), for hot paths that
+        need no ORM session; commits on exit, rolls back on an exception."""
+        with self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A transaction for pure reads: on SQLite a deferred `BEGIN` (a WAL snapshot that takes no
+        write lock, so readers neither wait for nor block writers). Never write through it."""
+        with self._read_sessions.begin() as session:
             yield session
 
     def dispose(self) -> None:
@@ -279,6 +302,32 @@ def add_missing_columns(engine: Engine) -> list[str]:
     return added
 
 
+def add_missing_indexes(engine: Engine) -> list[str]:
+    """Schema upgrade: create the model indexes an older database lacks (`create_all` skips
+    existing tables, their new indexes included). Returns the created index names."""
+    created: list[str] = []
+    for table in Base.metadata.sorted_tables:
+        inspector = inspect(engine)
+        if not inspector.has_table(table.name):
+            continue
+        present = {index["name"] for index in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name in present:
+                continue
+            try:
+                index.create(engine)
+            except DBAPIError:
+                # Another process starting at the same time may have created it first.
+                if index.name not in {i["name"] for i in inspect(engine).get_indexes(table.name)}:
+                    raise
+                continue
+            created.append(index.name)
+    return created
+
+
+_READ_ONLY = "joynexus_read_only"
+
+
 def _make_sqlite_transactions_immediate(engine: Engine) -> None:
     """pysqlite's deferred BEGIN lets two readers deadlock when both upgrade to writers; take the
     write lock at BEGIN instead (the SQLAlchemy-documented recipe), and wait for it via busy timeout."""
@@ -289,8 +338,13 @@ def _make_sqlite_transactions_immediate(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA busy_timeout=60000")
+        # With WAL, NORMAL syncs at checkpoints instead of at every commit: a committed transaction
+        # survives any process crash (it is in the WAL file, i.e. the OS); only an OS crash or power
+        # loss may roll back the last commits, never corrupting the database.
+        cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _begin(connection) -> None:  # type: ignore[no-untyped-def]
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Pure reads (ControlPlaneStore.read) take a snapshot without the write lock.
+        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")

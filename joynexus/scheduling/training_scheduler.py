@@ -17,11 +17,13 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Row, and_, bindparam, case, func, insert, literal, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from joynexus.core.store import (
     ControlPlaneStore,
+    SequenceRecord,
     TrainingJobRecord,
     TrainingPolicyRecord,
     utcnow,
@@ -50,6 +52,20 @@ _MARK_TRANSITIONS: dict[str, frozenset[str]] = {
     COMPUTING_ACTOR_FORWARD: frozenset({NEEDS_ADVANTAGES, READY}),
     COMPUTING_ADVANTAGES: frozenset({READY}),
 }
+NONTERMINAL_STATES = (
+    RESERVED,
+    NEEDS_ACTOR_FORWARD,
+    COMPUTING_ACTOR_FORWARD,
+    NEEDS_ADVANTAGES,
+    COMPUTING_ADVANTAGES,
+    READY,
+    LEASED,
+)
+
+# Hot paths run Core statements on these tables (one round trip per step, RETURNING instead of a re-read).
+_JOBS = TrainingJobRecord.__table__
+_POLICIES = TrainingPolicyRecord.__table__
+_SEQUENCES = SequenceRecord.__table__
 
 
 class SchedulerError(RuntimeError):
@@ -131,6 +147,33 @@ class TrainingJob:
             attempts=record.attempts or 0,
         )
 
+    @classmethod
+    def from_row(cls, row: Row) -> TrainingJob:
+        """From a Core row of the training_jobs table (e.g. an UPDATE ... RETURNING)."""
+        m = row._mapping
+        return cls(
+            job_id=m["job_id"],
+            policy_key=m["policy_key"],
+            tenant_id=m["tenant_id"],
+            task_type=m["task_type"],
+            partition_id=m["partition_id"],
+            sample_count=m["sample_count"],
+            domain=m["domain"],
+            metadata=dict(m["metadata"] or {}),
+            priority=m["priority"],
+            created_seq=m["created_seq"],
+            ready_seq=m["ready_seq"],
+            behavior_policy_version=m["behavior_policy_version"],
+            max_policy_staleness=m["max_policy_staleness"],
+            producer_role=m["producer_role"],
+            consumer_role=m["consumer_role"],
+            state=m["state"],
+            lease_owner=m["lease_owner"],
+            terminal_reason=m["terminal_reason"],
+            result=dict(m["result"]) if m["result"] is not None else None,
+            attempts=m["attempts"] or 0,
+        )
+
 
 def policy_key(tenant_id: str, task_type: str) -> str:
     return f"{tenant_id}/{task_type}"
@@ -187,7 +230,7 @@ class TrainingScheduler:
         return key
 
     def policy(self, tenant_id: str, task_type: str) -> TrainingPolicyRecord:
-        with self.store.transaction() as s:
+        with self.store.read() as s:
             record = s.get(TrainingPolicyRecord, policy_key(tenant_id, task_type))
             if record is None:
                 raise SchedulerError(f"no training policy {policy_key(tenant_id, task_type)!r}")
@@ -212,27 +255,22 @@ class TrainingScheduler:
         if sample_count < 1:
             raise ValueError(f"sample_count must be >= 1, got {sample_count}")
         key = policy_key(tenant_id, task_type)
-        with self.store.transaction() as s:
-            policy = s.get(TrainingPolicyRecord, key, with_for_update=True, populate_existing=True)
+        with self.store.connection() as conn:
+            # The write that serializes concurrent reservations of this policy (its row lock on
+            # PostgreSQL; SQLite holds the write lock since BEGIN IMMEDIATE), returning the policy.
+            policy = conn.execute(_RESERVE_POLICY, {"key": key}).first()
             if policy is None:
                 raise SchedulerError(f"no training policy {key!r}: create the tenant first")
-            policy.reservations += 1  # the write that serializes concurrent reservations of this policy
-            s.flush()
-            counts = dict(
-                s.execute(
-                    select(TrainingJobRecord.state, func.count())
-                    .where(TrainingJobRecord.policy_key == key)
-                    .group_by(TrainingJobRecord.state)
-                ).all()
-            )
-            in_flight = sum(n for state, n in counts.items() if state not in TERMINAL_STATES)
-            completed = counts.get(COMPLETED, 0)
+            # Counted on the (policy_key, state) index: in flight always, completed only under a target.
+            counted = _COUNT_IN_FLIGHT if policy.completion_target is None else _COUNT_IN_FLIGHT_COMPLETED
+            in_flight, completed = conn.execute(counted, {"key": key}).one()
             if in_flight >= policy.max_in_flight:
                 return None
             if policy.completion_target is not None and completed + in_flight >= policy.completion_target:
                 return None
             job_id = uuid.uuid4().hex
-            record = TrainingJobRecord(
+            now = utcnow()
+            values: dict[str, Any] = dict(
                 job_id=job_id,
                 policy_key=key,
                 tenant_id=tenant_id,
@@ -240,36 +278,44 @@ class TrainingScheduler:
                 partition_id=partition_id_for(job_id, domain, tenant_id, task_type),
                 sample_count=sample_count,
                 domain=domain,
-                job_metadata=dict(metadata or {}),
+                metadata=dict(metadata or {}),
                 priority=policy.priority,
-                created_seq=self.store.next_sequence(s, "created_seq"),
+                created_seq=_next_sequence(conn, "created_seq"),
+                ready_seq=None,
                 behavior_policy_version=behavior_policy_version,
                 max_policy_staleness=policy.max_policy_staleness,
                 producer_role=producer_role,
                 consumer_role=consumer_role,
                 state=RESERVED,
+                lease_owner=None,
+                attempts=0,
+                terminal_reason=None,
+                result=None,
+                created_at=now,
+                updated_at=now,
             )
-            s.add(record)
-            s.flush()
-            return TrainingJob.from_record(record)
+            conn.execute(_INSERT_JOB, values)
+            return TrainingJob.from_row(_ValuesRow(values))
 
     def mark(self, job_id: str, state: str, *, owner: str | None = None) -> TrainingJob:
         """Producer / stage transition (reserved → ready | needs_*; computing_* → next). A stage
         passes its `owner` so a job re-queued or re-leased meanwhile raises LeaseLost."""
-        with self.store.transaction() as s:
-            record = self._locked(s, job_id)
-            self._check_owner(record, owner, state)
-            allowed = _MARK_TRANSITIONS.get(record.state, frozenset())
-            if state not in allowed:
-                raise InvalidTransition(job_id, record.state, state)
-            record.state = state
-            record.lease_owner = None
-            record.updated_at = utcnow()
+        sources = [current for current, targets in _MARK_TRANSITIONS.items() if state in targets]
+        with self.store.connection() as conn:
+            now = utcnow()
+            row = self._transition(
+                conn,
+                job_id,
+                state,
+                owner,
+                sources=sources,
+                values=dict(state=state, lease_owner=None, updated_at=now),
+                permitted=lambda current: state in _MARK_TRANSITIONS.get(current, frozenset()),
+            )
             if state == READY:
-                record.ready_seq = self.store.next_sequence(s, "ready_seq")
-                record.ready_at = record.updated_at
-            s.flush()
-            return TrainingJob.from_record(record)
+                seq = _next_sequence(conn, "ready_seq")
+                row = conn.execute(_SET_READY_SEQ, {"b_job_id": job_id, "seq": seq, "at": now}).one()
+            return TrainingJob.from_row(row)
 
     def lease_stage(
         self, *, state: str, leased_state: str, consumer_role: str = "actor", domain: str = "vla", owner: str = ""
@@ -277,7 +323,7 @@ class TrainingScheduler:
         """Lease the oldest job waiting for a preprocessing stage (e.g. needs_advantages → computing_advantages)."""
         if STAGE_LEASES.get(state) != leased_state:
             raise SchedulerError(f"{state!r} is not leased as {leased_state!r}; stage leases: {STAGE_LEASES}")
-        order = (TrainingJobRecord.created_seq.asc(),)
+        order = ("created_seq",)
         return self._lease(state, leased_state, [domain], consumer_role, owner, order)
 
     # -- actor side -------------------------------------------------------------------------
@@ -285,7 +331,7 @@ class TrainingScheduler:
         self, *, consumer_role: str = "actor", domains: Iterable[str] = ("vla",), owner: str = ""
     ) -> TrainingJob | None:
         """Highest priority ready job, FIFO by ready_seq within a priority."""
-        order = (TrainingJobRecord.priority.desc(), TrainingJobRecord.ready_seq.asc())
+        order = ("-priority", "ready_seq")
         return self._lease(READY, LEASED, list(domains), consumer_role, owner, order)
 
     def wait_for_ready(
@@ -295,7 +341,7 @@ class TrainingScheduler:
         deadline = time.monotonic() + timeout_s
         domains = list(domains)
         while True:
-            with self.store.transaction() as s:
+            with self.store.read() as s:
                 found = s.execute(
                     select(TrainingJobRecord.job_id)
                     .where(
@@ -357,7 +403,7 @@ class TrainingScheduler:
         if max_attempts < 0:
             raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
         live = set(live_owners)
-        with self.store.transaction() as s:
+        with self.store.read() as s:
             leased = s.scalars(
                 select(TrainingJobRecord)
                 .where(TrainingJobRecord.state.in_(list(LEASED_STATES)))
@@ -411,7 +457,7 @@ class TrainingScheduler:
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, job_id: str) -> TrainingJob:
-        with self.store.transaction() as s:
+        with self.store.read() as s:
             record = s.get(TrainingJobRecord, job_id)
             if record is None:
                 raise UnknownJob(job_id)
@@ -423,14 +469,14 @@ class TrainingScheduler:
             query = query.where(TrainingJobRecord.tenant_id == tenant_id)
         if states is not None:
             query = query.where(TrainingJobRecord.state.in_(list(states)))
-        with self.store.transaction() as s:
+        with self.store.read() as s:
             return [TrainingJob.from_record(r) for r in s.scalars(query)]
 
     def counts(self, tenant_id: str | None = None) -> dict[str, int]:
         query = select(TrainingJobRecord.state, func.count()).group_by(TrainingJobRecord.state)
         if tenant_id is not None:
             query = query.where(TrainingJobRecord.tenant_id == tenant_id)
-        with self.store.transaction() as s:
+        with self.store.read() as s:
             return {state: n for state, n in s.execute(query).all()}
 
     # -- internals --------------------------------------------------------------------------
@@ -448,34 +494,56 @@ class TrainingScheduler:
         if record.state not in LEASED_STATES or record.lease_owner != (owner or None):
             raise LeaseLost(record.job_id, record.state, requested, owner, record.lease_owner)
 
+    @staticmethod
+    def _transition(
+        conn: Connection,
+        job_id: str,
+        requested: str,
+        owner: str | None,
+        *,
+        sources: Iterable[str] | None,
+        values: dict[str, Any],
+        permitted: Callable[[str], bool],
+    ) -> Row:
+        """One compare-and-set UPDATE ... RETURNING: the job moves only from a state in `sources`
+        (None: any nonterminal one) and, with an `owner`, only while that owner holds its lease.
+        When nothing matched, the row is read (locked) to raise the same error as a read-check-write
+        would: UnknownJob, LeaseLost (owner check first), or InvalidTransition (`permitted` false)."""
+        statement = _transition_statement(
+            None if sources is None else tuple(sorted(sources)),
+            None if owner is None else bool(owner),
+            tuple(values),
+        )
+        params = {"b_job_id": job_id, "owner": owner, **{f"v_{name}": value for name, value in values.items()}}
+        for _attempt in range(8):
+            row = conn.execute(statement, params).first()
+            if row is not None:
+                return row
+            current = conn.execute(_LOCK_JOB, {"b_job_id": job_id}).first()
+            if current is None:
+                raise UnknownJob(job_id)
+            TrainingScheduler._check_owner(current, owner, requested)  # type: ignore[arg-type]
+            if not permitted(current.state):
+                raise InvalidTransition(job_id, current.state, requested)
+            # The row moved between the UPDATE and the read (PostgreSQL); it is locked now: try again.
+        raise SchedulerError(f"job {job_id}: could not move to {requested!r} after 8 contended attempts")
+
     def _lease(
         self, state: str, leased_state: str, domains: list[str], consumer_role: str, owner: str, order: tuple
     ) -> TrainingJob | None:
+        """`order`: column names, "-name" for descending. The candidate is picked and taken in one
+        UPDATE whose WHERE repeats `state = <expected>` (the compare-and-set)."""
+        candidate, take = _lease_statements(state, leased_state, order)
+        params: dict[str, Any] = {"b_consumer_role": consumer_role, "domains": domains, "owner": owner or None}
         for _attempt in range(32):
-            with self.store.transaction() as s:
-                candidate = s.execute(
-                    select(TrainingJobRecord.job_id)
-                    .where(
-                        TrainingJobRecord.state == state,
-                        TrainingJobRecord.consumer_role == consumer_role,
-                        TrainingJobRecord.domain.in_(domains),
-                    )
-                    .order_by(*order)
-                    .limit(1)
-                ).scalar_one_or_none()
-                if candidate is None:
+            with self.store.connection() as conn:
+                params["now"] = utcnow()
+                row = conn.execute(take, params).first()
+                if row is not None:
+                    return TrainingJob.from_row(row)
+                if conn.execute(candidate, params).first() is None:
                     return None
-                now = utcnow()
-                changed = s.execute(
-                    update(TrainingJobRecord)
-                    .where(TrainingJobRecord.job_id == candidate, TrainingJobRecord.state == state)
-                    .values(state=leased_state, lease_owner=owner or None, leased_at=now, updated_at=now)
-                    .execution_options(synchronize_session=False)
-                ).rowcount
-                if changed == 1:
-                    record = s.get(TrainingJobRecord, candidate, populate_existing=True)
-                    return TrainingJob.from_record(record)
-            # Another process took it between our SELECT and UPDATE: try the next candidate.
+            # Another process took it between our pick and our UPDATE: try the next candidate.
         raise SchedulerError("could not lease a job after 32 contended attempts")
 
     def _finish(
@@ -488,19 +556,132 @@ class TrainingScheduler:
         from_states: set[str] | None,
         owner: str | None = None,
     ) -> TrainingJob:
-        with self.store.transaction() as s:
-            record = self._locked(s, job_id)
-            self._check_owner(record, owner, state)
-            if record.state in TERMINAL_STATES or (from_states is not None and record.state not in from_states):
-                raise InvalidTransition(job_id, record.state, state)
-            record.state = state
-            record.terminal_reason = reason
-            record.result = result
-            record.finished_at = record.updated_at = utcnow()
-            s.flush()
-            job = TrainingJob.from_record(record)
+        with self.store.connection() as conn:
+            now = utcnow()
+            row = self._transition(
+                conn,
+                job_id,
+                state,
+                owner,
+                sources=None if from_states is None else [s for s in from_states if s not in TERMINAL_STATES],
+                values=dict(state=state, terminal_reason=reason, result=result, finished_at=now, updated_at=now),
+                permitted=lambda current: (
+                    current not in TERMINAL_STATES and (from_states is None or current in from_states)
+                ),
+            )
+            job = TrainingJob.from_row(row)
         # After the state is durable: a crash between the two leaves a terminal job whose partition
         # can be cleared again (clear is idempotent), never a live job without data.
         if self.release_partition is not None:
             self.release_partition(job.partition_id)
         return job
+
+
+class _ValuesRow:
+    """The values just inserted, read like a row (`from_row`)."""
+
+    def __init__(self, values: dict[str, Any]):
+        self._mapping = values
+
+
+def _next_sequence(conn: Connection, name: str) -> int:
+    """Allocate the next value of a named counter in the caller's transaction: one UPDATE ... RETURNING
+    (the counter row's lock serializes allocations until commit, as ControlPlaneStore.next_sequence)."""
+    value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
+    if value is None:
+        raise KeyError(f"unknown sequence {name!r}")
+    return value
+
+
+# -- prebuilt statements (built once, so each call skips construction and cache-key generation) -----
+_NEXT_SEQUENCE = (
+    update(_SEQUENCES)
+    .where(_SEQUENCES.c.name == bindparam("b_name"))
+    .values(value=_SEQUENCES.c.value + 1)
+    .returning(_SEQUENCES.c.value)
+)
+_RESERVE_POLICY = (
+    update(_POLICIES)
+    .where(_POLICIES.c.policy_key == bindparam("key"))
+    .values(reservations=_POLICIES.c.reservations + 1)
+    .returning(
+        _POLICIES.c.priority,
+        _POLICIES.c.max_in_flight,
+        _POLICIES.c.completion_target,
+        _POLICIES.c.max_policy_staleness,
+    )
+)
+_IN_FLIGHT = func.coalesce(func.sum(case((_JOBS.c.state.in_(NONTERMINAL_STATES), 1), else_=0)), 0)
+_COUNT_IN_FLIGHT = select(_IN_FLIGHT, literal(0)).where(
+    _JOBS.c.policy_key == bindparam("key"), _JOBS.c.state.in_(NONTERMINAL_STATES)
+)
+_COUNT_IN_FLIGHT_COMPLETED = select(
+    _IN_FLIGHT, func.coalesce(func.sum(case((_JOBS.c.state == COMPLETED, 1), else_=0)), 0)
+).where(_JOBS.c.policy_key == bindparam("key"), _JOBS.c.state.in_((*NONTERMINAL_STATES, COMPLETED)))
+_INSERT_JOB = insert(_JOBS)
+_SET_READY_SEQ = (
+    update(_JOBS)
+    .where(_JOBS.c.job_id == bindparam("b_job_id"))
+    .values(ready_seq=bindparam("seq"), ready_at=bindparam("at"))
+    .returning(*_JOBS.c)
+)
+_LOCK_JOB = (
+    select(_JOBS.c.job_id, _JOBS.c.state, _JOBS.c.lease_owner)
+    .where(_JOBS.c.job_id == bindparam("b_job_id"))
+    .with_for_update()
+)
+_STATEMENTS: dict[tuple, Any] = {}
+
+
+def _transition_statement(sources: tuple[str, ...] | None, named_owner: bool | None, columns: tuple[str, ...]) -> Any:
+    """The compare-and-set UPDATE of `_transition`, per shape: from `sources` (None: any nonterminal
+    state), with no owner check (None), an owner "" (lease_owner IS NULL) or a named owner."""
+    key = ("transition", sources, named_owner, columns)
+    statement = _STATEMENTS.get(key)
+    if statement is None:
+        guard = [_JOBS.c.job_id == bindparam("b_job_id")]
+        guard.append(_JOBS.c.state.not_in(TERMINAL_STATES) if sources is None else _JOBS.c.state.in_(sources))
+        if named_owner is not None:
+            guard.append(_JOBS.c.state.in_(list(LEASED_STATES)))
+            guard.append(_JOBS.c.lease_owner == bindparam("owner") if named_owner else _JOBS.c.lease_owner.is_(None))
+        statement = (
+            update(_JOBS)
+            .where(and_(*guard))
+            .values({name: bindparam(f"v_{name}") for name in columns})
+            .returning(*_JOBS.c)
+        )
+        _STATEMENTS[key] = statement
+    return statement
+
+
+def _lease_statements(state: str, leased_state: str, order: tuple[str, ...]) -> tuple[Any, Any]:
+    """(pick the head candidate, take it): the take is one UPDATE whose WHERE picks the head and
+    repeats `state = <expected>` (the compare-and-set). `order`: column names, "-name" descending."""
+    key = ("lease", state, leased_state, order)
+    statements = _STATEMENTS.get(key)
+    if statements is None:
+        head = _JOBS.alias("head")
+        ordering = [head.c[name[1:]].desc() if name.startswith("-") else head.c[name].asc() for name in order]
+        candidate = (
+            select(head.c.job_id)
+            .where(
+                head.c.state == state,
+                head.c.consumer_role == bindparam("b_consumer_role"),
+                head.c.domain.in_(bindparam("domains", expanding=True)),
+            )
+            .order_by(*ordering)
+            .limit(1)
+        )
+        take = (
+            update(_JOBS)
+            .where(_JOBS.c.job_id == candidate.scalar_subquery(), _JOBS.c.state == state)
+            .values(
+                state=leased_state,
+                lease_owner=bindparam("owner"),
+                leased_at=bindparam("now"),
+                updated_at=bindparam("now"),
+            )
+            .returning(*_JOBS.c)
+        )
+        statements = _STATEMENTS[key] = (candidate, take)
+    return statements
