@@ -22,10 +22,12 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    bindparam,
     create_engine,
     event,
     inspect,
     text,
+    update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -257,14 +259,22 @@ class ControlPlaneStore:
     def dispose(self) -> None:
         self.engine.dispose()
 
-    def next_sequence(self, session: Session, name: str) -> int:
-        """Allocate the next value of a named counter inside the caller's transaction."""
-        record = session.get(SequenceRecord, name, with_for_update=True, populate_existing=True)
-        if record is None:
+    def next_sequence(self, conn: Connection | Session, name: str) -> int:
+        """Allocate the next value of a named counter inside the caller's transaction: one
+        UPDATE ... RETURNING, whose row lock serializes allocations until commit."""
+        value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
+        if value is None:
             raise KeyError(f"unknown sequence {name!r}; known: {SEQUENCE_NAMES}")
-        record.value += 1
-        session.flush()
-        return record.value
+        return value
+
+
+_SEQUENCES = SequenceRecord.__table__
+_NEXT_SEQUENCE = (
+    update(_SEQUENCES)
+    .where(_SEQUENCES.c.name == bindparam("b_name"))
+    .values(value=_SEQUENCES.c.value + 1)
+    .returning(_SEQUENCES.c.value)
+)  # built once: the scheduler allocates on every reserve and ready
 
 
 def add_missing_columns(engine: Engine) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,6 @@ from sqlalchemy.orm import Session
 
 from joynexus.core.store import (
     ControlPlaneStore,
-    SequenceRecord,
     TrainingJobRecord,
     TrainingPolicyRecord,
     utcnow,
@@ -65,7 +64,6 @@ NONTERMINAL_STATES = (
 # Hot paths run Core statements on these tables (one round trip per step, RETURNING instead of a re-read).
 _JOBS = TrainingJobRecord.__table__
 _POLICIES = TrainingPolicyRecord.__table__
-_SEQUENCES = SequenceRecord.__table__
 
 
 class SchedulerError(RuntimeError):
@@ -123,34 +121,13 @@ class TrainingJob:
         return self.metadata.get("schema_signature")
 
     @classmethod
-    def from_record(cls, record: TrainingJobRecord) -> TrainingJob:
-        return cls(
-            job_id=record.job_id,
-            policy_key=record.policy_key,
-            tenant_id=record.tenant_id,
-            task_type=record.task_type,
-            partition_id=record.partition_id,
-            sample_count=record.sample_count,
-            domain=record.domain,
-            metadata=dict(record.job_metadata or {}),
-            priority=record.priority,
-            created_seq=record.created_seq,
-            ready_seq=record.ready_seq,
-            behavior_policy_version=record.behavior_policy_version,
-            max_policy_staleness=record.max_policy_staleness,
-            producer_role=record.producer_role,
-            consumer_role=record.consumer_role,
-            state=record.state,
-            lease_owner=record.lease_owner,
-            terminal_reason=record.terminal_reason,
-            result=dict(record.result) if record.result is not None else None,
-            attempts=record.attempts or 0,
-        )
+    def from_row(cls, row: Row) -> TrainingJob:
+        """From a Core row of the training_jobs table (a SELECT or an UPDATE ... RETURNING)."""
+        return cls.from_mapping(row._mapping)
 
     @classmethod
-    def from_row(cls, row: Row) -> TrainingJob:
-        """From a Core row of the training_jobs table (e.g. an UPDATE ... RETURNING)."""
-        m = row._mapping
+    def from_mapping(cls, m: Mapping[str, Any]) -> TrainingJob:
+        """From the table's column values by column name."""
         return cls(
             job_id=m["job_id"],
             policy_key=m["policy_key"],
@@ -280,7 +257,7 @@ class TrainingScheduler:
                 domain=domain,
                 metadata=dict(metadata or {}),
                 priority=policy.priority,
-                created_seq=_next_sequence(conn, "created_seq"),
+                created_seq=self.store.next_sequence(conn, "created_seq"),
                 ready_seq=None,
                 behavior_policy_version=behavior_policy_version,
                 max_policy_staleness=policy.max_policy_staleness,
@@ -295,7 +272,7 @@ class TrainingScheduler:
                 updated_at=now,
             )
             conn.execute(_INSERT_JOB, values)
-            return TrainingJob.from_row(_ValuesRow(values))
+            return TrainingJob.from_mapping(values)
 
     def mark(self, job_id: str, state: str, *, owner: str | None = None) -> TrainingJob:
         """Producer / stage transition (reserved → ready | needs_*; computing_* → next). A stage
@@ -313,7 +290,7 @@ class TrainingScheduler:
                 permitted=lambda current: state in _MARK_TRANSITIONS.get(current, frozenset()),
             )
             if state == READY:
-                seq = _next_sequence(conn, "ready_seq")
+                seq = self.store.next_sequence(conn, "ready_seq")
                 row = conn.execute(_SET_READY_SEQ, {"b_job_id": job_id, "seq": seq, "at": now}).one()
             return TrainingJob.from_row(row)
 
@@ -403,13 +380,9 @@ class TrainingScheduler:
         if max_attempts < 0:
             raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
         live = set(live_owners)
+        query = select(_JOBS).where(_JOBS.c.state.in_(list(LEASED_STATES))).order_by(_JOBS.c.created_seq)
         with self.store.read() as s:
-            leased = s.scalars(
-                select(TrainingJobRecord)
-                .where(TrainingJobRecord.state.in_(list(LEASED_STATES)))
-                .order_by(TrainingJobRecord.created_seq)
-            )
-            orphans = [TrainingJob.from_record(r) for r in leased if r.lease_owner not in live]
+            orphans = [TrainingJob.from_row(r) for r in s.execute(query) if r.lease_owner not in live]
         # Ask the Training Queue outside any transaction (a remote call must not hold the write lock).
         plans: list[tuple[TrainingJob, str | None]] = []
         for job in orphans:
@@ -447,8 +420,7 @@ class TrainingScheduler:
                     .execution_options(synchronize_session=False)
                 ).rowcount
                 if hit == 1:
-                    record = s.get(TrainingJobRecord, job.job_id, populate_existing=True)
-                    changed.append(TrainingJob.from_record(record))
+                    changed.append(TrainingJob.from_row(s.execute(_SELECT_JOB, {"b_job_id": job.job_id}).one()))
         if self.release_partition is not None:
             for job in changed:
                 if job.state == FAILED:
@@ -458,19 +430,19 @@ class TrainingScheduler:
     # -- queries ----------------------------------------------------------------------------
     def get(self, job_id: str) -> TrainingJob:
         with self.store.read() as s:
-            record = s.get(TrainingJobRecord, job_id)
-            if record is None:
-                raise UnknownJob(job_id)
-            return TrainingJob.from_record(record)
+            row = s.execute(_SELECT_JOB, {"b_job_id": job_id}).first()
+        if row is None:
+            raise UnknownJob(job_id)
+        return TrainingJob.from_row(row)
 
     def jobs(self, *, tenant_id: str | None = None, states: Iterable[str] | None = None) -> list[TrainingJob]:
-        query = select(TrainingJobRecord).order_by(TrainingJobRecord.created_seq)
+        query = select(_JOBS).order_by(_JOBS.c.created_seq)
         if tenant_id is not None:
-            query = query.where(TrainingJobRecord.tenant_id == tenant_id)
+            query = query.where(_JOBS.c.tenant_id == tenant_id)
         if states is not None:
-            query = query.where(TrainingJobRecord.state.in_(list(states)))
+            query = query.where(_JOBS.c.state.in_(list(states)))
         with self.store.read() as s:
-            return [TrainingJob.from_record(r) for r in s.scalars(query)]
+            return [TrainingJob.from_row(r) for r in s.execute(query)]
 
     def counts(self, tenant_id: str | None = None) -> dict[str, int]:
         query = select(TrainingJobRecord.state, func.count()).group_by(TrainingJobRecord.state)
@@ -480,14 +452,8 @@ class TrainingScheduler:
             return {state: n for state, n in s.execute(query).all()}
 
     # -- internals --------------------------------------------------------------------------
-    def _locked(self, s: Session, job_id: str) -> TrainingJobRecord:
-        record = s.get(TrainingJobRecord, job_id, with_for_update=True, populate_existing=True)
-        if record is None:
-            raise UnknownJob(job_id)
-        return record
-
     @staticmethod
-    def _check_owner(record: TrainingJobRecord, owner: str | None, requested: str) -> None:
+    def _check_owner(record: Any, owner: str | None, requested: str) -> None:
         """With an owner: the job must still be leased by it (leases store "" as None)."""
         if owner is None:
             return
@@ -522,7 +488,7 @@ class TrainingScheduler:
             current = conn.execute(_LOCK_JOB, {"b_job_id": job_id}).first()
             if current is None:
                 raise UnknownJob(job_id)
-            TrainingScheduler._check_owner(current, owner, requested)  # type: ignore[arg-type]
+            TrainingScheduler._check_owner(current, owner, requested)
             if not permitted(current.state):
                 raise InvalidTransition(job_id, current.state, requested)
             # The row moved between the UPDATE and the read (PostgreSQL); it is locked now: try again.
@@ -577,29 +543,8 @@ class TrainingScheduler:
         return job
 
 
-class _ValuesRow:
-    """The values just inserted, read like a row (`from_row`)."""
-
-    def __init__(self, values: dict[str, Any]):
-        self._mapping = values
-
-
-def _next_sequence(conn: Connection, name: str) -> int:
-    """Allocate the next value of a named counter in the caller's transaction: one UPDATE ... RETURNING
-    (the counter row's lock serializes allocations until commit, as ControlPlaneStore.next_sequence)."""
-    value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
-    if value is None:
-        raise KeyError(f"unknown sequence {name!r}")
-    return value
-
-
 # -- prebuilt statements (built once, so each call skips construction and cache-key generation) -----
-_NEXT_SEQUENCE = (
-    update(_SEQUENCES)
-    .where(_SEQUENCES.c.name == bindparam("b_name"))
-    .values(value=_SEQUENCES.c.value + 1)
-    .returning(_SEQUENCES.c.value)
-)
+_SELECT_JOB = select(_JOBS).where(_JOBS.c.job_id == bindparam("b_job_id"))
 _RESERVE_POLICY = (
     update(_POLICIES)
     .where(_POLICIES.c.policy_key == bindparam("key"))
