@@ -53,6 +53,7 @@ class CheckpointStore:
         self.blobs: BlobStore = blob_store_for(root)
         # Serialises read-modify-write of LATEST within this process.
         self._latest_lock = threading.Lock()
+        self._pointers: dict[tuple[str, str], int] = {}  # (tenant, LATEST|ISSUED) -> value last written/read
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.blobs!r})"
@@ -126,23 +127,11 @@ class CheckpointStore:
         """Durably raise the tenant's issued-version high-water mark to ``version`` (never lowers
         it). Written like LATEST: one atomic replace, on local disk or S3."""
         _validate_version(version)
-        with self._latest_lock:
-            current = self.issued_version(tenant_id)
-            if current is None or version > current:
-                self.blobs.put_atomic(f"{self._tenant_prefix(tenant_id)}/{ISSUED_FILE}", f"{version}\n".encode())
+        self._raise_pointer(tenant_id, ISSUED_FILE, version, allow_equal=False)
 
     def issued_version(self, tenant_id: str) -> int | None:
         """The highest version ever recorded as issued for the tenant; None if none was."""
-        key = f"{self._tenant_prefix(tenant_id)}/{ISSUED_FILE}"
-        try:
-            text = self.blobs.read(key).decode("ascii").strip()
-        except FileNotFoundError:
-            return None
-        except UnicodeDecodeError as exc:
-            raise CheckpointError(f"tenant {tenant_id!r}: file {ISSUED_FILE} is not ASCII") from exc
-        if not text.isdigit():
-            raise CheckpointError(f"tenant {tenant_id!r}: file {ISSUED_FILE} holds {text!r}, not a version number")
-        return int(text)
+        return self._read_pointer(tenant_id, ISSUED_FILE)
 
     def delete_tenant(self, tenant_id: str) -> int:
         """Remove every object of the tenant (checkpoints, LATEST, ISSUED); returns how many."""
@@ -150,28 +139,42 @@ class CheckpointStore:
         if delete is None:
             raise NotImplementedError(f"{self.blobs!r} cannot delete (it has no delete_prefix)")
         with self._latest_lock:
+            self._pointers = {k: v for k, v in self._pointers.items() if k[0] != tenant_id}
             return int(delete(self._tenant_prefix(tenant_id)))
 
     def _advance_latest(self, tenant_id: str, version: int) -> None:
+        self._raise_pointer(tenant_id, LATEST_FILE, version, allow_equal=True)
+
+    def _raise_pointer(self, tenant_id: str, name: str, version: int, *, allow_equal: bool) -> None:
+        """Move a version pointer file (LATEST, ISSUED) up to `version`, never down. The value this
+        store last wrote or read is remembered, so the hot path (ISSUED on every new version) is
+        one write, not a read and a write; this store is the pointers' only writer."""
         with self._latest_lock:
-            current = self.latest_version(tenant_id)
-            if current is None or version >= current:
-                self.blobs.put_atomic(f"{self._tenant_prefix(tenant_id)}/{LATEST_FILE}", f"{version}\n".encode())
+            current = self._pointers.get((tenant_id, name))
+            if current is None:
+                current = self._read_pointer(tenant_id, name)
+            if current is None or version > current or (allow_equal and version == current):
+                self.blobs.put_atomic(f"{self._tenant_prefix(tenant_id)}/{name}", f"{version}\n".encode())
+                current = version
+            self._pointers[(tenant_id, name)] = current
 
-    # ---- read --------------------------------------------------------------------------
-
-    def latest_version(self, tenant_id: str) -> int | None:
-        """Version named by ``LATEST``; None if the tenant has no committed checkpoint."""
-        key = f"{self._tenant_prefix(tenant_id)}/{LATEST_FILE}"
+    def _read_pointer(self, tenant_id: str, name: str) -> int | None:
+        key = f"{self._tenant_prefix(tenant_id)}/{name}"
         try:
             text = self.blobs.read(key).decode("ascii").strip()
         except FileNotFoundError:
             return None
         except UnicodeDecodeError as exc:
-            raise CheckpointError(f"tenant {tenant_id!r}: LATEST is not ASCII") from exc
+            raise CheckpointError(f"tenant {tenant_id!r}: {name} is not ASCII") from exc
         if not text.isdigit():
-            raise CheckpointError(f"tenant {tenant_id!r}: LATEST holds {text!r}, not a version number")
+            raise CheckpointError(f"tenant {tenant_id!r}: {name} holds {text!r}, not a version number")
         return int(text)
+
+    # ---- read --------------------------------------------------------------------------
+
+    def latest_version(self, tenant_id: str) -> int | None:
+        """Version named by ``LATEST``; None if the tenant has no committed checkpoint."""
+        return self._read_pointer(tenant_id, LATEST_FILE)
 
     def versions(self, tenant_id: str) -> list[int]:
         """Complete (manifest present) checkpoint versions, ascending; temp folders ignored."""
