@@ -49,7 +49,6 @@ class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
-    max_running_workloads: int = Field(default=8, ge=1)
     default_max_device_seconds: float | None = Field(default=None, ge=0)
     default_max_queued_workloads: int | None = Field(default=8, ge=0)
     stream_poll_s: float = Field(default=0.25, gt=0)
@@ -138,9 +137,7 @@ def create_app(
         default_max_device_seconds=settings.default_max_device_seconds,
         default_max_queued_workloads=settings.default_max_queued_workloads,
     )
-    gateway = ApiGateway(
-        services, keys, ledger, limits=settings.limits, max_running_workloads=settings.max_running_workloads
-    )
+    gateway = ApiGateway(services, keys, ledger, limits=settings.limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> Any:

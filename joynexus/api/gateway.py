@@ -33,9 +33,10 @@ from joynexus.api.errors import (
 )
 from joynexus.api.services import ApiServices, timed_call
 from joynexus.artifacts import CheckpointError, PayloadError, TenantManifest, decode_tenant_payload
+from joynexus.core.metering import TRAINING, UsageMeter
 from joynexus.core.tenants import Tenant, simulator_config
 from joynexus.master.tenant_creator import TenantExists
-from joynexus.master.usage import TRAINING, SpendCapReached, UsageLedger
+from joynexus.master.usage import SpendCapReached, UsageLedger
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
@@ -104,16 +105,16 @@ class ApiGateway:
         ledger: UsageLedger,
         *,
         limits: ApiLimits | None = None,
-        max_running_workloads: int = 8,
     ):
         self.services = services
         self.keys = keys
         self.ledger = ledger
+        # Lower-layer training calls are metered like the services meter theirs: batched rows.
+        self.meter = UsageMeter(services.store)
         self.limits = limits or ApiLimits()
         self._tenants: dict[str, tuple[float, Tenant]] = {}  # short-lived cache of the Master's answers
         self._lock = threading.Lock()
         self._queue_bytes: dict[str, dict[str, int]] = {}
-        self._users = 0
         self._tenant_locks: dict[str, threading.Lock] = {}
         self.master = services.master
 
@@ -122,7 +123,8 @@ class ApiGateway:
         """Nothing to start: the Master Service owns workloads, slots and admission."""
 
     def stop(self) -> None:
-        """Nothing to stop (see start)."""
+        """Write the metered lower-layer usage (the Master owns everything else)."""
+        self.meter.try_flush()
 
     # -- tenants (admin) --------------------------------------------------------------------------
     def create_tenant(self, spec: WorkloadSpec) -> Tenant:
@@ -182,6 +184,7 @@ class ApiGateway:
             raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
 
     def usage(self, tenant_id: str) -> s.Usage:
+        self.meter.flush()  # read-your-writes, as the Master does for the services' meters
         return self.master.usage(tenant_id)
 
     # -- workloads (upper layer) ------------------------------------------------------------------
@@ -370,7 +373,7 @@ class ApiGateway:
         with self._service_errors("batch"):
             result, seconds = timed_call(self.services.training_service, "train_batch", tenant_id, columns)
         samples = len(columns["task"])
-        self.ledger.record(tenant_id, TRAINING, "train_batch", device_seconds=seconds, samples=samples)
+        self.meter.record(tenant_id, TRAINING, "train_batch", device_seconds=seconds, samples=samples)
         return s.TrainStepResult(
             loss=result["loss"],
             version=result["version"],
@@ -395,7 +398,7 @@ class ApiGateway:
                 self.services.training_service, "forward_backward", tenant_id, columns, request.loss
             )
         seconds = result.get("seconds", seconds)
-        self.ledger.record(tenant_id, TRAINING, "forward_backward", device_seconds=seconds, samples=samples)
+        self.meter.record(tenant_id, TRAINING, "forward_backward", device_seconds=seconds, samples=samples)
         return s.ForwardBackwardResult(
             loss=result["loss"],
             samples=samples,
@@ -410,7 +413,7 @@ class ApiGateway:
         with self._service_errors("tenant"):
             result, seconds = timed_call(self.services.training_service, "optim_step", tenant_id)
         seconds = result.get("seconds", seconds)
-        self.ledger.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
+        self.meter.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
         return s.OptimStepResult(
             loss=result["loss"],
             grad_norm=result["grad_norm"],

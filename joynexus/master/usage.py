@@ -67,29 +67,6 @@ class UsageLedger:
         self.default_max_device_seconds = default_max_device_seconds
         self.default_max_queued_workloads = default_max_queued_workloads
 
-    # -- recording ----------------------------------------------------------------------------
-    def record(
-        self,
-        tenant_id: str,
-        category: str,
-        operation: str,
-        *,
-        device_seconds: float = 0.0,
-        samples: int = 0,
-        env_steps: int = 0,
-    ) -> None:
-        with self.store.transaction() as session:
-            session.add(
-                UsageRecord(
-                    tenant_id=tenant_id,
-                    category=category,
-                    operation=operation,
-                    device_seconds=max(0.0, float(device_seconds)),
-                    samples=int(samples),
-                    env_steps=int(env_steps),
-                )
-            )
-
     # -- quotas -------------------------------------------------------------------------------
     def quota(self, tenant_id: str) -> Quota:
         with self.store.transaction() as session:
