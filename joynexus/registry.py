@@ -182,6 +182,13 @@ class ExperimentTracker:
         for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk)
 
+    def log_metric_series(self, run_id: str, key: str, steps: list[tuple[int, float]]) -> None:
+        """Log one metric at several steps (e.g. a job's losses) in batch calls, not one per step."""
+        ts = int(time.time() * 1000)
+        items = [Metric(key, float(value), ts, int(step)) for step, value in steps]
+        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=chunk)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """Terminate a run; ``status`` is one of FINISHED, FAILED, KILLED."""
         if status not in _END_STATUSES:

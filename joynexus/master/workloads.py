@@ -574,23 +574,29 @@ class WorkloadManager:
         return WorkloadStatus(**{**base, **live})
 
     def _emit(self, workload_id: str, kind: str, **data: Any) -> None:
+        self._emit_many(workload_id, [(kind, data)])
+
+    def _emit_many(self, workload_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Append events (kind, data) to the workload's stream in ONE transaction (a job's step
+        events come together)."""
         now = time.time()
         with self.dep.store.transaction() as s:
             record = s.get(WorkloadRecord, workload_id)
-            row = WorkloadEventRecord(
-                workload_id=workload_id,
-                tenant_id=record.tenant_id if record is not None else "",
-                kind=kind,
-                data=_jsonable(data),
-                time=now,
-            )
-            s.add(row)
+            tenant_id = record.tenant_id if record is not None else ""
+            rows = [
+                WorkloadEventRecord(
+                    workload_id=workload_id, tenant_id=tenant_id, kind=kind, data=_jsonable(data), time=now
+                )
+                for kind, data in events
+            ]
+            s.add_all(rows)
             s.flush()
-            event = _event_dict(row)
+            emitted = [_event_dict(row) for row in rows]
         with self._lock:
             self._changed.notify_all()
         if self.on_event is not None:
-            self.on_event(event)
+            for event in emitted:
+                self.on_event(event)
 
     def _admit(self) -> None:
         """Start queued workloads in FIFO order while capacity allows (skipping tenants that
@@ -732,9 +738,9 @@ class WorkloadManager:
             elif active.failed_jobs >= self.max_failures:
                 finish = (WORKLOAD_FAILED, f"{active.failed_jobs} training jobs failed; last: {active.failures[-1]}")
         if outcome.state == COMPLETED and outcome.metrics is not None:
-            for i, loss in enumerate(losses):
-                self.dep.tracker.log_metrics(active.run_id, {"train/loss": loss}, step=first + i + 1)
-                self._emit(workload_id, "step", step=first + i + 1, loss=loss)
+            steps = [(first + i + 1, loss) for i, loss in enumerate(losses)]
+            self.dep.tracker.log_metric_series(active.run_id, "train/loss", steps)
+            self._emit_many(workload_id, [("step", {"step": step, "loss": loss}) for step, loss in steps])
             self.dep.tracker.log_metrics(
                 active.run_id,
                 {"policy_version": active.version, "jobs_completed": active.completed_jobs},
