@@ -503,20 +503,28 @@ def _kill_actors(address: str, namespace: str) -> list[str]:
     from joynexus.runtime import init_ray
 
     init_ray(address)
-    removed = []
     try:
-        for name in SERVICE_ACTORS:
-            try:
-                handle = ray.get_actor(name, namespace=namespace)
-            except ValueError:
-                continue
-            if name == "joynexus.environment_service":
-                with contextlib.suppress(Exception):
-                    ray.get(handle.close_all.remote(), timeout=20)
-            ray.kill(handle, no_restart=True)
-            removed.append(name)
+        return remove_service_actors(namespace)
     finally:
         ray.shutdown()
+
+
+def remove_service_actors(namespace: str) -> list[str]:
+    """Kill a deployment's named actors in `namespace` from a driver already connected to Ray,
+    the Master first; the Environment Service closes its simulator workers before it goes."""
+    import ray
+
+    removed = []
+    for name in SERVICE_ACTORS:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        if name == "joynexus.environment_service":
+            with contextlib.suppress(Exception):
+                ray.get(handle.close_all.remote(), timeout=20)
+        ray.kill(handle, no_restart=True)
+        removed.append(name)
     return removed
 
 

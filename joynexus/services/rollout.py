@@ -43,14 +43,18 @@ def predict_many(
     from joynexus.services.inference import InferenceModelService
 
     sessions = session_ids or [None] * len(observations)
+    request = {"policy_version": policy_version, "sample": sample, "operation": operation}
     handle = handle_of(inference)
-    futures = [
-        handle.start(
-            InferenceModelService.predict, tenant_id, [obs], policy_version=policy_version, session_id=sid,
-            sample=sample, operation=operation,
-        )
-        for obs, sid in zip(observations, sessions, strict=True)
-    ]  # fmt: skip
+    if handle.is_remote:
+        futures = [
+            handle.start(InferenceModelService.predict, tenant_id, [obs], session_id=sid, **request)
+            for obs, sid in zip(observations, sessions, strict=True)
+        ]
+    else:  # in process the service's own queue hands out futures: no thread per request
+        futures = [
+            handle.target.submit(tenant_id, [obs], session_id=sid, **request)
+            for obs, sid in zip(observations, sessions, strict=True)
+        ]
     return [f.result(timeout=180) for f in futures]
 
 

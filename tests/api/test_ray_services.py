@@ -19,18 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from joynexus.ops.supervisor import SERVICE_ACTORS, remove_service_actors
 from tests.api.conftest import ADMIN_KEY, sample_batch, wire
 from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
 
 ray = pytest.importorskip("ray")
 
-SERVICE_ACTORS = (
-    "joynexus.master",
-    "joynexus.environment_service",
-    "joynexus.inference_service",
-    "joynexus.training_service",
-    "joynexus.training_queue",
-)
 FINAL = ("completed", "failed", "cancelled")
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -115,21 +109,6 @@ class RayApi:
         return response.json()
 
 
-def _kill_namespace_actors(namespace: str) -> None:
-    """What `joynexus down` does (joynexus.ops.supervisor._kill_actors), in this driver."""
-    for name in SERVICE_ACTORS:
-        try:
-            handle = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            continue
-        if name == "joynexus.environment_service":
-            try:
-                ray.get(handle.close_all.remote(), timeout=20)  # stop the simulator worker processes
-            except Exception:
-                pass
-        ray.kill(handle, no_restart=True)
-
-
 @pytest.fixture(scope="module")
 def ray_api(tmp_path_factory) -> RayApi:
     from fastapi.testclient import TestClient
@@ -159,7 +138,7 @@ def ray_api(tmp_path_factory) -> RayApi:
             if each is not None:
                 each.close()
         if ray.is_initialized():
-            _kill_namespace_actors(namespace)
+            remove_service_actors(namespace)
             if started_ray:
                 ray.shutdown()
 
