@@ -2,7 +2,7 @@
 (`checkpoints`). This package alone decides how a checkpoint is laid out and found."""
 
 from joynexus.artifacts.blobs import BlobStore, LocalBlobStore, blob_store_for
-from joynexus.artifacts.checkpoints import CheckpointStore
+from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo
 from joynexus.artifacts.codec import (
     ACTION_MODULE_FILE,
     MANIFEST_FILE,
@@ -27,6 +27,7 @@ __all__ = [
     "LocalBlobStore",
     "PayloadError",
     "TenantManifest",
+    "VersionInfo",
     "blob_store_for",
     "decode_tenant_payload",
     "encode_tenant_payload",

@@ -38,6 +38,11 @@ class BlobStore(Protocol):
         """Bytes of every object under ``prefix`` (0 if none)."""
         ...
 
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every object under ``prefix/`` in one listing: its key relative to ``prefix`` ('/'-separated)
+        -> its size in bytes (empty if none)."""
+        ...
+
     def publish_dir(self, prefix: str, files: Mapping[str, bytes]) -> None:
         """Make ``files`` visible under ``prefix`` all at once; FileExistsError if it exists."""
         ...
@@ -131,6 +136,21 @@ class LocalBlobStore:
         if not root.is_dir():
             return 0
         return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every file under ``prefix`` -> its size, from one walk of the folder (0 files if absent)."""
+        root = self._path(prefix) if prefix else self.root
+        sizes: dict[str, int] = {}
+        # os.walk lists each folder once (rglob + is_file + stat would stat every entry twice).
+        for folder, _dirs, names in os.walk(root):
+            base = Path(folder).relative_to(root).parts
+            for name in names:
+                try:
+                    size = os.stat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:  # removed while we walked (a concurrent delete or prune)
+                    continue
+                sizes["/".join((*base, name))] = size
+        return sizes
 
     def put_atomic(self, key: str, data: bytes) -> None:
         target = self._path(key)

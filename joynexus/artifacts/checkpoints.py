@@ -4,7 +4,9 @@ the LATEST pointer, and the one place that decides which version is the latest."
 from __future__ import annotations
 
 import json
+import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +41,20 @@ from joynexus.artifacts.codec import (
 # Per-tenant high-water mark of every policy version the Training Model Service has issued
 # (exported, published, returned), checkpointed or not: a restarted service never reuses one.
 ISSUED_FILE = "ISSUED"
+# Per-tenant versions retention never prunes (the ones registered in MLflow): {"pinned": [1, 4]}.
+PINS_FILE = "PINS"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One committed checkpoint version as listed: its manifest's time and digest, its bytes."""
+
+    version: int
+    created_at: str
+    digest: str
+    size_bytes: int
 
 
 class CheckpointStore:
@@ -47,12 +63,21 @@ class CheckpointStore:
     A version folder is immutable once published. ``LATEST`` is the commit pointer and only
     moves forward (to the highest version saved), so a late or concurrent save of an older
     version never rolls a tenant back.
+
+    Retention: with ``keep_last=K``, every successful save of a new version prunes the tenant's
+    older versions except the last K (by version number), the pinned ones (:meth:`pin`: the
+    versions registered in MLflow) and the one ``LATEST`` names. ``None`` keeps every version.
     """
 
-    def __init__(self, root: str | Path | BlobStore) -> None:
+    def __init__(self, root: str | Path | BlobStore, *, keep_last: int | None = None) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"invalid keep_last {keep_last!r}: expected an int >= 1, or None to keep every version")
         self.blobs: BlobStore = blob_store_for(root)
-        # Serialises read-modify-write of LATEST within this process.
+        self.keep_last = keep_last
+        # Serialises read-modify-write of LATEST, ISSUED and PINS within this process.
         self._latest_lock = threading.Lock()
+        # One prune at a time: concurrent saves would otherwise list and delete the same folders.
+        self._prune_lock = threading.Lock()
         self._pointers: dict[tuple[str, str], int] = {}  # (tenant, LATEST|ISSUED) -> value last written/read
 
     def __repr__(self) -> str:
@@ -121,7 +146,67 @@ class CheckpointStore:
 
         self.blobs.publish_dir(prefix, files)
         self._advance_latest(tenant_id, policy_version)
+        if self.keep_last is not None:
+            try:
+                self.prune(tenant_id)
+            except Exception:  # the save itself succeeded; the next save prunes again
+                log.warning("tenant %r: pruning old checkpoints after version %d failed", tenant_id, policy_version,
+                            exc_info=True)  # fmt: skip
         return manifest
+
+    # ---- retention ---------------------------------------------------------------------
+
+    def pin(self, tenant_id: str, version: int) -> None:
+        """Durably exempt ``version`` from pruning (a version registered in MLflow). The pins are
+        a small JSON object under the tenant's prefix, so every store on the same root (the
+        Master's, the Training Model Service's) sees them, across restarts."""
+        validate_tenant_id(tenant_id)
+        _validate_version(version)
+        with self._latest_lock:
+            pins = self.pinned(tenant_id)
+            if version in pins:
+                return
+            doc = {"pinned": sorted(pins | {version})}
+            self.blobs.put_atomic(f"{self._tenant_prefix(tenant_id)}/{PINS_FILE}", json.dumps(doc).encode())
+
+    def pinned(self, tenant_id: str) -> set[int]:
+        """The tenant's pinned versions (empty if none was pinned)."""
+        key = f"{self._tenant_prefix(tenant_id)}/{PINS_FILE}"
+        try:
+            raw = self.blobs.read(key)
+        except FileNotFoundError:
+            return set()
+        try:
+            values = json.loads(raw)["pinned"]
+            if not isinstance(values, list):
+                raise TypeError("'pinned' is not a list")
+            return {_validate_version(v) for v in values}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"tenant {tenant_id!r}: {PINS_FILE} is invalid ({exc})") from exc
+
+    def prune(self, tenant_id: str) -> list[int]:
+        """Delete the tenant's versions outside (last ``keep_last`` ∪ pinned ∪ LATEST's); returns
+        the deleted versions, ascending. Nothing when ``keep_last`` is None. Pointers stay."""
+        if self.keep_last is None:
+            return []
+        delete = getattr(self.blobs, "delete_prefix", None)
+        if delete is None:
+            raise NotImplementedError(f"{self.blobs!r} cannot delete (it has no delete_prefix)")
+        with self._prune_lock:
+            present = self.versions(tenant_id)
+            # Pins and LATEST are read before anything goes: an unreadable one raises, nothing is lost.
+            keep = set(present[-self.keep_last :]) | self.pinned(tenant_id)
+            latest = self.latest_version(tenant_id)
+            if latest is not None:
+                keep.add(latest)
+            doomed = [v for v in present if v not in keep]
+            for version in doomed:
+                prefix = self._version_prefix(tenant_id, version)
+                # The manifest first: a version exists while its manifest does, so readers never
+                # list a half-deleted version (S3 deletes a folder's objects one batch at a time).
+                delete(f"{prefix}/{MANIFEST_FILE}")
+                delete(prefix)
+            return doomed
 
     def record_issued_version(self, tenant_id: str, version: int) -> None:
         """Durably raise the tenant's issued-version high-water mark to ``version`` (never lowers
@@ -177,14 +262,45 @@ class CheckpointStore:
         return self._read_pointer(tenant_id, LATEST_FILE)
 
     def versions(self, tenant_id: str) -> list[int]:
-        """Complete (manifest present) checkpoint versions, ascending; temp folders ignored."""
-        prefix = self._tenant_prefix(tenant_id)
-        found = []
-        for name in self.blobs.list_dir(prefix):
-            m = _VERSION_DIR_RE.fullmatch(name)
-            if m and self.blobs.exists(f"{prefix}/{name}/{MANIFEST_FILE}"):
-                found.append(int(m.group(1)))
-        return sorted(found)
+        """Complete (manifest present) checkpoint versions, ascending; temp folders ignored.
+        One listing of the tenant's prefix, whatever the number of versions."""
+        return sorted(self._listed_versions(tenant_id))
+
+    def _listed_versions(self, tenant_id: str) -> dict[int, tuple[bool, int]]:
+        """One listing of the tenant: version -> (manifest present, bytes of its folder)."""
+        found: dict[int, tuple[bool, int]] = {}
+        for key, size in self.blobs.list_sizes(self._tenant_prefix(tenant_id)).items():
+            folder, sep, name = key.partition("/")
+            m = _VERSION_DIR_RE.fullmatch(folder) if sep else None
+            # Only the canonical folder name: read_manifest and load_tenant look there.
+            if m is None or folder != f"v{int(m.group(1)):06d}":
+                continue
+            version = int(m.group(1))
+            committed, total = found.get(version, (False, 0))
+            found[version] = (committed or name == MANIFEST_FILE, total + size)
+        return {v: entry for v, entry in found.items() if entry[0]}
+
+    def version_infos(self, tenant_id: str, *, after: int = -1, limit: int | None = None) -> list[VersionInfo]:
+        """Committed versions greater than ``after``, ascending, at most ``limit`` of them: one
+        listing of the tenant's prefix (sizes included) and one manifest read per version returned.
+        The default ``after=-1`` includes version 0; page on with ``after=<last version returned>``."""
+        if isinstance(after, bool) or not isinstance(after, int):
+            raise ValueError(f"invalid after {after!r}: expected an int (list versions greater than it)")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"invalid limit {limit!r}: expected an int >= 0, or None for no limit")
+        listed = self._listed_versions(tenant_id)
+        out: list[VersionInfo] = []
+        for version in sorted(v for v in listed if v > after):
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                manifest = self.read_manifest(tenant_id, version)
+            except CheckpointError:
+                if self.blobs.exists(f"{self._version_prefix(tenant_id, version)}/{MANIFEST_FILE}"):
+                    raise  # present but unreadable: a real error
+                continue  # pruned since the listing: no longer a version
+            out.append(VersionInfo(version, manifest.created_at, manifest.digest, listed[version][1]))
+        return out
 
     def read_manifest(self, tenant_id: str, version: int) -> TenantManifest:
         """The manifest of one committed checkpoint, without reading its tensors."""

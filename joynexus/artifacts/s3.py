@@ -157,6 +157,18 @@ class S3BlobStore:
         pages = paginator.paginate(Bucket=self.bucket, Prefix=self._dir_key(prefix))
         return sum(int(item["Size"]) for page in pages for item in page.get("Contents", []))
 
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every object under ``prefix/`` -> its size, from one (paginated) listing."""
+        start = self._dir_key(prefix)
+        paginator = self.client.get_paginator("list_objects_v2")
+        sizes: dict[str, int] = {}
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=start):
+            for item in page.get("Contents", []):
+                name = item["Key"][len(start) :]
+                if name:
+                    sizes[name] = int(item["Size"])
+        return sizes
+
     def list_dir(self, prefix: str) -> list[str]:
         start = self._dir_key(prefix)
         names: set[str] = set()

@@ -187,6 +187,7 @@ class TenantQuotaRecord(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     max_device_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     max_queued_workloads: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # checkpoint bytes
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

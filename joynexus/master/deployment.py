@@ -77,7 +77,13 @@ class Deployment:
         source = _backbone_source(settings)
         queue = TrainingQueue()
         checkpoints = _checkpoint_location(settings, in_process=True)
-        local_training = TrainingModelService(source, checkpoints, queue=queue, num_threads=settings.torch_threads)
+        local_training = TrainingModelService(
+            source,
+            checkpoints,
+            queue=queue,
+            num_threads=settings.torch_threads,
+            keep_last=settings.checkpoint_keep_last,
+        )
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
         service = service_handle(TrainingModelService, SerializedService(local_training))
         database_url = settings.resolved_database_url()  # the services meter usage into the store
@@ -118,6 +124,7 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
         num_threads=settings.torch_threads,
         namespace=settings.ray_namespace,
         detached=detached,
+        keep_last=settings.checkpoint_keep_last,
     )
     inference = inference_service_actor(
         source,

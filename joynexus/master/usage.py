@@ -12,7 +12,10 @@ What is metered, and where the number comes from:
 - storage: bytes of the tenant's checkpoints, as the CheckpointStore counts them.
 
 Quotas: a spend cap on device-seconds (training + inference) stops admission of new work once
-reached (`SpendCapReached`, a clear message, HTTP 429); work already running finishes. Running
+reached (`SpendCapReached`, a clear message, HTTP 429); work already running finishes. A storage
+quota (`max_storage_bytes`) likewise stops admission once the tenant's checkpoints take that many
+bytes (`StorageQuotaReached`, a kind of `SpendCapReached`); checkpoint retention in the
+CheckpointStore (keep the last K plus the registered versions) is what frees them. Running
 workloads per tenant are bounded by the Master Service (one at a time); further submissions wait
 in its queue with a visible position, up to `max_queued_workloads`.
 """
@@ -32,11 +35,16 @@ from joynexus.protocol.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
 if TYPE_CHECKING:
     from joynexus.artifacts import CheckpointStore
 
-__all__ = ["ENVIRONMENT", "INFERENCE", "TRAINING", "SpendCapReached", "UsageLedger"]
+__all__ = ["ENVIRONMENT", "INFERENCE", "TRAINING", "SpendCapReached", "StorageQuotaReached", "UsageLedger"]
 
 
 class SpendCapReached(RuntimeError):
     pass
+
+
+class StorageQuotaReached(SpendCapReached):
+    """The tenant's checkpoints take its whole storage quota; a SpendCapReached, so every caller
+    that refuses admission on a spend cap refuses on this too."""
 
 
 class UsageLedger:
@@ -50,6 +58,7 @@ class UsageLedger:
         checkpoint_root: Path | None = None,
         default_max_device_seconds: float | None = None,
         default_max_queued_workloads: int | None = 8,
+        default_max_storage_bytes: int | None = None,
     ):
         """`checkpoints` answers the tenants' storage bytes (`tenant_bytes`); `checkpoint_root`, a local
         folder read directly, is deprecated (it misses object-store checkpoints)."""
@@ -66,6 +75,9 @@ class UsageLedger:
         self.checkpoint_root = checkpoint_root
         self.default_max_device_seconds = default_max_device_seconds
         self.default_max_queued_workloads = default_max_queued_workloads
+        if default_max_storage_bytes is not None and default_max_storage_bytes < 0:
+            raise ValueError(f"invalid default_max_storage_bytes {default_max_storage_bytes!r}: expected >= 0 or None")
+        self.default_max_storage_bytes = default_max_storage_bytes
 
     # -- quotas -------------------------------------------------------------------------------
     def quota(self, tenant_id: str) -> Quota:
@@ -73,10 +85,38 @@ class UsageLedger:
             record = session.get(TenantQuotaRecord, tenant_id)
             seconds = record.max_device_seconds if record is not None else None
             queued = record.max_queued_workloads if record is not None else None
-        return Quota(
-            max_device_seconds=seconds if seconds is not None else self.default_max_device_seconds,
-            max_queued_workloads=queued if queued is not None else self.default_max_queued_workloads,
+            storage = record.max_storage_bytes if record is not None else None
+        # A dict through model_validate: Quota ignores unknown keys, so max_storage_bytes shows up
+        # once the schema declares it and is dropped (not an error) before.
+        return Quota.model_validate(
+            {
+                "max_device_seconds": seconds if seconds is not None else self.default_max_device_seconds,
+                "max_queued_workloads": queued if queued is not None else self.default_max_queued_workloads,
+                "max_storage_bytes": storage if storage is not None else self.default_max_storage_bytes,
+            }
         )
+
+    def max_storage_bytes(self, tenant_id: str) -> int | None:
+        """The tenant's storage quota in checkpoint bytes (its own, else the default); None: none."""
+        with self.store.transaction() as session:
+            record = session.get(TenantQuotaRecord, tenant_id)
+            storage = record.max_storage_bytes if record is not None else None
+        return storage if storage is not None else self.default_max_storage_bytes
+
+    def set_max_storage_bytes(self, tenant_id: str, max_storage_bytes: int | None) -> Quota:
+        """Set (None: restore the default of) the tenant's storage quota, leaving its other limits."""
+        if max_storage_bytes is not None and (
+            isinstance(max_storage_bytes, bool) or not isinstance(max_storage_bytes, int) or max_storage_bytes < 0
+        ):
+            raise ValueError(f"invalid max_storage_bytes {max_storage_bytes!r}: expected an int >= 0 or None")
+        with self.store.transaction() as session:
+            record = session.get(TenantQuotaRecord, tenant_id)
+            if record is None:
+                record = TenantQuotaRecord(tenant_id=tenant_id)
+                session.add(record)
+            record.max_storage_bytes = max_storage_bytes
+            record.updated_at = utcnow()
+        return self.quota(tenant_id)
 
     def set_quota(self, tenant_id: str, update: QuotaUpdate) -> Quota:
         with self.store.transaction() as session:
@@ -86,19 +126,39 @@ class UsageLedger:
                 session.add(record)
             record.max_device_seconds = update.max_device_seconds
             record.max_queued_workloads = update.max_queued_workloads
+            # Like the other limits once QuotaUpdate declares it; an update that cannot name it
+            # (the schema before that) leaves the stored storage quota as it is.
+            if "max_storage_bytes" in type(update).model_fields:
+                record.max_storage_bytes = update.max_storage_bytes
             record.updated_at = utcnow()
         return self.quota(tenant_id)
 
-    def check_spend(self, tenant_id: str) -> None:
-        """Raise SpendCapReached when the tenant has used up its device-seconds."""
+    def check_spend(self, tenant_id: str, *, storage: bool = True) -> None:
+        """Raise SpendCapReached when the tenant has used up its device-seconds, and (unless
+        `storage=False`, for calls that write no checkpoint) StorageQuotaReached when its
+        checkpoints take its whole storage quota."""
         cap = self.quota(tenant_id).max_device_seconds
-        if cap is None:
-            return
-        spent = self.device_seconds(tenant_id).total
-        if spent >= cap:
-            raise SpendCapReached(
-                f"tenant {tenant_id!r} has spent {spent:.3f} of its {cap:.3f} device-seconds "
-                "(quota.max_device_seconds); no new work is admitted until an admin raises the quota"
+        if cap is not None:
+            spent = self.device_seconds(tenant_id).total
+            if spent >= cap:
+                raise SpendCapReached(
+                    f"tenant {tenant_id!r} has spent {spent:.3f} of its {cap:.3f} device-seconds "
+                    "(quota.max_device_seconds); no new work is admitted until an admin raises the quota"
+                )
+        if storage:
+            self.check_storage(tenant_id)
+
+    def check_storage(self, tenant_id: str) -> None:
+        """Raise StorageQuotaReached when the tenant's checkpoint bytes reach its storage quota."""
+        allowed = self.max_storage_bytes(tenant_id)
+        if allowed is None:
+            return  # no quota: no listing of the tenant's checkpoints either
+        used = self.storage_bytes(tenant_id)
+        if used >= allowed:
+            raise StorageQuotaReached(
+                f"tenant {tenant_id!r} stores {used:,} bytes of checkpoints, at or above its quota of "
+                f"{allowed:,} bytes (quota.max_storage_bytes); no new work is admitted until old "
+                "checkpoints are pruned or deleted, or an admin raises the quota"
             )
 
     # -- reading ------------------------------------------------------------------------------
