@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from joynexus.envs.base import image_size_problem
 from joynexus.schema import VLASchema
 
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -146,6 +147,13 @@ class WorkloadSpec(_Strict):
     ) -> EnvironmentSpec | None:
         if environment is None and info.data.get("task") is TaskType.RL:
             raise ValueError("environment is required when task is 'rl'")
+        obs = info.data.get("observation")
+        if environment is not None and obs is not None:
+            # The simulator renders observation.image_size for every camera: refuse here what the
+            # Environment Service (at its default limits) would refuse at every session open.
+            problem = image_size_problem(obs.image_size, len(obs.cameras))
+            if problem is not None:
+                raise ValueError(f"observation.image_size {list(obs.image_size)} for the simulator: {problem}")
         return environment
 
     def vla_schema(self) -> VLASchema:

@@ -7,6 +7,9 @@ any simulator: each adapter imports its simulator when it is built.
 from joynexus.envs import maniskill as _maniskill  # noqa: F401  (registers "maniskill")
 from joynexus.envs import pusht as _pusht  # noqa: F401  (registers "pusht")
 from joynexus.envs.base import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
+    MAX_OBSERVATION_BYTES,
     SIMULATORS,
     AssetDownloadRefused,
     EnvObservation,
@@ -17,11 +20,15 @@ from joynexus.envs.base import (
     StepResult,
     available_simulators,
     build_simulator,
+    image_size_problem,
     register_simulator,
     validate_action,
 )
 
 __all__ = [
+    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
+    "MAX_OBSERVATION_BYTES",
     "SIMULATORS",
     "AssetDownloadRefused",
     "EnvObservation",
@@ -32,6 +39,7 @@ __all__ = [
     "StepResult",
     "available_simulators",
     "build_simulator",
+    "image_size_problem",
     "register_simulator",
     "validate_action",
 ]

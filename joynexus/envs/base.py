@@ -23,6 +23,9 @@ import pydantic
 __all__ = [
     "SIMULATORS",
     "AssetDownloadRefused",
+    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
+    "MAX_OBSERVATION_BYTES",
     "EnvObservation",
     "RewardMode",
     "SimulatorAdapter",
@@ -33,6 +36,8 @@ __all__ = [
     "available_simulators",
     "build_simulator",
     "hwc_uint8_to_chw_float",
+    "image_size_problem",
+    "observation_bytes",
     "register_simulator",
     "scalar_info",
     "unit_to_bounds",
@@ -40,6 +45,14 @@ __all__ = [
 ]
 
 RewardMode = Literal["dense", "sparse", "normalized_dense"]
+
+# Limits on what a session renders (issue 11): a tenant's image size must not exhaust a worker's
+# memory, the pipe, or the batches its observations feed. Per camera (each side, and the pixel
+# count), and over all cameras of one observation as delivered: float32 (3, H, W) per camera.
+# The Environment Service's defaults (configurable there) and what workload specs are checked against.
+MAX_IMAGE_SIDE = 1024
+MAX_IMAGE_PIXELS = 512 * 512
+MAX_OBSERVATION_BYTES = 8 * 1024 * 1024
 
 
 class AssetDownloadRefused(ValueError):
@@ -126,6 +139,44 @@ class SimulatorConfig(pydantic.BaseModel):
         if len(set(value)) != len(value):
             raise ValueError(f"cameras={list(value)!r} lists a camera twice")
         return value
+
+
+def observation_bytes(cameras: int, image_size: tuple[int, int]) -> int:
+    """Bytes of one observation's images as a session delivers them: float32 (3, H, W) per camera."""
+    height, width = image_size
+    return int(cameras) * 3 * int(height) * int(width) * np.dtype(np.float32).itemsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB"
+
+
+def image_size_problem(
+    image_size: tuple[int, int],
+    cameras: int,
+    *,
+    max_image_side: int = MAX_IMAGE_SIDE,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    max_observation_bytes: int = MAX_OBSERVATION_BYTES,
+) -> str | None:
+    """Why `cameras` images of `image_size` (H, W) are over the limits, naming the limit; None if
+    within them. The caller puts the field name in front. Side and pixel limits hold even with no
+    camera (the simulator is still built with that size); the bytes limit counts the cameras."""
+    height, width = (int(v) for v in image_size)
+    if max(height, width) > max_image_side:
+        return f"{height}x{width} has a side over the limit of {max_image_side} pixels (max_image_side)"
+    if height * width > max_image_pixels:
+        return (
+            f"{height}x{width} is {height * width} pixels per camera, over the limit of {max_image_pixels} "
+            "(max_image_pixels)"
+        )
+    total = observation_bytes(cameras, (height, width))
+    if total > max_observation_bytes:
+        return (
+            f"{cameras} cameras of 3x{height}x{width} float32 are {_mib(total)} per observation, over the "
+            f"limit of {_mib(max_observation_bytes)} (max_observation_bytes); use smaller images or fewer cameras"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,10 @@ class SpecCompiler:
         try:
             sim = self.environment_probe(simulator_config(spec))
         except Exception as error:  # the simulator refused the task (asset download, bad task id, ...)
-            return [("environment.task", _first_line(error))]
+            message = _first_line(error)
+            if "config.image_size:" in message:  # the Environment Service's image limits
+                return [("observation.image_size", message.split("config.image_size:", 1)[1].strip())]
+            return [("environment.task", message)]
         problems = []
         if tuple(sim["cameras"]) != tuple(obs.cameras):
             problems.append(("observation.cameras", f"{obs.cameras} but the simulator renders {list(sim['cameras'])}"))

@@ -41,11 +41,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from joynexus.envs.base import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
+    MAX_OBSERVATION_BYTES,
     SIMULATORS,
     AssetDownloadRefused,
     SimulatorConfig,
     SimulatorUnavailable,
     build_simulator,
+    image_size_problem,
     validate_action,
 )
 
@@ -308,13 +312,28 @@ class EnvironmentService:
         start_method: str = "spawn",
         meter: UsageMeter | None = None,
         database_url: str | None = None,
+        max_image_side: int = MAX_IMAGE_SIDE,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        max_observation_bytes: int = MAX_OBSERVATION_BYTES,
     ) -> None:
         """`meter` (or `database_url`, from which a Ray actor builds its own) records every step as
-        environment usage of the session's tenant; without either nothing is recorded."""
+        environment usage of the session's tenant; without either nothing is recorded.
+        `max_image_side` / `max_image_pixels` (per camera) and `max_observation_bytes` (all cameras
+        of one observation, float32) bound the image sizes a session may ask for."""
+        # Who this is, for heartbeats: a restarted service answers with a new incarnation.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
         if step_timeout_s <= 0 or reset_timeout_s <= 0:
             raise ValueError("step_timeout_s and reset_timeout_s must be > 0")
         if max_sessions < 1 or max_sessions_per_tenant < 1:
             raise ValueError("max_sessions and max_sessions_per_tenant must be >= 1")
+        for name, limit in (
+            ("max_image_side", max_image_side),
+            ("max_image_pixels", max_image_pixels),
+            ("max_observation_bytes", max_observation_bytes),
+        ):
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
         if start_method not in ("spawn", "forkserver"):
             # fork would copy the service's threads and locks (and the other sessions' pipes).
             raise ValueError(f"start_method={start_method!r}: use 'spawn' or 'forkserver'")
@@ -322,6 +341,11 @@ class EnvironmentService:
         self.reset_timeout_s = float(reset_timeout_s)
         self.max_sessions = int(max_sessions)
         self.max_sessions_per_tenant = int(max_sessions_per_tenant)
+        self.image_limits = {
+            "max_image_side": max_image_side,
+            "max_image_pixels": max_image_pixels,
+            "max_observation_bytes": max_observation_bytes,
+        }
         self._ctx = mp.get_context(start_method)
         self._lock = threading.Lock()  # guards _sessions and _tombstones, never held across IPC
         self._sessions: dict[str, _Session] = {}
@@ -341,6 +365,10 @@ class EnvironmentService:
         adapter_cls = SIMULATORS.get(config.simulator)
         if adapter_cls is None:  # only reachable for configs built with model_construct()
             raise ValueError(f"simulator={config.simulator!r} is not a registered simulator")
+        # Refused before a worker starts: an oversized render would cost memory there and on every pipe.
+        problem = image_size_problem(config.image_size, len(config.cameras), **self.image_limits)
+        if problem is not None:
+            raise ValueError(f"config.image_size: {problem}")
         adapter_module = adapter_cls.__module__
         session = _Session(
             session_id=f"env-{uuid.uuid4().hex}", tenant_id=tenant_id, rollout_id=rollout_id, config=config
@@ -441,6 +469,20 @@ class EnvironmentService:
                 s.describe() for s in self._tombstones.values() if s.tenant_id == tenant_id and s.state == "failed"
             ]
         return live + failed
+
+    def heartbeat(self) -> dict[str, Any]:
+        """A liveness probe: who this is and what it holds, cheaply. Takes only the session table's
+        lock, which is never held across a simulator call, so it answers while steps run."""
+        with self._lock:
+            live = list(self._sessions.values())
+        return {
+            "role": "environment",
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "tenants": sorted({s.tenant_id for s in live}),
+            "sessions": len(live),
+        }
 
     # -- interaction -------------------------------------------------------------------------- #
     def reset(self, tenant_id: str, session_id: str, seed: int | None = None) -> dict[str, Any]:

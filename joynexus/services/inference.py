@@ -1,8 +1,9 @@
 """Inference Model Service (paper sections 4.1.2, 4.3, A.3).
 
 Keeps ONE resident frozen backbone and tenant serving states keyed by (tenant, policy version).
-Requests from every tenant go through one Inference Queue; a worker thread takes the largest
-FIFO-compatible prefix (target size B, max wait T), runs ONE shared backbone forward over it —
+Requests from every tenant go through one Inference Queue; a worker thread forms a batch (target
+size B, max wait T) by taking the tenants' pending requests round-robin, runs ONE shared backbone
+forward over it —
 the backbone canonicalizes mixed camera sets, image sizes and instruction lengths into one
 physical batch — splits the features back by the recorded row slices, and decodes each request
 with its own tenant's module at the version that request was pinned to. A tenant module that
@@ -11,14 +12,24 @@ fails fails only its own requests.
 `load_weights` takes the payload `TrainingModelService.export_params` produces. Versions are held
 in a bounded per-tenant LRU (the latest version is never evicted); a request pins its serving
 state when it is submitted, so eviction never breaks a request already in the queue.
+
+Fairness (issue 11): a request of more than `max_chunk_samples` observations (or more than B,
+whichever is smaller) is split at submission into chunks of that size, and `TenantFairQueue` forms
+each batch round-robin across tenants, least recently served first. So one tenant's 1,024-sample
+predict costs another tenant's 1-sample predict at most a chunk-sized batch of waiting, not a
+1,024-sample forward. The chunks' results are put back together in order for the caller: the same
+actions as unsplit (per-observation seeds draw the same noise wherever a row is served).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import OrderedDict
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +42,18 @@ from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogra
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.backbone import ResidentBackbone
-from joynexus.scheduling.inference_queue import InferenceQueue, InferenceRequest, Observation
+from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
 from joynexus.services.training import BackboneSource
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
+# Observations one request puts into one backbone turn at most; a larger request is split (the
+# effective size is also capped at max_batch_size). A quarter of the default B: a batch holding
+# another tenant's small request still takes three of the large request's chunks, where chunks of
+# B would leave the small request a forward of its own (measured: the bulk tenant's throughput is
+# the same, benchmarks/predict_fairness.py).
+DEFAULT_MAX_CHUNK_SAMPLES = 8
+RECENT_BATCHES = 32  # batch compositions stats() shows, newest last
+RECENT_BATCH_PARTS = 64  # entries listed per recorded batch (a B of thousands would bloat stats())
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +87,203 @@ class _Pinned:
     seeds: list[int] | None
     sample: bool = False
     operation: str = "predict"  # what the usage entry is recorded as ("predict", "rollout", ...)
+    split: _Split | None = None  # set on each chunk of a split request
+    chunk: int = 0  # this chunk's index within its split request
+
+
+class _Split:
+    """The caller's side of a request split into chunks: gathers the chunks' results, in chunk
+    order, into one result on the caller's future. The first chunk that fails fails the request;
+    once the request is settled (or cancelled by its caller) its unserved chunks are cancelled, and
+    the queue drops cancelled chunks instead of running them."""
+
+    def __init__(self, chunks: list[InferenceRequest], on_result: Callable[[_Split, dict[str, Any]], None]) -> None:
+        self.future: Future = Future()
+        self.request_id = chunks[0].request_id
+        self.enqueued_at = chunks[0].enqueued_at
+        self._chunks = chunks
+        self._results: list[dict[str, Any] | None] = [None] * len(chunks)
+        self._remaining = len(chunks)
+        self._lock = threading.Lock()
+        self._on_result = on_result  # (split, joined result) -> None; settles self.future
+        for index, chunk in enumerate(chunks):
+            chunk.future.add_done_callback(lambda done, index=index: self._chunk_done(index, done))
+        self.future.add_done_callback(self._cancel_chunks)
+
+    def _chunk_done(self, index: int, done: Future) -> None:
+        if done.cancelled():  # only we cancel chunks: the request is already settled
+            return
+        error = done.exception()
+        with self._lock:
+            if self.future.done():
+                return
+            if error is None:
+                self._results[index] = done.result()
+                self._remaining -= 1
+                if self._remaining:
+                    return
+                joined = _join_chunks(self._results)
+        # Settled outside the lock: the caller's callbacks (and _cancel_chunks) run right here.
+        if error is not None:
+            _settle(self.future, exception=error)
+        else:
+            self._on_result(self, joined)
+
+    def _cancel_chunks(self, _: Future) -> None:
+        for chunk in self._chunks:
+            chunk.future.cancel()  # a no-op on the chunks already served
+
+
+def _join_chunks(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from a split request's chunk results, rows in chunk order."""
+
+    def rows(key: str) -> np.ndarray | None:
+        arrays = [part[key] for part in parts]
+        return None if arrays[0] is None else np.concatenate(arrays)
+
+    return {
+        **parts[0],
+        "actions": rows("actions"),
+        "values": rows("values"),
+        "log_probs": rows("log_probs"),
+        "batch_samples": max(part["batch_samples"] for part in parts),  # the largest shared batch it rode in
+        "device_seconds": sum(part["device_seconds"] for part in parts),
+    }
+
+
+class TenantFairQueue:
+    """The Inference Queue with batches formed fairly across tenants; the interface of
+    `joynexus.scheduling.inference_queue.InferenceQueue` (enqueue / depth / close / collect_prefix).
+
+    Each tenant has its own FIFO of entries (requests, or chunks of split requests). A batch takes
+    one entry from each tenant in turn — least recently served tenant first, ties by arrival — and
+    goes round again while entries fit within B and share the first entry's prefix key. A tenant
+    whose next entry does not fit sits out the rest of that batch (its own order is kept). The
+    first entry is always taken, so every batch serves the tenant at the front, which then goes to
+    the back: a tenant with pending work is served within (tenants with pending work) batches.
+
+    Due, as for `InferenceQueue`: the batch holds >= B samples, or an entry could not join it
+    (waiting cannot grow it), or the oldest pending entry has waited T.
+    """
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, deque[InferenceRequest]] = {}
+        self._last_served: dict[str, int] = {}  # tenant -> number of the last batch that took from it
+        self._batches = 0
+        self._count = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def enqueue(self, request: InferenceRequest) -> Future:
+        self.enqueue_many([request])
+        return request.future
+
+    def enqueue_many(self, requests: list[InferenceRequest]) -> None:
+        """Enqueue all of them together (a split request's chunks), or none if the queue is closed."""
+        for request in requests:
+            if request.size < 1:
+                raise ValueError("an inference request needs at least one observation")
+        with self._cond:
+            if self._closed:
+                raise InferenceQueueClosed("the Inference Queue is closed")
+            for request in requests:
+                self._tenants.setdefault(request.tenant_id, deque()).append(request)
+            self._count += len(requests)
+            self._cond.notify_all()
+
+    def depth(self) -> int:
+        """Entries waiting (a split request counts once per unserved chunk). Cheap: the lock is
+        held while a batch is picked, never while one runs."""
+        with self._cond:
+            return self._count
+
+    def close(self) -> None:
+        """Stop accepting work; pending requests fail so no caller waits forever."""
+        with self._cond:
+            self._closed = True
+            pending = [request for entries in self._tenants.values() for request in entries]
+            self._tenants.clear()
+            self._count = 0
+            self._cond.notify_all()
+        for request in pending:
+            _settle(request.future, exception=InferenceQueueClosed("the Inference Queue closed before serving this"))
+
+    def collect_prefix(
+        self, max_batch_size: int, timeout_s: float, poll_s: float | None = None
+    ) -> list[InferenceRequest]:
+        """Block until a batch is due, then remove and return it (empty if the wait ends with no
+        requests: `poll_s` bounds how long an idle call blocks, so workers can check for shutdown).
+        The name is `InferenceQueue`'s; the batch is the fair one described on the class."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        idle_deadline = None if poll_s is None else time.monotonic() + poll_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    return []
+                plan = self._plan(max_batch_size)
+                if plan is not None:
+                    order, size, blocked, oldest = plan
+                    head_deadline = oldest + timeout_s
+                    now = time.monotonic()
+                    if size >= max_batch_size or blocked or now >= head_deadline:
+                        return self._take(order)
+                    wait: float | None = head_deadline - now
+                else:
+                    if idle_deadline is not None and time.monotonic() >= idle_deadline:
+                        return []
+                    wait = None if idle_deadline is None else idle_deadline - time.monotonic()
+                self._cond.wait(timeout=wait)
+
+    def _plan(self, max_batch_size: int) -> tuple[list[str], int, bool, float] | None:
+        """The next batch as (tenant of each entry, in the order taken; samples; whether an entry
+        could not join; oldest pending entry's enqueue time), or None with nothing pending.
+        Drops entries cancelled by their callers on the way. Caller holds the lock."""
+        for tenant in [t for t, entries in self._tenants.items() if not entries]:
+            del self._tenants[tenant]
+        if not self._tenants:
+            return None
+        active = sorted(self._tenants, key=lambda t: (self._last_served.get(t, -1), self._tenants[t][0].request_id))
+        taken: dict[str, int] = {}
+        order: list[str] = []
+        size, blocked, key = 0, False, None
+        while active and size < max_batch_size:
+            again = []
+            for tenant in active:
+                if size >= max_batch_size:
+                    break
+                entries, n = self._tenants[tenant], taken.get(tenant, 0)
+                while n < len(entries) and entries[n].future.done():  # cancelled: never run it
+                    del entries[n]
+                    self._count -= 1
+                if n >= len(entries):
+                    continue
+                entry = entries[n]
+                key = entry.prefix_key if key is None else key
+                if entry.prefix_key != key or (size > 0 and size + entry.size > max_batch_size):
+                    blocked = True  # sits out this batch; its later entries wait behind it
+                    continue
+                taken[tenant] = n + 1
+                order.append(tenant)
+                size += entry.size
+                if n + 1 < len(entries):
+                    again.append(tenant)
+            active = again
+        heads = [entries[0].enqueued_at for entries in self._tenants.values() if entries]
+        if not heads:  # everything pending was cancelled
+            return None
+        return order, size, blocked, min(heads)
+
+    def _take(self, order: list[str]) -> list[InferenceRequest]:
+        """Remove the planned entries (each tenant's from its front, round-robin order kept)."""
+        batch = [self._tenants[tenant].popleft() for tenant in order]
+        for tenant in set(order):
+            self._last_served[tenant] = self._batches
+            if not self._tenants[tenant]:
+                del self._tenants[tenant]
+        self._batches += 1
+        self._count -= len(batch)
+        return batch
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -86,11 +302,19 @@ class InferenceModelService:
         start_worker: bool = True,
         meter: UsageMeter | None = None,
         database_url: str | None = None,
+        max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
     ):
         """`meter` (or `database_url`, from which a Ray actor builds its own) records each request's
-        device-seconds as inference usage of its tenant; without either nothing is recorded."""
+        device-seconds as inference usage of its tenant; without either nothing is recorded.
+        `max_chunk_samples`: a request of more observations (or of more than `max_batch_size`) is
+        split into chunks that queue fairly with other tenants' requests; None never splits."""
+        # Who this is, for heartbeats: a restarted service answers with a new incarnation.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
         if max_versions_per_tenant < 1:
             raise ValueError(f"max_versions_per_tenant must be >= 1, got {max_versions_per_tenant}")
+        if max_chunk_samples is not None and (isinstance(max_chunk_samples, bool) or max_chunk_samples < 1):
+            raise ValueError(f"max_chunk_samples must be >= 1 or None (never split), got {max_chunk_samples!r}")
         if num_threads:
             torch.set_num_threads(num_threads)
         source = (
@@ -101,11 +325,22 @@ class InferenceModelService:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_versions = max_versions_per_tenant
-        self.queue = InferenceQueue()
+        self.max_chunk_samples = max_chunk_samples
+        self.queue = TenantFairQueue()
         self._states: dict[str, OrderedDict[int, ServingState]] = {}
-        self._lock = threading.RLock()
-        self._stats = {"batches": 0, "requests": 0, "samples": 0, "failed_requests": 0, "busy_seconds": 0.0}
+        self._lock = threading.RLock()  # guards _states; never held while a batch runs
+        self._stats = {
+            "batches": 0,
+            "requests": 0,  # callers' requests; a split one counts once, when its first chunk is served
+            "samples": 0,
+            "failed_requests": 0,
+            "busy_seconds": 0.0,
+            "split_requests": 0,
+            "chunks": 0,  # chunks of split requests served
+        }
         self._batch_sizes: list[int] = []
+        # Who shared each recent forward: how fairness is seen (and tested) without timing anything.
+        self._recent_batches: deque[dict[str, Any]] = deque(maxlen=RECENT_BATCHES)
         # For /metrics (joynexus.ops.metrics): served requests' latency, physical batch sizes.
         self._latency = BucketHistogram(LATENCY_BOUNDS)
         self._batch_hist = BucketHistogram(BATCH_BOUNDS)
@@ -213,16 +448,38 @@ class InferenceModelService:
         self._check_observations(state, observations)
         if seeds is not None and len(seeds) != len(observations):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(observations)} observations")
-        request = InferenceRequest(
-            tenant_id=tenant_id,
-            schema_signature=state.schema_signature,
-            prefix_key=self.backbone.prefix_key,
-            observations=observations,
-            policy_version=state.version,
-            session_id=session_id,
-            context=_Pinned(state, seeds, sample, operation),
-        )
-        return self.queue.enqueue(request)
+
+        def entry(start: int, stop: int, chunk: int = 0) -> InferenceRequest:
+            return InferenceRequest(
+                tenant_id=tenant_id,
+                schema_signature=state.schema_signature,
+                prefix_key=self.backbone.prefix_key,
+                observations=observations[start:stop],
+                policy_version=state.version,
+                session_id=session_id,
+                context=_Pinned(state, None if seeds is None else seeds[start:stop], sample, operation, chunk=chunk),
+            )
+
+        size = self.chunk_samples()
+        if size is None or len(observations) <= size:
+            return self.queue.enqueue(entry(0, len(observations)))
+        # Too large for one turn: chunks queue behind other tenants' requests (see TenantFairQueue).
+        chunks = [entry(start, start + size, k) for k, start in enumerate(range(0, len(observations), size))]
+        split = _Split(chunks, self._finish_split)
+        for chunk in chunks:
+            chunk.context.split = split
+        self.queue.enqueue_many(chunks)
+        return split.future
+
+    def chunk_samples(self) -> int | None:
+        """The most observations of one request that go into one forward (None: no splitting)."""
+        if self.max_chunk_samples is None:
+            return None
+        return max(1, min(self.max_chunk_samples, self.max_batch_size))
+
+    def _finish_split(self, split: _Split, result: dict[str, Any]) -> None:
+        self._latency.observe(time.monotonic() - split.enqueued_at)  # the caller's latency, not a chunk's
+        _settle(split.future, result=result)
 
     def predict(
         self,
@@ -302,23 +559,48 @@ class InferenceModelService:
             try:
                 served.append((request, self._decode(request, features.select(rows).trimmed(), images, rows)))
             except Exception as error:
-                self._stats["failed_requests"] += 1
+                split = request.context.split
+                if split is None or not split.future.done():  # a split request fails once
+                    self._stats["failed_requests"] += 1
                 _settle(request.future, exception=error)
         # Every member shares the forward, so shares are over the whole batch; failed requests are not charged.
         busy = time.perf_counter() - started
         shares = split_group_seconds(busy, [r.size for r in batch])
         share_of = {id(request): share for request, share in zip(batch, shares, strict=True)}
         for request, result in served:
+            if request.future.done():  # a chunk of a request that failed meanwhile: not charged
+                continue
             result["device_seconds"] = share_of[id(request)]
             self._meter_request(request, result["device_seconds"])
-            _settle(request.future, result=result)
-            self._latency.observe(time.monotonic() - request.enqueued_at)
+            _settle(request.future, result=result)  # a chunk's settles its part of the caller's request
+            if request.context.split is None:
+                self._latency.observe(time.monotonic() - request.enqueued_at)
         self._stats["batches"] += 1
         self._stats["busy_seconds"] += busy
         self._batch_hist.observe(len(images))
-        self._stats["requests"] += len(batch)
+        chunks = [r.context for r in batch if r.context.split is not None]
+        firsts = sum(1 for pinned in chunks if pinned.chunk == 0)
+        self._stats["requests"] += len(batch) - len(chunks) + firsts
+        self._stats["split_requests"] += firsts
+        self._stats["chunks"] += len(chunks)
         self._stats["samples"] += len(images)
         self._batch_sizes.append(len(images))
+        self._recent_batches.append(
+            {
+                "batch": self._stats["batches"],
+                "samples": len(images),
+                "parts": [
+                    {
+                        "tenant_id": r.tenant_id,
+                        "request_id": r.request_id if r.context.split is None else r.context.split.request_id,
+                        "chunk": None if r.context.split is None else r.context.chunk,
+                        "samples": r.size,
+                    }
+                    for r in batch[:RECENT_BATCH_PARTS]
+                ],
+                "parts_left_out": max(0, len(batch) - RECENT_BATCH_PARTS),
+            }
+        )
 
     def _meter_request(self, request: InferenceRequest, seconds: float) -> None:
         if self.meter is None:
@@ -378,11 +660,27 @@ class InferenceModelService:
             "mean_batch_samples": float(np.mean(sizes)) if sizes else 0.0,
             "max_batch_samples": max(sizes) if sizes else 0,
             "tenants": {t: self.versions(t) for t in self.tenants()},
+            "max_chunk_samples": self.chunk_samples(),
+            "recent_batches": list(self._recent_batches),
             "backbone_instances_created": ResidentBackbone.instances_created,
             "latency_seconds": self._latency.snapshot(),
             "batch_samples": self._batch_hist.snapshot(),
             "rss_bytes": _rss_bytes(),
             "device_memory_bytes": _device_memory_bytes(),
+        }
+
+    def heartbeat(self) -> dict[str, Any]:
+        """A liveness probe: who this is and how loaded, cheaply. Takes only locks held for a moment
+        (never one a running batch holds), so it answers while a long batch runs."""
+        with self._lock:
+            tenants = sorted(self._states)
+        return {
+            "role": "inference",
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "tenants": tenants,
+            "queue_depth": self.queue.depth(),
         }
 
     def close(self) -> None:
@@ -432,6 +730,7 @@ def inference_service_actor(
     namespace: str | None = None,
     detached: bool = False,
     database_url: str | None = None,
+    max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Inference Model Service actor. It is a threaded actor: many callers
     block in `predict` at once while its worker thread batches their requests together.
@@ -450,4 +749,5 @@ def inference_service_actor(
         max_wait_ms=max_wait_ms,
         num_threads=num_threads,
         database_url=database_url,
+        max_chunk_samples=max_chunk_samples,
     )
