@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8765"
+VERSIONS_PAGE = 1000  # checkpoints per GET /v1/versions page when the client pages through all
 API_KEY_ENV = "JOYNEXUS_API_KEY"
 URL_ENV = "JOYNEXUS_URL"
 
@@ -272,8 +273,9 @@ class _Calls:
         return _Call("GET", f"/v1/workloads/{workload_id}/events", s.WorkloadEvents, params={"after": after})
 
     @staticmethod
-    def versions() -> _Call:
-        return _Call("GET", "/v1/versions", s.Versions)
+    def versions(after: int | None, limit: int) -> _Call:
+        params = {"limit": limit} if after is None else {"after": after, "limit": limit}
+        return _Call("GET", "/v1/versions", s.Versions, params=params)
 
     @staticmethod
     def export_version(version: int) -> _Call:
@@ -405,13 +407,33 @@ class _Calls:
         return _Call("DELETE", f"/v1/admin/tenants/{tenant_id}", s.TenantDeleted, params=params)
 
     @staticmethod
-    def set_quota(tenant_id: str, max_device_seconds: float | None, max_queued_workloads: int | None) -> _Call:
-        body = s.QuotaUpdate(max_device_seconds=max_device_seconds, max_queued_workloads=max_queued_workloads)
+    def set_quota(
+        tenant_id: str,
+        max_device_seconds: float | None,
+        max_queued_workloads: int | None,
+        max_storage_bytes: int | None = None,
+    ) -> _Call:
+        body = s.QuotaUpdate(
+            max_device_seconds=max_device_seconds,
+            max_queued_workloads=max_queued_workloads,
+            max_storage_bytes=max_storage_bytes,
+        )
         return _Call("PUT", f"/v1/admin/tenants/{tenant_id}/quota", s.Quota, body.model_dump())
 
     @staticmethod
     def all_usage() -> _Call:
         return _Call("GET", "/v1/admin/usage", list[s.Usage])
+
+
+def _next_versions_page(pages: list[s.Versions], after: int | None) -> int | None:
+    """The `after` of the next page, or None when the last one is in (or the server does not move on)."""
+    nxt = pages[-1].next_after
+    return nxt if nxt is not None and (after is None or nxt > after) else None
+
+
+def _merged_versions(pages: list[s.Versions]) -> s.Versions:
+    """Every page's checkpoints under the last page's (freshest) training and serving state."""
+    return pages[-1].model_copy(update={"checkpoints": [c for p in pages for c in p.checkpoints], "next_after": None})
 
 
 class _SSEParser:
@@ -593,8 +615,16 @@ class JoyNexusClient(_Base):
                 time.sleep(self.retry.delay(attempt))
                 attempt += 1
 
-    def versions(self) -> s.Versions:
-        return self._run(_Calls.versions())
+    def versions(self, *, after: int | None = None, limit: int | None = None) -> s.Versions:
+        """The tenant's versions. With `limit`, one page of checkpoints (versions > `after`, None:
+        from the first; its `next_after` continues); without, every one of them, page by page."""
+        if limit is not None:
+            return self._run(_Calls.versions(after, limit))
+        pages = [self._run(_Calls.versions(after, VERSIONS_PAGE))]
+        while (nxt := _next_versions_page(pages, after)) is not None:
+            after = nxt
+            pages.append(self._run(_Calls.versions(after, VERSIONS_PAGE)))
+        return _merged_versions(pages)
 
     def export(self, version: int | None = None, path: str | Path | None = None) -> bytes:
         """A tenant payload (safetensors bytes): a version, or the current training parameters."""
@@ -710,9 +740,15 @@ class JoyNexusClient(_Base):
         return self._run(_Calls.delete_tenant(tenant_id, delete_artifacts))
 
     def set_quota(
-        self, tenant_id: str, *, max_device_seconds: float | None = None, max_queued_workloads: int | None = None
+        self,
+        tenant_id: str,
+        *,
+        max_device_seconds: float | None = None,
+        max_queued_workloads: int | None = None,
+        max_storage_bytes: int | None = None,
     ) -> s.Quota:
-        return self._run(_Calls.set_quota(tenant_id, max_device_seconds, max_queued_workloads))
+        call = _Calls.set_quota(tenant_id, max_device_seconds, max_queued_workloads, max_storage_bytes)
+        return self._run(call)
 
     def all_usage(self) -> list[s.Usage]:
         return self._run(_Calls.all_usage())
@@ -834,8 +870,15 @@ class AsyncJoyNexusClient(_Base):
                     raise ApiRequestError(404, s.ErrorBody.model_validate_json(data))
                 yield s.WorkloadEvent.model_validate_json(data)
 
-    async def versions(self) -> s.Versions:
-        return await self._run(_Calls.versions())
+    async def versions(self, *, after: int | None = None, limit: int | None = None) -> s.Versions:
+        """As `JoyNexusClient.versions`: one page with `limit`, else every checkpoint page by page."""
+        if limit is not None:
+            return await self._run(_Calls.versions(after, limit))
+        pages = [await self._run(_Calls.versions(after, VERSIONS_PAGE))]
+        while (nxt := _next_versions_page(pages, after)) is not None:
+            after = nxt
+            pages.append(await self._run(_Calls.versions(after, VERSIONS_PAGE)))
+        return _merged_versions(pages)
 
     async def export(self, version: int | None = None) -> bytes:
         if version is None:

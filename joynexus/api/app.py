@@ -16,12 +16,14 @@ application/msgpack`). The OpenAPI document is at /openapi.json, the docs at /do
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -32,14 +34,14 @@ from joynexus.api.errors import ApiError, Forbidden, NotFound, Unauthenticated, 
 from joynexus.api.gateway import ApiGateway, ApiLimits, manifest_model, tenant_info
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware, WireRoute
 from joynexus.api.services import ApiServices
-from joynexus.api.streaming import PolicyStream, StreamSettings
+from joynexus.api.streaming import PolicyStream, StreamSettings, TenantCounter
 from joynexus.master.usage import UsageLedger
 from joynexus.ops.metrics import MetricsEndpoint
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import MSGPACK_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, msgpack_dumps, wants_msgpack
 from joynexus.spec import WorkloadSpec
 
-API_VERSION = "1"
+API_VERSION = s.API_VERSION
 log = logging.getLogger("joynexus.api")
 
 
@@ -51,8 +53,12 @@ class ApiSettings(BaseModel):
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
     default_max_device_seconds: float | None = Field(default=None, ge=0)
     default_max_queued_workloads: int | None = Field(default=8, ge=0)
+    default_max_storage_bytes: int | None = Field(default=None, ge=0)  # checkpoint bytes per tenant
     stream_poll_s: float = Field(default=0.25, gt=0)
     stream_heartbeat_s: float = Field(default=15.0, gt=0)
+    # Open Server-Sent Event streams per tenant: each polls the Master, so one tenant's thousands
+    # of idle streams must not crowd out everyone else's calls.
+    max_streams_per_tenant: int = Field(default=8, ge=1)
     limits: ApiLimits = Field(default_factory=ApiLimits)
     policy_stream: StreamSettings = Field(default_factory=StreamSettings)  # /v1/stream (websocket)
     # GET /metrics (Prometheus text format). Public by default: Prometheus scrapes inside the cluster
@@ -136,8 +142,10 @@ def create_app(
         checkpoints=services.checkpoints,
         default_max_device_seconds=settings.default_max_device_seconds,
         default_max_queued_workloads=settings.default_max_queued_workloads,
+        default_max_storage_bytes=settings.default_max_storage_bytes,
     )
     gateway = ApiGateway(services, keys, ledger, limits=settings.limits)
+    event_streams = TenantCounter()  # open GET /v1/workloads/{id}/stream per tenant
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> Any:
@@ -158,6 +166,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    app.state.event_streams = event_streams
     app.state.keys = keys
     app.state.settings = settings
     app.state.generated_admin_key = keys.ensure_admin_key()
@@ -186,9 +195,12 @@ def create_app(
     upper = APIRouter(prefix="/v1", route_class=WireRoute, tags=["upper layer"], responses=_ERRORS)
     lower = APIRouter(prefix="/v1", route_class=WireRoute, tags=["lower layer"], responses=_ERRORS)
 
-    @public.get("/health", response_model=s.Health, tags=["meta"])
-    def health() -> s.Health:
-        return s.Health(status="ok", version=API_VERSION)
+    @public.get("/health", response_model=s.Health, tags=["meta"], responses={503: {"model": s.Health}})
+    def health(request: Request) -> Response:
+        """The truth per role (Master, its threads, every service): 200 when all are healthy, 503
+        with the same body when one is down or restoring, or the Master does not answer."""
+        report = gateway.health()
+        return _respond(request, report, status_code=200 if report.status == "ok" else 503)
 
     # -- admin -----------------------------------------------------------------------------------
     @admin.post("/tenants", response_model=s.TenantCreated, status_code=201)
@@ -289,26 +301,46 @@ def create_app(
         responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}},
     )
     def stream_workload(
+        request: Request,
         workload_id: WorkloadId,
         tenant_id: Tenant,
         after: Annotated[int, Query(ge=0, le=2**62)] = 0,
         last_event_id: Annotated[str | None, Header(max_length=32)] = None,
     ) -> StreamingResponse:
         """Progress and metric events as Server-Sent Events (`event: <kind>`, `id: <seq>`,
-        `data: <json>`), ending with `event: end` carrying the final status."""
+        `data: <json>`), ending with `event: end` carrying the final status. A tenant holds at
+        most `max_streams_per_tenant` open streams (429 `too_many_streams` beyond)."""
         gateway.workload(tenant_id, workload_id)  # 404 before the stream starts
         if last_event_id is not None and last_event_id.isdigit():
             after = max(after, int(last_event_id))
-        return StreamingResponse(
-            _event_stream(gateway, settings, tenant_id, workload_id, after),
+        limit = settings.max_streams_per_tenant
+        if not event_streams.acquire(tenant_id, limit):
+            raise ApiError(
+                f"your tenant already has {limit} open event streams (the limit is {limit} per tenant); "
+                "close one, or poll GET /v1/workloads/{id}/events instead",
+                [("max_streams_per_tenant", f"limit of {limit} open event streams per tenant reached")],
+            ).with_status(429, "too_many_streams")
+        slot = _StreamSlot(event_streams, tenant_id)
+        return _EventStreamResponse(
+            slot,
+            _event_stream(request, gateway, settings, slot, workload_id, after),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     @upper.get("/versions", response_model=s.Versions)
-    def versions(request: Request, tenant_id: Tenant) -> Response:
-        """The training slot's version, the checkpointed versions and the served versions."""
-        return _respond(request, gateway.versions(tenant_id))
+    def versions(
+        request: Request,
+        tenant_id: Tenant,
+        after: Annotated[
+            int | None,
+            Query(ge=0, le=2**62, description="only checkpoints with version > after (omit: from the first)"),
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=1000, description="at most this many checkpoints")] = 100,
+    ) -> Response:
+        """The training slot's version, the served versions and one page of checkpointed versions
+        (ascending); pass `next_after` back as `after` for the next page (None: that was the last)."""
+        return _respond(request, gateway.versions(tenant_id, after, limit))
 
     @upper.get(
         "/versions/{version}/export",
@@ -443,27 +475,66 @@ def _jsonable_report(report: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in report.items() if k != "tenant_id"}
 
 
-def _event_stream(
-    gateway: ApiGateway, settings: ApiSettings, tenant_id: str, workload_id: str, after: int
-) -> Iterator[str]:
-    last_sent = time.monotonic()
-    while True:
+class _StreamSlot:
+    """One tenant's hold on an event-stream slot; `release` is idempotent (it is called both by
+    the generator's finally and by the response, whichever ends first)."""
+
+    def __init__(self, counter: TenantCounter, tenant_id: str):
+        self.counter, self.tenant_id, self._held = counter, tenant_id, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.counter.release(self.tenant_id)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that gives its tenant's stream slot back however it ends: finished,
+    client gone, cancelled, or never iterated at all (a generator that never started runs no finally)."""
+
+    def __init__(self, slot: _StreamSlot, content: AsyncIterator[str], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.slot = slot
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            batch = gateway.workload_events(tenant_id, workload_id, after)
-        except ApiError as error:
-            yield f"event: error\ndata: {error.body().model_dump_json()}\n\n"
-            return
-        for event in batch.events:
-            after = event.seq
-            yield f"id: {event.seq}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n"
-            last_sent = time.monotonic()
-        if batch.workload.done:
-            yield f"event: end\ndata: {batch.workload.model_dump_json()}\n\n"
-            return
-        if time.monotonic() - last_sent >= settings.stream_heartbeat_s:
-            yield ": keep-alive\n\n"
-            last_sent = time.monotonic()
-        time.sleep(settings.stream_poll_s)
+            await super().__call__(scope, receive, send)
+        finally:
+            self.slot.release()
+
+
+async def _event_stream(
+    request: Request, gateway: ApiGateway, settings: ApiSettings, slot: _StreamSlot, workload_id: str, after: int
+) -> AsyncIterator[str]:
+    """Polls the Master for new events. Async on purpose: between polls the stream holds no
+    worker thread (a sleeping sync generator pinned one each, so one tenant's open streams could
+    exhaust the threadpool every tenant's calls run in); each poll borrows a thread only for the
+    short blocking call."""
+    tenant_id = slot.tenant_id
+    try:
+        last_sent = time.monotonic()
+        while True:
+            try:
+                batch = await anyio.to_thread.run_sync(gateway.workload_events, tenant_id, workload_id, after)
+            except ApiError as error:
+                yield f"event: error\ndata: {error.body().model_dump_json()}\n\n"
+                return
+            for event in batch.events:
+                after = event.seq
+                yield f"id: {event.seq}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n"
+                last_sent = time.monotonic()
+            if batch.workload.done:
+                yield f"event: end\ndata: {batch.workload.model_dump_json()}\n\n"
+                return
+            if time.monotonic() - last_sent >= settings.stream_heartbeat_s:
+                yield ": keep-alive\n\n"
+                last_sent = time.monotonic()
+            # A silent stream sends nothing a closed socket would fail on: look for the disconnect.
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(settings.stream_poll_s)
+    finally:
+        slot.release()
 
 
 __all__ = ["ApiSettings", "create_app"]

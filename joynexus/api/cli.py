@@ -185,6 +185,7 @@ def tenant_quota(
     tenant_id: str = typer.Argument(...),
     max_device_seconds: float | None = typer.Option(None, min=0, help="Spend cap; unset: server default."),
     max_queued_workloads: int | None = typer.Option(None, min=0, help="Waiting workloads; unset: server default."),
+    max_storage_bytes: int | None = typer.Option(None, min=0, help="Checkpoint bytes; unset: server default."),
     url: str | None = URL,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
@@ -192,7 +193,10 @@ def tenant_quota(
     with _client(url, admin_key, "admin key") as client:
         quota = _run(
             lambda: client.set_quota(
-                tenant_id, max_device_seconds=max_device_seconds, max_queued_workloads=max_queued_workloads
+                tenant_id,
+                max_device_seconds=max_device_seconds,
+                max_queued_workloads=max_queued_workloads,
+                max_storage_bytes=max_storage_bytes,
             )
         )
     console.print(f"{tenant_id}: {quota.model_dump()}")
@@ -321,10 +325,16 @@ def workload_cancel(
 # -- versions, export, usage ----------------------------------------------------------------------
 
 
-def versions(url: str | None = URL, api_key: str | None = API_KEY) -> None:
+def versions(
+    after: int | None = typer.Option(None, min=0, help="Only checkpoints with a version above this [default: all]."),
+    limit: int | None = typer.Option(None, min=1, max=1000, help="At most this many checkpoints [default: all]."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
     """Your tenant's policy versions: training, checkpointed, served."""
     with _client(url, api_key, "api key") as client:
-        info = _run(client.versions)
+        # Without --limit the client pages through every checkpoint (the server answers pages).
+        info = _run(lambda: client.versions(after=after, limit=limit))
     console.print(
         f"training version [bold]{info.training_version}[/] ({info.optimizer_steps} optimizer steps); "
         f"served: {info.serving_versions or '-'}"
@@ -335,6 +345,8 @@ def versions(url: str | None = URL, api_key: str | None = API_KEY) -> None:
     for c in info.checkpoints:
         table.add_row(str(c.version), c.created_at[:19], f"{c.size_bytes:,}", c.digest[:16])
     console.print(table)
+    if info.next_after is not None:
+        console.print(f"more checkpoints follow: --after {info.next_after}")
 
 
 def export(

@@ -10,6 +10,7 @@ would reach raises the same `NotFound` as an id that does not exist.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -36,9 +37,10 @@ from joynexus.artifacts import CheckpointError, PayloadError, TenantManifest, de
 from joynexus.core.metering import TRAINING, UsageMeter
 from joynexus.core.tenants import Tenant, simulator_config
 from joynexus.master.tenant_creator import TenantExists
-from joynexus.master.usage import SpendCapReached, UsageLedger
+from joynexus.master.usage import SpendCapReached, StorageQuotaReached, UsageLedger
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
+from joynexus.runtime import handle_of
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 PARTITION_PREFIX = "api"
@@ -177,11 +179,29 @@ class ApiGateway:
             return self._tenant_locks.setdefault(tenant_id, threading.Lock())
 
     # -- quotas and usage -------------------------------------------------------------------------
-    def check_admission(self, tenant_id: str) -> None:
+    def check_admission(self, tenant_id: str, *, storage: bool = False) -> None:
+        """Refuse new work over the spend cap; with `storage` (a call that writes a checkpoint) also
+        over the storage quota (listing checkpoints is not worth it on every predict or step)."""
         try:
-            self.ledger.check_spend(tenant_id)
+            self.ledger.check_spend(tenant_id, storage=storage)
+        except StorageQuotaReached as error:
+            raise QuotaExceeded(str(error), [("quota.max_storage_bytes", str(error))]) from None
         except SpendCapReached as error:
             raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
+
+    def health(self, timeout_s: float = 5.0) -> s.Health:
+        """The Master's Health Manager's report per role; `down` when the Master does not answer."""
+        try:
+            roles = handle_of(self.master).probe("health", timeout_s)
+        except Exception as error:
+            detail = f"the Master Service does not answer: {type(error).__name__}: {error}"[:300]
+            return s.Health(
+                status="down", version=s.API_VERSION, roles={"master": s.RoleHealth(healthy=False, detail=detail)}
+            )
+        status = "ok" if all(entry["healthy"] for entry in roles.values()) else "degraded"
+        return s.Health(
+            status=status, version=s.API_VERSION, roles={name: s.RoleHealth(**entry) for name, entry in roles.items()}
+        )
 
     def usage(self, tenant_id: str) -> s.Usage:
         self.meter.flush()  # read-your-writes, as the Master does for the services' meters
@@ -212,7 +232,10 @@ class ApiGateway:
             else:
                 status = self.master.submit_workload(tenant_id, jobs=jobs)
         except AdmissionRefused as error:
-            field = "quota.max_queued_workloads" if "max_queued_workloads" in str(error) else "quota.max_device_seconds"
+            field = next(
+                (f"quota.{name}" for name in ("max_queued_workloads", "max_storage_bytes") if name in str(error)),
+                "quota.max_device_seconds",
+            )
             raise QuotaExceeded(str(error), [(field, str(error))]) from None
         except TenantUnavailable as error:
             raise ApiError(str(error), [("tenant", error.reason)]).with_status(409, "tenant_unhealthy") from None
@@ -270,24 +293,24 @@ class ApiGateway:
         return s.WorkloadEvents(workload=info, events=[s.WorkloadEvent.model_validate(e) for e in events])
 
     # -- versions, checkpoints, export ------------------------------------------------------------
-    def versions(self, tenant_id: str) -> s.Versions:
+    def versions(self, tenant_id: str, after: int | None = None, limit: int = 100) -> s.Versions:
+        """One page of checkpoints (versions > `after`, None: from version 0 on; ascending, at most
+        `limit`) from ONE listing of the tenant's checkpoints; `next_after` continues (None: no more)."""
         status = self.services.training_service.tenant_status(tenant_id)
-        checkpoints = []
-        for version in self.services.checkpoints.versions(tenant_id):
-            manifest = self._checkpoint_manifest(tenant_id, version)
-            checkpoints.append(
-                s.CheckpointInfo(
-                    version=version,
-                    created_at=manifest.created_at,
-                    digest=manifest.digest,
-                    size_bytes=self._checkpoint_bytes(tenant_id, version),
-                )
-            )
+        # One more than asked for says whether another page follows without a second listing.
+        start = -1 if after is None else after
+        infos = self.services.checkpoints.version_infos(tenant_id, after=start, limit=limit + 1)
+        page = infos[:limit]
+        checkpoints = [
+            s.CheckpointInfo(version=i.version, created_at=i.created_at, digest=i.digest, size_bytes=i.size_bytes)
+            for i in page
+        ]
         return s.Versions(
             training_version=status["version"],
             optimizer_steps=status["optimizer_steps"],
             checkpoints=checkpoints,
             serving_versions=self.services.inference_service.versions(tenant_id),
+            next_after=page[-1].version if len(infos) > limit else None,
         )
 
     def _checkpoint_manifest(self, tenant_id: str, version: int) -> TenantManifest:
@@ -295,9 +318,6 @@ class ApiGateway:
         if version not in self.services.checkpoints.versions(tenant_id):
             raise NotFound("checkpoint version", version, "version")
         return self.services.checkpoints.read_manifest(tenant_id, version)
-
-    def _checkpoint_bytes(self, tenant_id: str, version: int) -> int:
-        return self.services.checkpoints.version_bytes(tenant_id, version)
 
     def checkpoint_manifest(self, tenant_id: str, version: int) -> s.Manifest:
         return manifest_model(self._checkpoint_manifest(tenant_id, version))
@@ -321,6 +341,7 @@ class ApiGateway:
         return encode_tenant_payload(module_state, manifest), manifest
 
     def save(self, tenant_id: str, include_optim: bool) -> s.Manifest:
+        self.check_admission(tenant_id, storage=True)
         manifests = self.services.training_service.save([tenant_id], include_optim)
         return s.Manifest.model_validate(manifests[0])
 
@@ -330,7 +351,9 @@ class ApiGateway:
             if request.version is not None:
                 raise InvalidInput("version", "give either payload or version, not both")
             payload = request.payload
-            self._check_payload(tenant, payload)
+            module_state, manifest = self._check_payload(tenant, payload)
+            self._check_payload_finite(module_state)
+            self._check_payload_issued(tenant_id, manifest)
         else:
             payload, _ = self.export(tenant_id, request.version)
         with self._service_errors("payload"):
@@ -345,11 +368,12 @@ class ApiGateway:
         return s.LoadWeightsResult(version=loaded["version"], serving_versions=loaded["loaded"])
 
     @staticmethod
-    def _check_payload(tenant: Tenant, payload: bytes) -> None:
+    def _check_payload(tenant: Tenant, payload: bytes) -> tuple[dict[str, Any], TenantManifest]:
         """A payload may only install the caller's own module, with the interface and module
-        config the tenant was created with (so it cannot name another tenant or grow the module)."""
+        config the tenant was created with (so it cannot name another tenant or grow the module).
+        Returns the decoded (module_state, manifest)."""
         try:
-            _, manifest = decode_tenant_payload(payload)
+            module_state, manifest = decode_tenant_payload(payload)
         except PayloadError as error:
             raise InvalidInput("payload", str(error)) from None
         cfg = tenant.backend_config
@@ -363,6 +387,48 @@ class ApiGateway:
         if json.loads(json.dumps(manifest.module_config)) != json.loads(json.dumps(cfg.action_module)):
             raise InvalidInput(
                 "payload.manifest.module_config", "differs from the action module config your tenant was created with"
+            )
+        return module_state, manifest
+
+    @staticmethod
+    def _check_payload_finite(module_state: dict[str, Any]) -> None:
+        """NaN / Inf weights would serve NaN actions to robots: refuse them by tensor name."""
+        import torch
+
+        for name, value in module_state.items():
+            if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
+                raise InvalidInput("payload", f"tensor {name!r} holds NaN or infinite values")
+
+    def _check_payload_issued(self, tenant_id: str, manifest: TenantManifest) -> None:
+        """Only versions this service issued, with the manifest it issued them with: a made-up
+        version would later collide with the real one of that number in the serving versions."""
+        version = manifest.policy_version
+        field = "payload.manifest.version"
+        with self._service_errors("payload"):
+            current = self.services.training_service.policy_version(tenant_id)
+        issued = self.services.checkpoints.issued_version(tenant_id)
+        # The slot's own version counts as issued (version 0 exists before anything is recorded).
+        newest = current if issued is None else max(issued, current)
+        if version < 0 or version > newest:
+            raise InvalidInput(field, f"version {version} was never issued for your tenant (the newest is {newest})")
+        expected: list[str] = []  # digests of the manifests this service gave version `version`
+        try:  # one read, not a listing of every checkpoint: a missing manifest means no checkpoint
+            expected.append(self.services.checkpoints.read_manifest(tenant_id, version).digest)
+        except CheckpointError as error:
+            if not isinstance(error.__cause__, FileNotFoundError):
+                raise ApiError(f"checkpoint version {version} cannot be read: {error}").with_status(
+                    500, "checkpoint_unreadable"
+                ) from None
+        if version == current:
+            with self._service_errors("payload"):
+                _, exported = decode_tenant_payload(self.services.training_service.export_params(tenant_id))
+            # Each export stamps its own created_at: compare everything but the time stamp.
+            expected.append(dataclasses.replace(exported, created_at=manifest.created_at).digest)
+        if expected and manifest.digest not in expected:
+            raise InvalidInput(
+                field,
+                f"the manifest of version {version} differs from the one this service issued for it "
+                f"(digest {manifest.digest[:16]}); to serve that version, load it by version instead",
             )
 
     # -- lower layer: training --------------------------------------------------------------------
@@ -723,7 +789,7 @@ class ApiGateway:
         if n > self.limits.max_samples_per_request:
             raise InvalidInput("images", f"{n} samples, the limit per request is {self.limits.max_samples_per_request}")
         images = self._array(images_in, "images", (n, cameras, 3, height, width), IMAGE_DTYPES)
-        images = images.astype(np.float32) / 255.0 if images.dtype == np.uint8 else images.astype(np.float32)
+        images = images.astype(np.float32) / 255.0 if images.dtype == np.uint8 else _to_float32(images, "images")
         if images.size and (images.min() < 0.0 or images.max() > 1.0):
             raise InvalidInput("images", "float images must lie in [0, 1] (or send uint8 in [0, 255])")
         state = self._float_array(state_in, "state", (n, cfg.state_dim))
@@ -750,7 +816,8 @@ class ApiGateway:
         return array
 
     def _float_array(self, tensor: Tensor, field: str, shape: tuple[int, ...] | None) -> np.ndarray:
-        return self._array(tensor, field, shape, FLOAT_DTYPES).astype(np.float32)
+        array = self._array(tensor, field, shape, FLOAT_DTYPES)
+        return _to_float32(array, field)
 
     # -- service errors ---------------------------------------------------------------------------
     @contextmanager
@@ -786,6 +853,17 @@ class ApiGateway:
             if isinstance(cause, ValueError):
                 raise invalid_from(cause, field) from None
             raise
+
+
+def _to_float32(array: np.ndarray, field: str) -> np.ndarray:
+    """The float32 the services compute in; finite float64 values beyond float32's range would
+    silently become inf in the cast (and NaN losses or actions later), so they are refused."""
+    with np.errstate(over="ignore"):
+        out = array.astype(np.float32)
+    if out.size and not np.isfinite(out).all():
+        limit = float(np.finfo(np.float32).max)
+        raise InvalidInput(field, f"values overflow float32 (|x| > {limit:.8g}); send values within float32 range")
+    return out
 
 
 def _strip_partition(message: str, partition_id: str, name: str) -> str:

@@ -4,7 +4,9 @@
   (by Content-Length, or by counting when the length is not declared).
 - `IdempotencyMiddleware` makes a POST with an `Idempotency-Key` header safe to retry: the first
   answer (below 500) is kept for a while and replayed to a retry with the same key, caller and
-  body, so a client retrying after a lost answer never applies an optimizer step twice.
+  body, so a client retrying after a lost answer never applies an optimizer step twice. Answers
+  are kept per caller (API key), each caller with its own bound, so one tenant's traffic never
+  evicts another tenant's keys.
 - `WireRoute` lets every JSON endpoint also take `Content-Type: application/msgpack`: the body is
   decoded (no ext types, no pickle) and validated by the same pydantic model, with tensor bytes
   arriving as raw `bin` instead of base64.
@@ -100,15 +102,41 @@ class BodyLimitMiddleware:
         await self.app(scope, _replaying(body, pending, receive), send)
 
 
+_Stored = tuple[float, str, int, list[tuple[bytes, bytes]], bytes]  # at, fingerprint, status, headers, body
+
+
+def _caller_id(authorization: bytes) -> str:
+    """The caller as a hash of its credential (the scheme's case does not make another caller)."""
+    scheme, _, credential = authorization.strip().partition(b" ")
+    return hashlib.sha256(scheme.lower() + b" " + credential.strip()).hexdigest()
+
+
 class IdempotencyMiddleware:
-    def __init__(self, app: ASGIApp, *, max_entries: int = 1024, ttl_s: float = 600.0, max_body_bytes: int = 8 << 20):
+    """Replays kept answers to retried POSTs. Each caller (API key) keeps at most
+    `max_entries` answers and `max_bytes_per_caller` bytes; at most `max_callers` callers are
+    tracked (the least recently active one is dropped first). Unauthenticated answers (401) are
+    not kept: they change nothing, and keeping them would let made-up keys churn the caller table."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_entries: int = 1024,
+        max_callers: int = 1024,
+        max_bytes_per_caller: int = 64 << 20,
+        ttl_s: float = 600.0,
+        max_body_bytes: int = 8 << 20,
+    ):
         self.app = app
-        self.max_entries = max_entries
+        self.max_entries = max_entries  # per caller
+        self.max_callers = max_callers
+        self.max_bytes_per_caller = max_bytes_per_caller
         self.ttl_s = ttl_s
         self.max_body_bytes = max_body_bytes
-        # cache key -> (stored at, request fingerprint, status, headers, body)
-        self._done: OrderedDict[str, tuple[float, str, int, list[tuple[bytes, bytes]], bytes]] = OrderedDict()
-        self._running: dict[str, asyncio.Event] = {}
+        # caller id (least recently active first) -> (key hash -> stored answer, oldest first)
+        self._done: OrderedDict[str, OrderedDict[str, _Stored]] = OrderedDict()
+        self._bytes: dict[str, int] = {}  # caller id -> body bytes it keeps
+        self._running: dict[tuple[str, str], asyncio.Event] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -126,21 +154,24 @@ class IdempotencyMiddleware:
             return
         body, pending = await _read_body(receive, None)
         assert body is not None
-        caller = headers.get(b"authorization", b"")
-        cache_key = hashlib.sha256(caller + b"\n" + key + b"\n" + scope["path"].encode()).hexdigest()
+        caller = _caller_id(headers.get(b"authorization", b""))
+        cache_key = hashlib.sha256(key + b"\n" + scope["path"].encode()).hexdigest()
+        running_key = (caller, cache_key)
         fingerprint = hashlib.sha256(body).hexdigest()
-        while cache_key in self._running:  # the same request is being served: wait for its answer
-            await self._running[cache_key].wait()
-        self._expire()
-        if cache_key in self._done:
-            _, stored_fingerprint, status, stored_headers, stored_body = self._done[cache_key]
+        while running_key in self._running:  # the same request is being served: wait for its answer
+            await self._running[running_key].wait()
+        self._expire(caller)
+        stored = self._done.get(caller, {}).get(cache_key)
+        if stored is not None:
+            self._done.move_to_end(caller)
+            _, stored_fingerprint, status, stored_headers, stored_body = stored
             if stored_fingerprint != fingerprint:
                 message = "this Idempotency-Key was already used with a different request body"
                 await _send_response(send, *_json_error(422, "invalid_input", message, "idempotency-key"))
                 return
             await _send_response(send, status, [*stored_headers, (b"idempotent-replayed", b"true")], stored_body)
             return
-        event = self._running[cache_key] = asyncio.Event()
+        event = self._running[running_key] = asyncio.Event()
         captured: dict[str, Any] = {"status": 500, "headers": [], "chunks": [], "size": 0}
 
         async def capture(message: Message) -> None:
@@ -155,24 +186,44 @@ class IdempotencyMiddleware:
 
         try:
             await self.app(scope, _replaying(body, pending, receive), capture)
-            if captured["status"] < 500 and captured["size"] <= self.max_body_bytes:
-                self._done[cache_key] = (
+            if captured["status"] < 500 and captured["status"] != 401 and captured["size"] <= self.max_body_bytes:
+                answer = (
                     time.monotonic(),
                     fingerprint,
                     captured["status"],
                     captured["headers"],
                     b"".join(captured["chunks"]),
                 )
-                while len(self._done) > self.max_entries:
-                    self._done.popitem(last=False)
+                self._store(caller, cache_key, answer)
         finally:
-            del self._running[cache_key]
+            del self._running[running_key]
             event.set()
 
-    def _expire(self) -> None:
+    def _store(self, caller: str, cache_key: str, answer: _Stored) -> None:
+        entries = self._done.get(caller)
+        if entries is None:
+            entries = self._done[caller] = OrderedDict()
+        self._done.move_to_end(caller)
+        old = entries.pop(cache_key, None)
+        self._bytes[caller] = self._bytes.get(caller, 0) - (len(old[4]) if old else 0) + len(answer[4])
+        entries[cache_key] = answer
+        # Evict only this caller's own oldest answers: other callers' keys are never touched here.
+        while len(entries) > self.max_entries or (len(entries) > 1 and self._bytes[caller] > self.max_bytes_per_caller):
+            self._bytes[caller] -= len(entries.popitem(last=False)[1][4])
+        while len(self._done) > self.max_callers:
+            dropped, _ = self._done.popitem(last=False)
+            self._bytes.pop(dropped, None)
+
+    def _expire(self, caller: str) -> None:
+        entries = self._done.get(caller)
+        if entries is None:
+            return
         cutoff = time.monotonic() - self.ttl_s
-        while self._done and next(iter(self._done.values()))[0] < cutoff:
-            self._done.popitem(last=False)
+        while entries and next(iter(entries.values()))[0] < cutoff:  # kept in the order they were stored
+            self._bytes[caller] -= len(entries.popitem(last=False)[1][4])
+        if not entries:
+            del self._done[caller]
+            self._bytes.pop(caller, None)
 
 
 class WireRoute(APIRoute):

@@ -118,7 +118,10 @@ def _short(reason: str) -> str:
     return reason if len(data) <= 120 else data[:117].decode("utf-8", "ignore") + "..."
 
 
-class _TenantConnections:
+class TenantCounter:
+    """Open connections (websockets, event streams) per tenant, bounded by a per-tenant limit.
+    Thread-safe: acquired from worker threads and released on the event loop."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
@@ -150,7 +153,7 @@ class PolicyStream:
         self.gateway = gateway
         self.keys = keys
         self.settings = settings or StreamSettings()
-        self.connections = _TenantConnections()
+        self.connections = TenantCounter()
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -339,4 +342,4 @@ class PolicyStream:
             pass
 
 
-__all__ = ["STREAM_PATH", "PolicyStream", "StreamSettings", "error_frame"]
+__all__ = ["STREAM_PATH", "PolicyStream", "StreamSettings", "TenantCounter", "error_frame"]

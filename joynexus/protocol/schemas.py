@@ -104,11 +104,13 @@ class QuotaUpdate(_Request):
 
     max_device_seconds: float | None = Field(default=None, ge=0)
     max_queued_workloads: int | None = Field(default=None, ge=0, le=10_000)
+    max_storage_bytes: int | None = Field(default=None, ge=0)
 
 
 class Quota(_Response):
     max_device_seconds: float | None  # None: no spend cap
     max_queued_workloads: int | None  # None: no bound on waiting workloads
+    max_storage_bytes: int | None = None  # None: no quota on checkpoint bytes
     max_running_workloads: int = 1  # per tenant; more wait in the queue with a visible position
 
 
@@ -217,10 +219,14 @@ class CheckpointInfo(_Response):
 
 
 class Versions(_Response):
+    """`checkpoints` is one page (ascending versions); `next_after` is the `after` of the next
+    page, None when this page was the last."""
+
     training_version: int
     optimizer_steps: int
     checkpoints: list[CheckpointInfo]
     serving_versions: list[int]
+    next_after: int | None = None
 
 
 class ExportedParams(_Response):
@@ -410,6 +416,18 @@ class EnvResult(_Response):
     data: dict[str, Any]
 
 
+API_VERSION = "1"
+
+
+class RoleHealth(_Response):
+    healthy: bool
+    incarnation: str | None = None  # a service's current life; a restart in place makes a new one
+    last_beat_s: float | None = None  # seconds since its last heartbeat
+    restarts: int = 0
+    detail: str = ""
+
+
 class Health(_Response):
-    status: str
+    status: str  # ok | degraded (a role is down or restoring) | down (the Master does not answer)
     version: str
+    roles: dict[str, RoleHealth] = {}

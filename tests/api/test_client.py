@@ -195,3 +195,29 @@ def test_an_evaluation_workload_of_an_rl_tenant(api, live_server):
         final = client.evaluate(episodes=2).result(timeout=120)
         assert final.task == "eval" and final.result["episodes"] == 2 and "success_rate" in final.result
         assert client.versions().training_version == 0  # evaluation never trains
+
+
+def test_the_client_pages_through_versions(api, live_server, monkeypatch):
+    import joynexus.client as client_module
+
+    t = api.tenant("client-pages")
+    with JoyNexusClient(live_server, t.api_key) as client:
+        for _ in range(3):  # checkpoints of versions 0..3
+            client.save(include_optim=False)
+            batch = t.batch(2)
+            client.train_batch(batch["images"], batch["state"], batch["action"])
+        client.save(include_optim=False)
+        page = client.versions(limit=3)
+        assert [c.version for c in page.checkpoints] == [0, 1, 2] and page.next_after == 2
+        rest = client.versions(after=page.next_after, limit=3)
+        assert [c.version for c in rest.checkpoints] == [3] and rest.next_after is None
+        monkeypatch.setattr(client_module, "VERSIONS_PAGE", 3)  # without a limit: every page, merged
+        merged = client.versions()
+        assert [c.version for c in merged.checkpoints] == [0, 1, 2, 3] and merged.next_after is None
+        assert merged.training_version == 3 and [c.version for c in client.versions(after=1).checkpoints] == [2, 3]
+
+    async def scenario() -> list[int]:
+        async with AsyncJoyNexusClient(live_server, t.api_key) as client:
+            return [c.version for c in (await client.versions()).checkpoints]
+
+    assert asyncio.run(scenario()) == [0, 1, 2, 3]
