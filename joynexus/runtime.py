@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 RAY_NAMESPACE = "joynexus"
+HEALTH_GROUP = "health"  # the actor concurrency group that answers heartbeats
 S = TypeVar("S")
 R = TypeVar("R")
 
@@ -46,6 +47,16 @@ class Settings(BaseModel):
     )
     mlflow_port: int = Field(
         default_factory=lambda: int(os.environ.get("JOYNEXUS_MLFLOW_PORT", "5000")), ge=1, le=65535
+    )
+    # Checkpoint retention of the Training Model Service: the last K versions per tenant plus the
+    # registered ones survive each save; JOYNEXUS_CHECKPOINT_KEEP_LAST=none keeps every version.
+    checkpoint_keep_last: int | None = Field(
+        default_factory=lambda: (
+            None
+            if (v := os.environ.get("JOYNEXUS_CHECKPOINT_KEEP_LAST", "5").strip()).lower() in {"", "none"}
+            else int(v)
+        ),
+        ge=1,
     )
 
     def resolved_database_url(self) -> str:
@@ -145,6 +156,18 @@ class ServiceHandle:
         remote_call.__name__ = name
         return remote_call
 
+    def probe(self, method: str, timeout_s: float) -> Any:
+        """Call a cheap, lock-free method (a heartbeat) past whatever the service is busy with: on
+        an actor in its own `health` concurrency group, so a long training call does not hide a
+        live service; on a local SerializedService, past its lock. Raises on timeout."""
+        if self._remote:
+            import ray
+
+            call = getattr(self._target, method).options(concurrency_group=HEALTH_GROUP)
+            return ray.get(call.remote(), timeout=timeout_s)
+        target = self._target.target if isinstance(self._target, SerializedService) else self._target
+        return getattr(target, method)()
+
     def start(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> concurrent.futures.Future[R]:
         """Start `method` (given as the service class's function, e.g. `InferenceModelService.predict`)
         without waiting: a future of its result. Local calls run on a small shared thread pool."""
@@ -223,22 +246,38 @@ def named_actor(
     detached: bool = False,
     num_cpus: float = 0,
     max_concurrency: int = 1,
+    max_restarts: int = -1,
     **kwargs: Any,
 ) -> Any:
     """Get the deployment's named actor of `cls`, creating it from `args` / `kwargs` if absent
     (Ray must be initialized). A running actor is reused as it is, so nothing is rebuilt;
-    `detached` actors outlive the driver that created them (`joynexus up`)."""
+    `detached` actors outlive the driver that created them (`joynexus up`).
+
+    A role that dies is restarted in place by Ray (`max_restarts`, -1: always) with the same
+    arguments; the Master's Health Manager then restores what it held (paper 4.4). Every actor has
+    a one-thread `health` concurrency group, so heartbeats are answered while it is busy."""
     import ray
 
     return (
-        ray.remote(cls)
+        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)  # not an .options() setting in Ray
         .options(
             name=name,
             namespace=namespace,
             get_if_exists=True,
             num_cpus=num_cpus,
             max_concurrency=max_concurrency,
+            max_restarts=max_restarts,
             lifetime="detached" if detached else None,
         )
         .remote(*args, **kwargs)
     )
+
+
+def role_unavailable(error: BaseException) -> bool:
+    """True for errors that mean the service behind a handle is gone or restarting (its calls
+    fail until it is back), not that the call itself was wrong: callers retry or re-queue."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover - ray is a hard dependency
+        return False
+    return isinstance(error, RayActorError | ActorDiedError | ActorUnavailableError)

@@ -16,6 +16,7 @@ actor loop and advantage stage.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -24,8 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.core.tenants import Tenant
 from joynexus.master.deployment import Deployment
+from joynexus.master.health import HealthManager, HealthOptions
 from joynexus.master.workloads import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager, WorkloadStatus
 from joynexus.runtime import Settings, named_actor
+from joynexus.scheduling.training_scheduler import TERMINAL_STATES
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,10 @@ class MasterOptions(BaseModel):
     default_max_device_seconds: float | None = Field(default=None, ge=0)
     default_max_queued_workloads: int | None = Field(default=8, ge=0)
     max_wait_s: float = Field(default=30.0, gt=0, description="longest single wait_workload call")
+    default_max_storage_bytes: int | None = Field(
+        default=None, ge=0, description="checkpoint bytes per tenant; None: no quota"
+    )
+    health: HealthOptions = Field(default_factory=HealthOptions)
 
 
 class TenantUnavailable(RuntimeError):
@@ -80,6 +87,7 @@ class MasterService:
             checkpoints=self.deployment.checkpoints,
             default_max_device_seconds=self.options.default_max_device_seconds,
             default_max_queued_workloads=self.options.default_max_queued_workloads,
+            default_max_storage_bytes=self.options.default_max_storage_bytes,
         )
         self.workloads = WorkloadManager(
             self.deployment,
@@ -97,6 +105,19 @@ class MasterService:
             log.warning("reconciled after a restart: %s", self.last_reconcile)
         self.workloads.start()
         self.workloads.admit()
+        dep = self.deployment
+        self.health_manager = HealthManager(
+            {
+                "training_queue": dep.queue.handle,
+                "training_service": dep.training_service,
+                "inference_service": dep.inference_service,
+                "environment_service": dep.environment_service,
+            },
+            check_roles=self.workloads.check_roles,
+            on_restart=self._restore_role,
+            options=self.options.health,
+        ).start()
+        self.workloads.on_unavailable = self.health_manager.check_now
 
     def _check_spend(self, tenant_id: str) -> None:
         from joynexus.master.usage import SpendCapReached
@@ -113,11 +134,55 @@ class MasterService:
         return {
             "incarnation": self.incarnation,
             "started_at": self.started_at,
+            "pid": os.getpid(),
             "tenants": len(tenants),
             "unhealthy_tenants": {t.tenant_id: t.status_reason for t in tenants if t.status == UNHEALTHY},
             "running_workloads": self.workloads.running_count(),
             "reconciled": self.last_reconcile,
         }
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """The truth per role: this Master, its own threads (actor loop, advantage stage, admission,
+        producers) and every service it drives, from the Health Manager's last round."""
+        master = {
+            "healthy": True,
+            "incarnation": self.incarnation,
+            "last_beat_s": 0.0,
+            "restarts": 0,
+            "detail": f"up {time.time() - self.started_at:.0f} s; {self.workloads.running_count()} workloads running",
+        }
+        return {"master": master, **self.health_manager.report()}
+
+    def role_beat(self, role: str) -> dict[str, Any]:
+        """The last heartbeat of a service role (where it runs: pid, incarnation, what it holds)."""
+        return self.health_manager.last_beat(role)
+
+    def _restore_role(self, role: str, previous: dict[str, Any], beat: dict[str, Any]) -> str:
+        """A service restarted in place (a new incarnation): give it back what its previous life held."""
+        dep = self.deployment
+        if role == "training_service":
+            tenants = dep.creator.list()
+            for tenant in tenants:
+                self._restore_slot(tenant)
+            return f"restored {len(tenants)} tenant slots from their last checkpoints"
+        if role == "inference_service":
+            restored = []
+            for tenant_id in previous.get("tenants", []):
+                try:
+                    self.workloads.publish_weights(tenant_id)
+                    restored.append(tenant_id)
+                except Exception as error:  # that tenant is served again by its next workload
+                    log.warning("serving tenant %s again failed: %s", tenant_id, _reason(error))
+            return f"serving {len(restored)} of {len(previous.get('tenants', []))} tenants again"
+        if role == "training_queue":
+            released = 0
+            for job in dep.scheduler.jobs():
+                if job.state in TERMINAL_STATES or job.state == "reserved" or dep.queue.has_partition(job.partition_id):
+                    continue  # a reserved job's producer is writing it (to the new queue, or it fails)
+                dep.scheduler.abandon(job.job_id, "its data was lost with a restart of the Training Queue")
+                released += 1
+            return f"released {released} jobs whose data was lost; producers make new ones"
+        return "sessions of its previous life are gone; rollout producers open new ones"
 
     def capabilities(self) -> Any:
         return self.deployment.training_service.capabilities()
@@ -125,6 +190,7 @@ class MasterService:
     def shutdown(self, *, cancel_running: bool = False) -> None:
         """Stop the actor loop and advantage stage; running workloads stay `running` in the store
         unless `cancel_running`, so the next Master resumes them."""
+        self.health_manager.stop()
         self.workloads.stop(cancel_running=cancel_running)
 
     def close(self) -> None:
@@ -304,9 +370,7 @@ class MasterService:
         return self.workloads.publish_weights(tenant_id)
 
 
-def master_service_actor(
-    settings: Settings, *, options: MasterOptions | None = None, detached: bool = False
-) -> Any:
+def master_service_actor(settings: Settings, *, options: MasterOptions | None = None, detached: bool = False) -> Any:
     """Get the deployment's Master Service actor, creating it if absent (Ray must be initialized).
     Threaded, so blocking waits of some clients do not hold up the others."""
     return named_actor(

@@ -31,6 +31,7 @@ from sqlalchemy import func, select
 
 from joynexus.core.store import WorkloadEventRecord, WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
+from joynexus.runtime import role_unavailable
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
 from joynexus.services.actor_loop import ActorLoop, ActorOutcome
 from joynexus.services.advantage_stage import AdvantageStage
@@ -97,6 +98,25 @@ class _Active:
     resumed: bool = False
 
 
+ROLE_NAMES = ("actor_loop", "advantage_stage", "admission")
+MAX_OUTAGE_RETRIES = 120  # a producer waits this many seconds at most for a restarting service
+
+
+@dataclass(eq=False)
+class _Role:
+    """One of the Master's own roles: a thread that beats on every iteration."""
+
+    name: str
+    generation: int
+    restarts: int
+    stop: threading.Event
+    last_reason: str | None = None
+    owner: str = ""
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    beat: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+
 class WorkloadManager:
     def __init__(
         self,
@@ -123,44 +143,138 @@ class WorkloadManager:
         self._changed = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
         self._stop = threading.Event()
-        self._actor_thread: threading.Thread | None = None
-        self._stage_thread: threading.Thread | None = None
-        self._admission_thread: threading.Thread | None = None
+        self._roles: dict[str, _Role] = {}  # the Master's own roles, restartable in place
+        self._admission = threading.RLock()  # reentrant: a launch that fails finishes, which admits
+        self._producer_restarts = 0
+        # Called when a role finds a service down or restarting (the Health Manager checks at once).
+        self.on_unavailable: Callable[[str], None] | None = None
         self._rollout_slots = threading.BoundedSemaphore(max_concurrent_rollouts)
-        self._finishing: set[str] = set()
+        # Workloads being finished (publish, export) -> their tenant: the tenant's next workload
+        # waits until its policy is published, so it never trains under a concurrent export.
+        self._finishing: dict[str, str] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> WorkloadManager:
-        if self._actor_thread is None:
-            actor = ActorLoop(
-                self.dep.scheduler, self.dep.training_service, owner=self.actor_owner, on_outcome=self._on_outcome
-            )
-            self._actor_thread = threading.Thread(target=actor.run, args=(self._stop,), name="actor-loop", daemon=True)
-            self._actor_thread.start()
-        if self._stage_thread is None:
-            stage = AdvantageStage(
-                self.dep.scheduler,
-                self.dep.queue,
-                lambda tenant_id: self.dep.creator.get(tenant_id).backend_config,
-                owner=self.stage_owner,
-            )
-            self._stage_thread = threading.Thread(
-                target=stage.run, args=(self._stop,), name="advantage-stage", daemon=True
-            )
-            self._stage_thread.start()
-        if self._admission_thread is None:
-            self._admission_thread = threading.Thread(target=self._admission_tick, name="admission", daemon=True)
-            self._admission_thread.start()
+        """Start the Master's own roles (actor loop, advantage stage, admission), each a thread that
+        beats on every iteration; `check_roles` restarts one that died or stopped beating."""
+        for name in ROLE_NAMES:
+            with self._lock:
+                running = name in self._roles and self._roles[name].thread.is_alive()
+            if not running:
+                self._start_role(name)
         return self
 
-    def _admission_tick(self, interval_s: float = 1.0) -> None:
-        """Admit on a timer too, not only on submit/finish: the queue is the store, so work queued by
-        another path (a restart, a finish that raced a submit) starts within a second."""
-        while not self._stop.wait(interval_s):
-            try:
-                self._admit()
-            except Exception:  # a store hiccup: the next tick tries again
-                log.exception("admission tick failed")
+    def _start_role(self, name: str, *, reason: str | None = None) -> None:
+        with self._lock:
+            previous = self._roles.get(name)
+            generation = previous.generation + 1 if previous is not None else 0
+            restarts = previous.restarts + (1 if reason else 0) if previous is not None else 0
+            role = _Role(name, generation, restarts, threading.Event(), last_reason=reason)
+            owner = self._role_owner(name, generation)
+            if name == "actor_loop":
+                actor = ActorLoop(
+                    self.dep.scheduler, self.dep.training_service, owner=owner, on_outcome=self._on_outcome,
+                    on_unavailable=self.on_unavailable, max_attempts=self.max_job_attempts,
+                    tenant_exists=self._tenant_exists, retired=role.stop,
+                )  # fmt: skip
+                step: Callable[[], Any] = lambda: actor.step(0.2)  # noqa: E731
+            elif name == "advantage_stage":
+                stage = AdvantageStage(
+                    self.dep.scheduler,
+                    self.dep.queue,
+                    lambda tenant_id: self.dep.creator.get(tenant_id).backend_config,
+                    owner=owner,
+                )
+
+                def step() -> None:
+                    if stage.step() is None:
+                        role.stop.wait(0.05)
+            else:
+
+                def step() -> None:
+                    try:
+                        self._admit()
+                    except Exception:  # a store hiccup: the next tick tries again
+                        log.exception("admission tick failed")
+                    # Admit on a timer too, not only on submit/finish: the queue is the store, so
+                    # work queued by another path (a restart, a raced finish) starts within a second.
+                    role.stop.wait(1.0)
+
+            role.owner = owner
+            role.thread = threading.Thread(target=self._run_role, args=(role, step), name=name, daemon=True)
+            self._roles[name] = role
+        role.thread.start()
+
+    def _role_owner(self, name: str, generation: int) -> str:
+        base = {"actor_loop": self.actor_owner, "advantage_stage": self.stage_owner}.get(name, f"{self.owner}/{name}")
+        return base if generation == 0 else f"{base}#{generation}"
+
+    def _run_role(self, role: _Role, step: Callable[[], Any]) -> None:
+        """A role's loop: beat, do one step. An exception ends the thread (the Health Manager sees it
+        dead and restarts it in place); a role replaced while hung exits when it wakes up."""
+        try:
+            while not self._stop.is_set() and not role.stop.is_set():
+                role.beat = time.monotonic()
+                step()
+        except Exception as error:
+            role.error = f"{type(error).__name__}: {error}"
+            log.exception("role %s died", role.name)
+
+    def _tenant_exists(self, tenant_id: str) -> bool:
+        try:
+            self.dep.creator.get(tenant_id)
+            return True
+        except KeyError:
+            return False
+
+    def live_owners(self) -> set[str]:
+        """The lease owners of this Master's current roles."""
+        with self._lock:
+            return {role.owner for role in self._roles.values()}
+
+    def check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
+        """Restart in place each role that died, or stopped beating for `stale_after_s` (a hung
+        thread cannot be killed: a replacement with a new lease owner takes over, the hung one's
+        leases are re-queued, and whatever it finishes later is refused as a lost lease). Returns
+        each role's health, producers of running workloads included."""
+        now = time.monotonic()
+        restart: list[tuple[str, str]] = []
+        with self._lock:
+            if self._stop.is_set():
+                return {}
+            for name, role in self._roles.items():
+                if not role.thread.is_alive():
+                    restart.append((name, f"died: {role.error or 'the thread ended'}"))
+                elif now - role.beat > stale_after_s:
+                    restart.append((name, f"no heartbeat for {now - role.beat:.0f} s"))
+        for name, reason in restart:
+            log.warning("restarting role %s in place: %s", name, reason)
+            with self._lock:
+                self._roles[name].stop.set()
+            self._start_role(name, reason=reason)
+        if any("heartbeat" in reason for _, reason in restart):
+            self.dep.scheduler.recover_orphans(
+                self.live_owners(), has_partition=self.dep.queue.has_partition, max_attempts=self.max_job_attempts
+            )
+        report: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for name, role in self._roles.items():
+                report[name] = {
+                    "healthy": role.thread.is_alive() and now - role.beat <= stale_after_s,
+                    "last_beat_s": round(now - role.beat, 3),
+                    "restarts": role.restarts,
+                    "detail": role.last_reason or f"owner {role.owner}",
+                }
+            producers = [
+                (a.workload_id, a.threads) for a in self._active.values() if a.workload_id not in self._finishing
+            ]
+        alive = sum(1 for _, threads in producers if any(t.is_alive() for t in threads))
+        report["producers"] = {
+            "healthy": alive == len(producers),
+            "restarts": self._producer_restarts,
+            "detail": f"{alive} of {len(producers)} running workloads have a live producer",
+        }
+        return report
 
     @property
     def actor_owner(self) -> str:
@@ -185,10 +299,12 @@ class WorkloadManager:
             for thread in entry.threads:
                 if thread is not threading.current_thread():
                     thread.join(timeout=60)
-        for thread in (self._actor_thread, self._stage_thread, self._admission_thread):
-            if thread is not None:
-                thread.join(timeout=60)
-        self._actor_thread = self._stage_thread = self._admission_thread = None
+        with self._lock:
+            roles = list(self._roles.values())
+        for role in roles:
+            role.stop.set()
+            if role.thread is not threading.current_thread():
+                role.thread.join(timeout=60)
 
     def reconcile(self, *, has_partition: Callable[[str], bool] | None = None) -> dict[str, Any]:
         """Bring the store in line with a Master that (re)starts now (paper 4.4: restart from
@@ -600,7 +716,12 @@ class WorkloadManager:
 
     def _admit(self) -> None:
         """Start queued workloads in FIFO order while capacity allows (skipping tenants that
-        already run one, without letting them lose their place)."""
+        already run one, without letting them lose their place). One admission at a time: a
+        submit returns after a launch in progress (the timer's) has marked its workload running."""
+        with self._admission:
+            self._admit_unlocked()
+
+    def _admit_unlocked(self) -> None:
         to_start = []
         waiting = select(WorkloadRecord).where(WorkloadRecord.state == QUEUED).order_by(WorkloadRecord.created_at)
         with self.dep.store.transaction() as s:
@@ -616,7 +737,7 @@ class WorkloadManager:
         with self._lock:
             if self._stop.is_set():
                 return
-            running_tenants = {a.tenant.tenant_id for a in self._active.values()}
+            running_tenants = {a.tenant.tenant_id for a in self._active.values()} | set(self._finishing.values())
             for workload_id, tenant_id, target in queued:
                 if len(self._active) + len(to_start) >= self.max_running:
                     break
@@ -685,7 +806,7 @@ class WorkloadManager:
             )
 
         def produce() -> None:
-            failures = 0
+            failures = outages = 0
             while not active.stop.is_set():
                 try:
                     producer.run(active.stop)
@@ -693,6 +814,19 @@ class WorkloadManager:
                 except Exception as error:
                     if active.stop.is_set():
                         return  # the workload is ending; its jobs were released under it
+                    if role_unavailable(error) and outages < MAX_OUTAGE_RETRIES:
+                        # A service it writes to (Training Queue, Environment, Inference) is
+                        # restarting in place: not the workload's fault, so not on its failure budget.
+                        outages += 1
+                        with self._lock:
+                            self._producer_restarts += 1
+                        log.warning(
+                            "workload %s: producer waits for a restarting service: %s", active.workload_id, error
+                        )
+                        if self.on_unavailable is not None:
+                            self.on_unavailable(f"producer: {type(error).__name__}")
+                        active.stop.wait(1.0)
+                        continue
                     # A failed rollout (e.g. a crashed simulator worker) failed only its own job;
                     # the producer starts over with fresh sessions, up to the failure budget.
                     failures += 1
@@ -777,8 +911,16 @@ class WorkloadManager:
         with self._lock:
             if workload_id in self._finishing:
                 return  # another path (a cancel, the last job, a failing producer) is finishing it
-            self._finishing.add(workload_id)
             active = self._active.pop(workload_id, None)
+            self._finishing[workload_id] = active.tenant.tenant_id if active is not None else ""
+        try:
+            self._finish_unguarded(workload_id, active, state, error)
+        finally:
+            with self._lock:
+                self._finishing.pop(workload_id, None)
+        self._admit()
+
+    def _finish_unguarded(self, workload_id: str, active: _Active | None, state: str, error: str | None) -> None:
         if active is None and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
             return  # finished already
         registered = None
@@ -804,7 +946,6 @@ class WorkloadManager:
                 record.state, record.error, record.finished_at = state, error, utcnow()
                 record.registered_version = registered
         self._emit(workload_id, state, error=error, registered_version=registered)
-        self._admit()
 
     def _release_pending_jobs(self, active: _Active, reason: str) -> None:
         """Fail the workload's jobs that the actor has not leased yet (clearing their partitions)."""
@@ -827,9 +968,15 @@ class WorkloadManager:
         inference = getattr(self.dep, "inference_service", None)
         if inference is not None:
             inference.load_weights(payload)  # serve what was just trained
-        return self.dep.tracker.register_tenant_payload(
+        registered = self.dep.tracker.register_tenant_payload(
             run_id=active.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
         )
+        # A registered version outlives checkpoint retention (the Training Model Service prunes
+        # all but the last K and the pinned versions); the pin is durable under the tenant's prefix.
+        checkpoints = getattr(self.dep, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.pin(tenant_id, manifest.policy_version)
+        return registered
 
 
 def _event_dict(record: WorkloadEventRecord) -> dict[str, Any]:

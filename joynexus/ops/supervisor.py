@@ -591,8 +591,10 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     questions = {
         "joynexus.master": (
             "ping",
-            lambda r: f"Master Service {r['incarnation']}: {r['tenants']} tenants "
-            f"({len(r['unhealthy_tenants'])} unhealthy), {r['running_workloads']} workloads running",
+            lambda r: (
+                f"Master Service {r['incarnation']}: {r['tenants']} tenants "
+                f"({len(r['unhealthy_tenants'])} unhealthy), {r['running_workloads']} workloads running"
+            ),
         ),
         "joynexus.training_queue": ("partitions", lambda r: f"Training Queue depth: {len(r)} partitions"),
         "joynexus.training_service": ("tenants", lambda r: f"{len(r)} tenant slots"),
@@ -625,9 +627,31 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
             except Exception as error:  # report, do not fail the whole status
                 entry["detail"] = f"{type(error).__name__}: {error}"
             report[name] = entry
+        if report.get("joynexus.master", {}).get("healthy"):
+            report.update(_role_health(ray.get_actor("joynexus.master", namespace=namespace), timeout_s))
     finally:
         ray.shutdown()
     return report
+
+
+def _role_health(master: Any, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """The Master's Health Manager's truth per role: heartbeats, incarnations, restarts in place."""
+    import ray
+
+    try:
+        roles = ray.get(master.health.remote(), timeout=timeout_s)
+    except Exception as error:  # an older Master without a Health Manager, or one that is busy
+        return {"roles": {"healthy": False, "where": "joynexus.master", "detail": f"{type(error).__name__}: {error}"}}
+    return {
+        f"role {role}": {
+            "healthy": entry["healthy"],
+            "where": "joynexus.master" if entry.get("incarnation") is None else f"incarnation {entry['incarnation']}",
+            "detail": f"{entry['restarts']} restarts; {entry['detail']}",
+            "restarts": entry["restarts"],
+        }
+        for role, entry in roles.items()
+        if role != "master"
+    }
 
 
 if __name__ == "__main__":

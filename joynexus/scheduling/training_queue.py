@@ -13,6 +13,9 @@ one named Ray actor (`training_queue_actor`) shared by producer, preprocessing a
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +70,20 @@ class _Partition:
 class TrainingQueue:
     def __init__(self) -> None:
         self._partitions: dict[str, _Partition] = {}
+        # A restart in place (Ray) loses every partition: a new incarnation tells the Master's
+        # Health Manager to release the jobs whose data went with it.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
+
+    def heartbeat(self) -> dict[str, Any]:
+        """Liveness answer (lock-free, in the actor's health group)."""
+        return {
+            "role": "training_queue",
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "partitions": len(self._partitions),
+        }
 
     # -- writes -----------------------------------------------------------------------------
     def put(

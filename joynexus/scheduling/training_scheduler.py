@@ -11,6 +11,7 @@ across processes on SQLite (writers serialized by BEGIN IMMEDIATE) and PostgreSQ
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -27,6 +28,8 @@ from joynexus.core.store import (
     TrainingPolicyRecord,
     utcnow,
 )
+
+log = logging.getLogger(__name__)
 
 # States of Table 4. needs_* are "waiting for a preprocessing stage"; computing_* are that stage's lease.
 RESERVED = "reserved"
@@ -334,9 +337,7 @@ class TrainingScheduler:
                 return False
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def complete(
-        self, job_id: str, result: dict[str, Any] | None = None, *, owner: str | None = None
-    ) -> TrainingJob:
+    def complete(self, job_id: str, result: dict[str, Any] | None = None, *, owner: str | None = None) -> TrainingJob:
         """Leased → completed. With `owner`, only while that owner still holds the lease (LeaseLost
         otherwise); a terminal job (e.g. abandoned meanwhile) always raises InvalidTransition."""
         return self._finish(job_id, COMPLETED, reason=None, result=result, from_states={LEASED}, owner=owner)
@@ -421,10 +422,9 @@ class TrainingScheduler:
                 ).rowcount
                 if hit == 1:
                     changed.append(TrainingJob.from_row(s.execute(_SELECT_JOB, {"b_job_id": job.job_id}).one()))
-        if self.release_partition is not None:
-            for job in changed:
-                if job.state == FAILED:
-                    self.release_partition(job.partition_id)
+        for job in changed:
+            if job.state == FAILED:
+                self._release(job.partition_id)
         return changed
 
     # -- queries ----------------------------------------------------------------------------
@@ -538,9 +538,44 @@ class TrainingScheduler:
             job = TrainingJob.from_row(row)
         # After the state is durable: a crash between the two leaves a terminal job whose partition
         # can be cleared again (clear is idempotent), never a live job without data.
-        if self.release_partition is not None:
-            self.release_partition(job.partition_id)
+        self._release(job.partition_id)
         return job
+
+    def _release(self, partition_id: str) -> None:
+        """Best effort: the outcome is already durable, and a Training Queue that is restarting lost
+        the partition anyway; raising here would make a caller think the transition failed."""
+        if self.release_partition is None:
+            return
+        try:
+            self.release_partition(partition_id)
+        except Exception as error:
+            log.warning("could not release partition %s: %s: %s", partition_id, type(error).__name__, error)
+
+    def release_lease(self, job_id: str, reason: str, *, owner: str, max_attempts: int = 3) -> TrainingJob:
+        """Give a leased job back (its holder could not run it because a role it needs is down or
+        restarting): to the state it was leased from with `attempts` + 1 and no owner, keeping its
+        FIFO place; `failed` with the reason once attempts + 1 > `max_attempts`. Owner-checked like
+        every transition (LeaseLost if `owner` no longer holds it)."""
+        job = self.get(job_id)
+        if job.state not in LEASED_STATES:
+            raise InvalidTransition(job_id, job.state, "released")
+        attempts = job.attempts + 1
+        if attempts > max_attempts:
+            return self.fail(job_id, f"{reason}; retries exhausted ({attempts} > {max_attempts})", owner=owner)
+        with self.store.connection() as conn:
+            row = self._transition(
+                conn,
+                job_id,
+                LEASED_STATES[job.state],
+                owner,
+                sources=[job.state],
+                values=dict(
+                    state=LEASED_STATES[job.state], lease_owner=None, leased_at=None, attempts=attempts,
+                    updated_at=utcnow(),
+                ),
+                permitted=lambda current: current == job.state,
+            )  # fmt: skip
+            return TrainingJob.from_row(row)
 
 
 # -- prebuilt statements (built once, so each call skips construction and cache-key generation) -----

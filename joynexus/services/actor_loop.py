@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from joynexus.runtime import role_unavailable
 from joynexus.scheduling.training_scheduler import InvalidTransition, TrainingJob, TrainingScheduler
+from joynexus.services.training import UnknownTenant
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +48,24 @@ class ActorLoop:
         owner: str = "actor-0",
         domains: tuple[str, ...] = ("vla",),
         on_outcome: Callable[[ActorOutcome], None] | None = None,
+        on_unavailable: Callable[[str], None] | None = None,
+        max_attempts: int = 3,
+        tenant_exists: Callable[[str], bool] | None = None,
+        retired: threading.Event | None = None,
     ):
         self.scheduler = scheduler
         self.service = training_service
         self.owner = owner
         self.domains = domains
         self.on_outcome = on_outcome
+        # Called with the reason when the Training Model Service is down or restarting (the
+        # Health Manager checks at once instead of at its next tick).
+        self.on_unavailable = on_unavailable
+        self.max_attempts = max_attempts
+        self.tenant_exists = tenant_exists
+        # Set when the Health Manager replaced this loop (it stopped beating): a job it still holds
+        # was re-queued for the replacement, so it must not train it too.
+        self.retired = retired
 
     def step(self, wait_s: float = 0.5) -> ActorOutcome | None:
         """Lease, train and finish one job. Every scheduler call names this loop's owner, so a job
@@ -62,6 +77,8 @@ class ActorLoop:
             return None
         try:
             actor_version = self.service.policy_version(job.tenant_id)
+            if self.retired is not None and self.retired.is_set():
+                return self._lost(job, InvalidTransition(job.job_id, job.state, "retired"))
             if is_stale(job, actor_version):
                 dropped = self.scheduler.drop(job.job_id, POLICY_STALE, owner=self.owner)
                 outcome = ActorOutcome(dropped, "dropped", None, POLICY_STALE)
@@ -74,6 +91,8 @@ class ActorLoop:
         except InvalidTransition as lost:
             return self._lost(job, lost)
         except Exception as error:  # one tenant's failure must not stop the actor for the others
+            if self._service_unavailable(job, error):
+                return self._give_back(job, error)
             cause = getattr(error, "cause", None) or error  # unwrap Ray's RayTaskError
             reason = f"{type(cause).__name__}: {cause}"
             log.warning("training job %s of tenant %s failed: %s", job.job_id, job.tenant_id, reason)
@@ -88,6 +107,34 @@ class ActorLoop:
             except Exception:  # the Master's bookkeeping failing must not stop training for every tenant
                 log.exception("handling the outcome of job %s failed", job.job_id)
         return outcome
+
+    def _service_unavailable(self, job: TrainingJob, error: Exception) -> bool:
+        """The job could not run because the service is gone or restarting (a restarted service has
+        no slot for the tenant until the Health Manager restores it), not because of the job."""
+        if role_unavailable(error):
+            return True
+        if isinstance(error, UnknownTenant) and self.tenant_exists is not None:
+            return self.tenant_exists(job.tenant_id)
+        return False
+
+    def _give_back(self, job: TrainingJob, error: Exception) -> ActorOutcome:
+        reason = f"the Training Model Service is unavailable: {type(error).__name__}: {error}"
+        log.warning("training job %s of tenant %s re-queued: %s", job.job_id, job.tenant_id, reason)
+        if self.on_unavailable is not None:
+            self.on_unavailable(reason)
+        try:
+            after = self.scheduler.release_lease(job.job_id, reason, owner=self.owner, max_attempts=self.max_attempts)
+        except InvalidTransition as lost:
+            return self._lost(job, lost)
+        if after.state == "failed" and self.on_outcome is not None:
+            outcome = ActorOutcome(after, "failed", None, after.terminal_reason)
+            try:
+                self.on_outcome(outcome)
+            except Exception:
+                log.exception("handling the outcome of job %s failed", job.job_id)
+            return outcome
+        time.sleep(0.5)  # the service is coming back; do not spin through the queue meanwhile
+        return ActorOutcome(after, LOST, None, reason)
 
     def _lost(self, job: TrainingJob, error: InvalidTransition) -> ActorOutcome:
         log.warning("training job %s of tenant %s: lease lost, result discarded: %s", job.job_id, job.tenant_id, error)

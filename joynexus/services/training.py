@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -119,6 +120,7 @@ class TrainingModelService:
         checkpoint_root: str | Path,
         queue: Any = None,
         num_threads: int | None = None,
+        keep_last: int | None = None,  # checkpoint retention: last K + pinned versions; None keeps all
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -126,9 +128,23 @@ class TrainingModelService:
             BackboneSource.model_validate(backbone_source) if isinstance(backbone_source, dict) else backbone_source
         )
         self.backbone = source.build()
-        self.checkpoints = CheckpointStore(checkpoint_root)
+        self.checkpoints = CheckpointStore(checkpoint_root, keep_last=keep_last)
         self.queue = TrainingQueueClient(queue) if queue is not None else None
         self._slots: dict[str, TenantSlot] = {}
+        # Which life of this role is answering: a Ray restart in place builds a new one (empty slots),
+        # and the Master's Health Manager restores the tenants when it sees the change.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
+
+    def heartbeat(self) -> dict[str, Any]:
+        """Liveness answer (lock-free: it runs beside a training call, in the health group)."""
+        return {
+            "role": "training",
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "tenants": sorted(list(self._slots)),
+        }
 
     # -- introspection ----------------------------------------------------------------------
     def backbone_info(self) -> dict[str, Any]:
@@ -722,6 +738,7 @@ def training_service_actor(
     num_cpus: float = 1,
     namespace: str | None = None,
     detached: bool = False,
+    keep_last: int | None = None,
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Training Model Service actor (Ray must be initialized)."""
     from joynexus.runtime import named_actor
@@ -736,4 +753,5 @@ def training_service_actor(
         namespace=namespace,
         detached=detached,
         num_cpus=num_cpus,
+        keep_last=keep_last,
     )
