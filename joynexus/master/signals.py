@@ -34,7 +34,7 @@ from joynexus.scheduling.training_scheduler import COMPLETED, LEASED_STATES
 
 # How far back (in events, across all tenants) the learning signals look.
 EVENT_WINDOW = 100_000
-LEARNING_KINDS = ("step", "rl_update", "job_completed")
+LEARNING_KINDS = ("step", "rl_update", "job_completed", "evaluated")
 # Event field -> learning signal name.
 _STEP_FIELDS = {"loss": "loss", "step": "optimizer_steps"}
 _RL_FIELDS = {
@@ -47,14 +47,22 @@ _RL_FIELDS = {
     "rollout/mean_length": "mean_episode_length",
 }
 _JOB_FIELDS = {"version": "policy_version"}
-_FIELDS = {"step": _STEP_FIELDS, "rl_update": _RL_FIELDS, "job_completed": _JOB_FIELDS}
+_EVAL_FIELDS = {
+    "eval/success_rate": "eval_success_rate",
+    "eval/mean_return": "eval_mean_return",
+    "eval/mean_length": "eval_mean_episode_length",
+    "version": "eval_policy_version",
+}
+_FIELDS = {"step": _STEP_FIELDS, "rl_update": _RL_FIELDS, "job_completed": _JOB_FIELDS, "evaluated": _EVAL_FIELDS}
 
 
 def learning_signals(store: ControlPlaneStore, *, window: int = EVENT_WINDOW) -> dict[str, dict[str, float]]:
     """Per tenant: its latest `loss` (and `optimizer_steps`), the PPO statistics of its latest RL
     update (`approx_kl`, `clip_fraction`, `entropy`, `value_loss` where the algorithm has a critic),
     the rollout episodes of that update (`mean_return`, `success_rate`, `mean_episode_length`, when
-    episodes finished since the one before), `policy_version`, and `updated_at` (unix time of the
+    episodes finished since the one before), `policy_version`, the latest evaluation's
+    `eval_success_rate`, `eval_mean_return`, `eval_mean_episode_length` and `eval_policy_version`
+    (deterministic actions, fixed episodes: comparable across versions), and `updated_at` (unix time of the
     newest of those events). Tenants with no such event in the last `window` events are absent."""
     floor = select(func.max(WorkloadEventRecord.seq)).scalar_subquery() - window
     latest = (

@@ -502,6 +502,7 @@ class WorkloadManager:
                 }
                 self.dep.tracker.log_metrics(run_id, metrics, step=resolved)
                 self.dep.tracker.end_run(run_id, "FINISHED")
+                self._emit(workload_id, "evaluated", version=resolved, **metrics)  # a learning signal too
                 summary = {**dataclasses.asdict(result), "returns": list(result.returns)}
                 with self.dep.store.transaction() as s:
                     record = s.get(WorkloadRecord, workload_id)

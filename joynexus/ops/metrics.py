@@ -28,7 +28,9 @@ control   joynexus_training_queue_partitions{tenant}, joynexus_inference_queue_d
 learning  joynexus_train_loss{tenant}, joynexus_train_optimizer_steps{tenant}, joynexus_policy_version{tenant},
           joynexus_rl_approx_kl{tenant}, joynexus_rl_clip_fraction{tenant}, joynexus_rl_entropy{tenant},
           joynexus_rl_value_loss{tenant}, joynexus_rl_mean_return{tenant}, joynexus_rl_success_rate{tenant},
-          joynexus_rl_mean_episode_length{tenant}, joynexus_learning_last_update_timestamp_seconds{tenant}
+          joynexus_rl_mean_episode_length{tenant}, joynexus_eval_success_rate{tenant},
+          joynexus_eval_mean_return{tenant}, joynexus_eval_mean_episode_length{tenant},
+          joynexus_eval_policy_version{tenant}, joynexus_learning_last_update_timestamp_seconds{tenant}
 system    joynexus_inference_batches_total, joynexus_inference_requests_total,
           joynexus_inference_samples_total, joynexus_inference_failed_requests_total,
           joynexus_inference_mean_batch_samples, joynexus_inference_batch_samples (histogram),
@@ -77,6 +79,10 @@ LEARNING_METRICS: dict[str, tuple[str, str]] = {
     "mean_return": ("joynexus_rl_mean_return", "Mean episode return of the rollouts behind the latest RL update"),
     "success_rate": ("joynexus_rl_success_rate", "Episode success rate of the rollouts behind the latest RL update"),
     "mean_episode_length": ("joynexus_rl_mean_episode_length", "Mean episode length of those rollouts"),
+    "eval_success_rate": ("joynexus_eval_success_rate", "Success rate of the tenant's latest evaluation"),
+    "eval_mean_return": ("joynexus_eval_mean_return", "Mean episode return of the tenant's latest evaluation"),
+    "eval_mean_episode_length": ("joynexus_eval_mean_episode_length", "Mean episode length of that evaluation"),
+    "eval_policy_version": ("joynexus_eval_policy_version", "Policy version the latest evaluation ran"),
     "updated_at": ("joynexus_learning_last_update_timestamp_seconds", "Unix time of the tenant's latest signal"),
 }
 

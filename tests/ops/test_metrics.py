@@ -196,3 +196,32 @@ def test_the_dashboard_uses_exposed_metrics(world, trained):
     used |= _promql_metric_names(variables["tenant"]["query"]["query"])
     assert used, "no metric names found in the dashboard"
     assert used <= exposed, sorted(used - exposed)
+
+
+def test_an_evaluation_is_a_learning_signal_and_a_metric(world):
+    """An evaluation's success rate and return reach learning_signals and /metrics."""
+    _app, client, services, _ = world
+    from tests.api.test_ray_services import rl_spec
+
+    spec = rl_spec("metrics-eval")
+    created = client.post("/v1/admin/tenants", json=spec, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert created.status_code == 201, created.text
+    headers = {"Authorization": f"Bearer {created.json()['key']['api_key']}"}
+    submitted = client.post("/v1/workloads", json={"task": "eval", "episodes": 2}, headers=headers)
+    assert submitted.status_code == 202, submitted.text
+    workload_id = submitted.json()["workload_id"]
+    deadline = time.monotonic() + 120
+    while (status := client.get(f"/v1/workloads/{workload_id}", headers=headers).json())["state"] not in (
+        "completed", "failed", "cancelled",
+    ):  # fmt: skip
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    assert status["state"] == "completed", status
+    result = status["result"]
+    signals = services.master.learning_signals()["metrics-eval"]
+    assert signals["eval_success_rate"] == result["success_rate"]
+    assert signals["eval_mean_return"] == pytest.approx(result["mean_return"])
+    assert signals["eval_policy_version"] == result["policy_version"]
+    families = scrape(client)
+    assert value(families, "joynexus_eval_success_rate", tenant="metrics-eval") == result["success_rate"]
+    assert value(families, "joynexus_eval_mean_return", tenant="metrics-eval") == pytest.approx(result["mean_return"])
