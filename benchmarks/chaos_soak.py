@@ -12,9 +12,9 @@ place and the Master's Health Manager restores what it held.
 
 Printed: load held (workloads and jobs completed, jobs per minute), faults injected, restarts seen
 per role, the longest stall per tenant (time with a running workload and no completed job) next to
-its median time per job, and the check that every acknowledged version (a workload's registered
-version, with the checkpoint digest read when it was acknowledged) is still there with that
-digest. Exit status 1 when an acknowledged version was lost or a workload failed.
+its median time per job, and the check that every acknowledged version (the policy version a
+workload registered and pinned, with the checkpoint digest read when it was acknowledged) is still
+there with that digest. Exit status 1 when an acknowledged version was lost or a workload failed.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class TenantLoad:
     max_stall_s: float = 0.0
     completed_workloads: int = 0
     failed: list[str] = field(default_factory=list)
-    acknowledged: dict[int, str] = field(default_factory=dict)  # registered version -> digest
+    acknowledged: dict[int, str] = field(default_factory=dict)  # registered policy version -> digest
     jobs: int = 0
 
 
@@ -153,6 +153,20 @@ def run(*, tenants: int, seconds: float, kill_every_s: float, data_dir: Path, jo
             cluster.master.create_tenant(spec)
             loads.append(TenantLoad(tenant_id, spec["task"]))
         faults: list[tuple[float, str, int]] = []
+        # Restarts as this client sees them: a role's incarnation changing between two looks (a new
+        # Master starts its own counts at zero, so the Master's report alone would undercount).
+        incarnations: dict[str, str] = {}
+        restarts: dict[str, int] = {}
+
+        def observe_restarts() -> None:
+            for role, entry in _retrying(cluster.master.health, errors).items():
+                current = entry.get("incarnation")
+                if current is None:
+                    continue
+                if role in incarnations and incarnations[role] != current:
+                    restarts[role] = restarts.get(role, 0) + 1
+                incarnations[role] = current
+
         started = time.monotonic()
         next_kill = started + kill_every_s
         while True:
@@ -165,7 +179,8 @@ def run(*, tenants: int, seconds: float, kill_every_s: float, data_dir: Path, jo
                         load.job_gaps.append((now - load.last_progress) / (status.completed_jobs - load.last_jobs))
                         load.jobs += status.completed_jobs - load.last_jobs
                         load.last_jobs, load.last_progress = status.completed_jobs, now
-                    load.max_stall_s = max(load.max_stall_s, now - load.last_progress)
+                    if load.kind == "train":  # an evaluation has no jobs to complete
+                        load.max_stall_s = max(load.max_stall_s, now - load.last_progress)
                     if status.state in FINAL:
                         load.workload = None
                         if status.state != "completed":
@@ -174,11 +189,11 @@ def run(*, tenants: int, seconds: float, kill_every_s: float, data_dir: Path, jo
                             load.completed_workloads += 1
                             if load.kind == "train":
                                 load.trained += 1
-                                if status.registered_version is not None:
-                                    manifest = cluster.checkpoints.read_manifest(
-                                        load.tenant_id, status.registered_version
-                                    )
-                                    load.acknowledged[status.registered_version] = manifest.digest
+                                # Acknowledged: the policy version the Master registered and
+                                # pinned at the end of the workload, with its checkpoint digest.
+                                for version in cluster.checkpoints.pinned(load.tenant_id) - set(load.acknowledged):
+                                    manifest = cluster.checkpoints.read_manifest(load.tenant_id, version)
+                                    load.acknowledged[version] = manifest.digest
                     else:
                         running = True
                 if load.workload is None and now - started < seconds:
@@ -192,6 +207,7 @@ def run(*, tenants: int, seconds: float, kill_every_s: float, data_dir: Path, jo
                         load.kind = "train"
                     load.workload, load.last_jobs, load.last_progress = status.workload_id, 0, now
                     running = True
+            observe_restarts()
             if now - started >= seconds and not running:
                 break
             if now >= next_kill and now - started < seconds:
@@ -205,9 +221,8 @@ def run(*, tenants: int, seconds: float, kill_every_s: float, data_dir: Path, jo
                 raise RuntimeError("workloads did not finish within 10 minutes of the soak's end")
             time.sleep(0.5)
         elapsed = time.monotonic() - started
-        report = _retrying(cluster.master.health, errors)
-        restarts = {role: entry["restarts"] for role, entry in report.items()}
-        restarts["master"] = sum(1 for _, role, _ in faults if role == "master")  # a new Master starts at 0
+        time.sleep(3)  # the last kill's restart shows in the next look
+        observe_restarts()
         lost = []
         for load in loads:
             present = set(cluster.checkpoints.versions(load.tenant_id))

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
@@ -37,6 +37,7 @@ from joynexus.services.actor_loop import ActorLoop, ActorOutcome
 from joynexus.services.advantage_stage import AdvantageStage
 from joynexus.services.rollout import RolloutProducer, evaluate_policy
 from joynexus.services.sft_producer import SFTProducer
+from joynexus.services.training import UnknownTenant
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class _Active:
     resumed: bool = False
 
 
+R = TypeVar("R")
 ROLE_NAMES = ("actor_loop", "advantage_stage", "admission")
 MAX_OUTAGE_RETRIES = 120  # a producer waits this many seconds at most for a restarting service
 
@@ -341,8 +343,13 @@ class WorkloadManager:
             if state != RUNNING:
                 continue
             if task == "eval":
-                self._fail_record(workload_id, "interrupted by a restart of the Master Service; submit it again")
-                report["failed"].append(workload_id)
+                try:  # an evaluation is cheap and its episodes are seeded by index: run it again whole
+                    self._rerun_evaluation(workload_id)
+                    report["resumed"].append(workload_id)
+                except Exception as error:
+                    reason = f"interrupted by a restart of the Master Service and cannot run again: {error}"
+                    self._fail_record(workload_id, reason)
+                    report["failed"].append(workload_id)
                 continue
             try:
                 self._resume(workload_id)
@@ -480,8 +487,11 @@ class WorkloadManager:
                     version=resolved, started_at=utcnow(),
                 )
             )  # fmt: skip
-        self._emit(workload_id, "started", version=resolved, episodes=episodes)
+        self._emit(workload_id, "started", version=resolved, episodes=episodes, environment=environment)
+        self._start_evaluation(workload_id, tenant_id, resolved, episodes, config)
+        return self.get(workload_id)
 
+    def _start_evaluation(self, workload_id: str, tenant_id: str, resolved: int, episodes: int, config: Any) -> None:
         def run() -> None:
             run_id = None
             try:
@@ -491,10 +501,17 @@ class WorkloadManager:
                     {"policy_version": resolved, "episodes": episodes, **config.environment},
                     tags={"task": "eval"},
                 )
-                result = evaluate_policy(
-                    config, self.dep.environment_service, self.dep.inference_service, version=resolved,
-                    episodes=episodes,
-                )  # fmt: skip
+
+                # Episodes are seeded by index, so an evaluation cut by a restarting service
+                # runs again whole with the same result it would have had.
+                def evaluate() -> Any:
+                    self._serve_version(tenant_id, resolved)  # a restarted service lost what it served
+                    return evaluate_policy(
+                        config, self.dep.environment_service, self.dep.inference_service, version=resolved,
+                        episodes=episodes,
+                    )  # fmt: skip
+
+                result = self._through_restarts(evaluate, tenant_id, "evaluation")
                 metrics = {
                     "eval/success_rate": result.success_rate,
                     "eval/mean_return": result.mean_return,
@@ -524,7 +541,19 @@ class WorkloadManager:
                 self._emit(workload_id, WORKLOAD_FAILED, error=reason)
 
         threading.Thread(target=run, name=f"evaluation-{tenant_id}", daemon=True).start()
-        return self.get(workload_id)
+
+    def _rerun_evaluation(self, workload_id: str) -> None:
+        """Run an evaluation a dead Master left `running` again, from what its `started` event says."""
+        started = [e for e in self.events(workload_id) if e["kind"] == "started"]
+        if not started or "episodes" not in started[-1]:
+            raise RuntimeError("its start was not recorded")
+        with self.dep.store.transaction() as s:
+            tenant_id, resolved = (lambda r: (r.tenant_id, r.version))(s.get(WorkloadRecord, workload_id))
+        tenant = self.dep.creator.get(tenant_id)
+        config = self._evaluation_config(tenant, started[-1].get("environment"))
+        self._through_restarts(lambda: self._serve_version(tenant_id, resolved), tenant_id, "serving")
+        self._emit(workload_id, "resumed", version=resolved)
+        self._start_evaluation(workload_id, tenant_id, resolved, int(started[-1]["episodes"]), config)
 
     def _evaluation_config(self, tenant: Tenant, environment: dict[str, Any] | None) -> Any:
         """The tenant's backend config with the environment to evaluate in, checked before anything
@@ -751,11 +780,42 @@ class WorkloadManager:
                 to_start.append(workload_id)
                 self._active[workload_id] = _Active(workload_id, tenant, target)
         for workload_id in to_start:
+            active = self._active[workload_id]
             try:
-                self._launch(self._active[workload_id])
+                self._launch(active)
             except Exception as error:
+                if self._service_restarting(error, active.tenant.tenant_id) and not active.threads:
+                    # A service it needs is restarting in place: it stays queued, in its place; the
+                    # admission tick starts it again once the service is back.
+                    log.warning("workload %s waits for a restarting service: %s", workload_id, error)
+                    with self._lock:
+                        self._active.pop(workload_id, None)
+                    if self.on_unavailable is not None:
+                        self.on_unavailable(f"launch: {type(error).__name__}")
+                    continue
                 log.exception("workload %s failed to start", workload_id)
                 self._finish(workload_id, WORKLOAD_FAILED, error=f"start: {type(error).__name__}: {error}")
+
+    def _service_restarting(self, error: BaseException, tenant_id: str) -> bool:
+        """A service is gone or restarting in place (its call failed), or it is back without the
+        tenant's slot yet (the Health Manager restores slots on its next round)."""
+        if role_unavailable(error):
+            return True
+        return isinstance(error, UnknownTenant) and self._tenant_exists(tenant_id)
+
+    def _through_restarts(self, call: Callable[[], R], tenant_id: str, what: str, wait_s: float = 120.0) -> R:
+        """`call()`, waited through a restart in place of the service it calls (bounded)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return call()
+            except Exception as error:
+                if not self._service_restarting(error, tenant_id) or time.monotonic() > deadline:
+                    raise
+                log.warning("%s of tenant %s waits for a restarting service: %s", what, tenant_id, error)
+                if self.on_unavailable is not None:
+                    self.on_unavailable(f"{what}: {type(error).__name__}")
+                time.sleep(1.0)
 
     def _launch(self, active: _Active) -> None:
         dep, tenant = self.dep, active.tenant
@@ -963,12 +1023,17 @@ class WorkloadManager:
         from joynexus.artifacts import decode_tenant_payload
 
         tenant_id = active.tenant.tenant_id
-        self.dep.training_service.save([tenant_id], True)
-        payload = self.dep.training_service.export_params(tenant_id)
+        training = self.dep.training_service
+
+        def checkpoint_and_export() -> bytes:
+            training.save([tenant_id], True)
+            return training.export_params(tenant_id)
+
+        payload = self._through_restarts(checkpoint_and_export, tenant_id, "publishing")
         _, manifest = decode_tenant_payload(payload)
         inference = getattr(self.dep, "inference_service", None)
-        if inference is not None:
-            inference.load_weights(payload)  # serve what was just trained
+        if inference is not None:  # serve what was just trained
+            self._through_restarts(lambda: inference.load_weights(payload), tenant_id, "serving")
         registered = self.dep.tracker.register_tenant_payload(
             run_id=active.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
         )

@@ -5,6 +5,7 @@ was restarted in place, every tenant made progress and no acknowledged version w
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos_soak.py"
 def test_short_soak_loses_nothing_while_every_role_is_killed(tmp_path):
     spec = importlib.util.spec_from_file_location("chaos_soak", BENCHMARK)
     soak = importlib.util.module_from_spec(spec)
+    sys.modules["chaos_soak"] = soak  # dataclasses look their module up there
     spec.loader.exec_module(soak)
     result = soak.run(tenants=3, seconds=100, kill_every_s=15, data_dir=tmp_path)
     soak.print_result(result)
