@@ -8,14 +8,29 @@ output "cluster_endpoint" {
   value       = module.eks_gpu.cluster_endpoint
 }
 
+output "region" {
+  description = "AWS region."
+  value       = var.region
+}
+
 output "artifact_bucket" {
-  description = "Set JOYNEXUS_S3_BUCKET to this (deployments/config.yaml)."
+  description = "Set JOYNEXUS_S3_BUCKET to this (deployments/config.yaml; infra/scripts/bootstrap-cluster does)."
   value       = module.eks_gpu.artifact_bucket
 }
 
-output "kuberay_namespace" {
-  description = "Namespace of the KubeRay operator."
-  value       = helm_release.kuberay_operator.namespace
+output "database_endpoint" {
+  description = "host:port of the RDS PostgreSQL instance (control plane, MLflow and Prefect databases)."
+  value       = module.eks_gpu.database_endpoint
+}
+
+output "database_secret_arn" {
+  description = "Secrets Manager secret (RDS-managed, rotated) with the master user's name and password."
+  value       = module.eks_gpu.database_secret_arn
+}
+
+output "shared_file_system_id" {
+  description = "EFS file system for datasets and backbone weights (StorageClass joynexus-shared)."
+  value       = module.eks_gpu.shared_file_system_id
 }
 
 output "kubeconfig_command" {

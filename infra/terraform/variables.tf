@@ -10,20 +10,29 @@ variable "tags" {
   default     = {}
 }
 
+variable "namespace" {
+  description = "Kubernetes namespace of JoyNexus (deployments/kustomization.yaml); the per-pod IAM roles are bound to its service accounts."
+  type        = string
+  default     = "joynexus"
+}
+
 variable "cluster" {
-  description = "The EKS cluster and its network."
+  description = "The EKS cluster and its network. The API endpoint is private unless public_endpoint is set, and then open only to public_access_cidrs."
   type = object({
-    name               = optional(string, "joynexus")
-    kubernetes_version = optional(string, "1.31")
-    vpc_cidr           = optional(string, "10.42.0.0/16")
-    availability_zones = optional(number, 2)
-    public_endpoint    = optional(bool, true)
+    name                = optional(string, "joynexus")
+    kubernetes_version  = optional(string, "1.33")
+    vpc_cidr            = optional(string, "10.42.0.0/16")
+    availability_zones  = optional(number, 2)
+    public_endpoint     = optional(bool, false)
+    public_access_cidrs = optional(list(string), [])
   })
   default = {}
 }
 
+# tests/deploy/test_node_fit.py reads the instance_types defaults below and checks that every pod of
+# the rendered manifests fits the node group it is scheduled on.
 variable "node_pools" {
-  description = "System (CPU) pool for the Prefect/MLflow pods and the Ray head; GPU pool for the Ray workers."
+  description = "System (CPU) pool for the API, Prefect, MLflow, the Ray head and cluster add-ons; GPU pool for the Ray workers. min/max bound the cluster-autoscaler."
   type = object({
     system = optional(object({
       instance_types = optional(list(string), ["m6i.xlarge"])
@@ -50,20 +59,25 @@ variable "artifact_bucket" {
   default     = null
 }
 
-variable "kuberay" {
-  description = "The KubeRay operator Helm release."
+variable "checkpoint_lifecycle" {
+  description = "S3 lifecycle of checkpoints/: superseded (noncurrent) objects expire after noncurrent_days; current ones move to STANDARD_IA after infrequent_access_days."
   type = object({
-    namespace     = optional(string, "kuberay-system")
-    chart_version = optional(string, "1.4.2")
+    noncurrent_days        = optional(number, 30)
+    infrequent_access_days = optional(number, 60)
   })
   default = {}
 }
 
-variable "nvidia_device_plugin" {
-  description = "The NVIDIA device plugin Helm release (advertises nvidia.com/gpu on the GPU nodes)."
+variable "database" {
+  description = "RDS PostgreSQL for the control plane, MLflow and Prefect (one instance, three databases)."
   type = object({
-    namespace     = optional(string, "nvidia-device-plugin")
-    chart_version = optional(string, "0.17.1")
+    instance_class        = optional(string, "db.t4g.medium")
+    engine_version        = optional(string, "16")
+    allocated_storage_gib = optional(number, 50)
+    max_storage_gib       = optional(number, 200)
+    multi_az              = optional(bool, true)
+    backup_retention_days = optional(number, 7)
+    deletion_protection   = optional(bool, true)
   })
   default = {}
 }

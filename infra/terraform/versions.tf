@@ -1,18 +1,16 @@
 terraform {
   required_version = ">= 1.6.0"
 
+  # Only the aws provider: everything inside the cluster (KubeRay operator, NVIDIA device plugin,
+  # cluster-autoscaler, storage classes) is plain manifests in infra/cluster/, applied by
+  # infra/scripts/bootstrap-cluster. So this root module validates offline against a mirror that
+  # holds hashicorp/aws alone (tests/deploy/test_terraform.py).
   required_providers {
     aws = {
       source  = "hashicorp/aws"
       version = "5.100.0"
     }
-    kubernetes = {
-      source  = "hashicorp/kubernetes"
-      version = "2.37.1"
-    }
-    helm = {
-      source  = "hashicorp/helm"
-      version = "2.17.0"
-    }
   }
+
+  # Remote state: copy backend.tf.example to backend.tf (S3 bucket + DynamoDB lock table).
 }

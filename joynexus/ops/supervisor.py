@@ -545,7 +545,13 @@ def status(settings: Settings | None = None, *, timeout_s: float = 30.0) -> dict
     ray_address = settings.ray_address
     report["ray"] = {"healthy": False, "where": ray_address or "-", "detail": process_detail("ray")}
     if ray_address:
-        host, _, port = ray_address.rpartition(":")
+        if "://" in ray_address:  # a Ray Client address (ray://head:10001), as pods outside Ray use
+            from urllib.parse import urlparse
+
+            parsed = urlparse(ray_address)
+            host, port = parsed.hostname or HOST, str(parsed.port or "")
+        else:
+            host, _, port = ray_address.rpartition(":")
         reachable = port.isdigit() and _port_open(host or HOST, int(port))
         report["ray"]["healthy"] = reachable
         if reachable:

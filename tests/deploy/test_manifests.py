@@ -1,73 +1,135 @@
-"""deployments/: every YAML parses; kinds, GPU requests, images, ports and cross-references agree."""
+"""deployments/, rendered by kustomize: what the services need to actually work in a cluster, checked
+against what the code does (Ray Client addresses, MLflow's Host check, the Prefect pull step), and
+the security posture of every pod (no Secret where tenant code runs, restricted pods, probes, limits,
+a network policy that really guards the Ray head)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from urllib.parse import urlparse
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-DEPLOYMENTS = REPO / "deployments"
-IMAGE = "ghcr.io/joynexus/joynexus"
-
-
-def documents() -> list[tuple[Path, dict]]:
-    found = []
-    for path in sorted(DEPLOYMENTS.rglob("*.yaml")) + sorted((REPO / "infra" / "terraform").rglob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            assert isinstance(doc, dict), f"{path}: every document is a mapping"
-            found.append((path, doc))
-    return found
+from tests.deploy.render import ADDONS, DEPLOYMENTS, IMAGE, REPO, WORKLOAD_KINDS, by_key, pod_specs, rendered
 
 
 def resources() -> dict[tuple[str, str], dict]:
-    return {
-        (doc["kind"], doc["metadata"]["name"]): doc
-        for path, doc in documents()
-        if path.is_relative_to(DEPLOYMENTS) and "kind" in doc and doc["kind"] != "Kustomization"
-    }
+    return by_key(rendered())
 
 
-def containers(doc: dict) -> list[dict]:
-    if doc["kind"] == "RayCluster":
-        spec = doc["spec"]
-        pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
-    else:
-        pods = [doc["spec"]["template"]]
-    return [c for pod in pods for c in pod["spec"]["containers"]]
+def config() -> dict[str, str]:
+    return resources()[("ConfigMap", "joynexus-config")]["data"]
 
 
-def test_every_yaml_parses_and_the_kustomization_lists_every_manifest():
-    docs = documents()
-    assert len(docs) >= 10
+def test_the_kustomization_lists_every_manifest_and_every_object_lands_in_the_namespace():
     kustomization = yaml.safe_load((DEPLOYMENTS / "kustomization.yaml").read_text())
     listed = {DEPLOYMENTS / r for r in kustomization["resources"]}
     on_disk = {p for p in DEPLOYMENTS.rglob("*.yaml") if p.name != "kustomization.yaml"}
     assert listed == on_disk
     assert kustomization["images"] == [{"name": IMAGE, "newTag": "0.1.0"}]
+    for (kind, name), doc in resources().items():
+        if kind != "Namespace":
+            assert doc["metadata"]["namespace"] == "joynexus", (kind, name)
 
 
 def test_kinds():
-    kinds = {key for key in resources()}
     assert {
         ("Namespace", "joynexus"),
         ("ConfigMap", "joynexus-config"),
         ("RayCluster", "joynexus"),
         ("Job", "joynexus-services"),
+        ("Job", "joynexus-prefect-register"),
+        ("Deployment", "joynexus-api"),
+        ("Service", "joynexus-api"),
+        ("Ingress", "joynexus-api"),
         ("Deployment", "joynexus-mlflow"),
         ("Service", "joynexus-mlflow"),
         ("Deployment", "joynexus-prefect"),
         ("Service", "joynexus-prefect"),
         ("Deployment", "joynexus-prefect-worker"),
-    } == kinds
+        ("PersistentVolumeClaim", "joynexus-shared"),
+    } <= set(resources())
     assert resources()[("RayCluster", "joynexus")]["apiVersion"] == "ray.io/v1"
 
 
-def test_gpu_workers_request_gpus_and_the_head_does_not():
+def test_clients_outside_the_ray_nodes_connect_through_the_ray_client_server():
+    # ray.init("host:6379") only works inside a Ray node; the Ray Client form is ray://host:10001.
+    res = resources()
+    address = urlparse(config()["JOYNEXUS_RAY_ADDRESS"])
+    assert address.scheme == "ray"
+    head = res[("RayCluster", "joynexus")]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert address.port == ports["client"] == 10001
+    assert address.hostname == "joynexus-head-svc"  # KubeRay names the head service <cluster>-head-svc
+
+
+def test_mlflow_allows_the_host_its_clients_address():
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    (_, pod), = pod_specs(resources()[("Deployment", "joynexus-mlflow")])  # fmt: skip
+    command = " ".join(pod["containers"][0]["args"])
+    match = re.search(r'--allowed-hosts "([^"]+)"', command)
+    assert match, "mlflow server without --allowed-hosts answers 403 to joynexus-mlflow:5000"
+    allowed = match.group(1).split(",")
+    uri = urlparse(config()["JOYNEXUS_MLFLOW_TRACKING_URI"])
+    assert is_allowed_host_header(allowed, uri.netloc)  # requests sends Host: joynexus-mlflow:5000
+    assert is_allowed_host_header(allowed, "joynexus-mlflow.joynexus.svc.cluster.local:5000")
+    assert not is_allowed_host_header(allowed, "evil.example.com")
+    assert '--artifacts-destination "s3://$JOYNEXUS_S3_BUCKET/mlflow"' in command
+    assert "--port 5000" in command
+
+
+def test_every_pod_is_restricted_has_limits_probes_and_runs_the_image():
+    for doc in resources().values():
+        if doc["kind"] not in WORKLOAD_KINDS:
+            continue
+        for label, pod in pod_specs(doc):
+            assert pod["securityContext"]["runAsNonRoot"] is True, label
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, label
+            assert pod["securityContext"]["runAsUser"] >= 10000, label
+            assert pod.get("serviceAccountName", "default") != "default", label
+            assert "joynexus.io/node-pool" in pod.get("nodeSelector", {}), label
+            for container in pod["containers"]:
+                assert container["image"] == f"{IMAGE}:0.1.0", label
+                context = container["securityContext"]
+                assert context["allowPrivilegeEscalation"] is False, label
+                assert context["readOnlyRootFilesystem"] is True, label
+                assert context["capabilities"] == {"drop": ["ALL"]}, label
+                resources_ = container["resources"]
+                for key in ("cpu", "memory"):
+                    assert key in resources_["requests"] and key in resources_["limits"], (label, key)
+                assert resources_["limits"]["memory"] == resources_["requests"]["memory"] or doc["kind"] != "RayCluster"
+                if doc["kind"] == "Deployment":
+                    assert "readinessProbe" in container and "livenessProbe" in container, label
+                mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                assert "/tmp" in mounts, label  # read-only root: everything writes to /tmp
+
+
+def test_tenant_code_pods_get_no_secret_and_no_api_token():
+    cluster = resources()[("RayCluster", "joynexus")]
+    for label, pod in pod_specs(cluster):
+        for container in pod["containers"]:
+            assert not any("secretRef" in e for e in container.get("envFrom", [])), label
+            assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in container.get("env", [])), label
+        assert not any("secret" in v for v in pod.get("volumes", [])), label
+        shared = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == "shared"]
+        assert shared and all(m.get("readOnly") for m in shared), label
+        if not label.endswith("/head"):  # the head's autoscaler sidecar needs its token
+            assert pod["automountServiceAccountToken"] is False, label
+    for (kind, _), doc in resources().items():
+        if kind == "ServiceAccount":
+            assert doc["automountServiceAccountToken"] is False
+        for label, pod in pod_specs(doc):
+            for container in pod["containers"]:
+                assert not any("secretRef" in e for e in container.get("envFrom", [])), label  # key by key only
+
+
+def test_gpu_workers_and_ray_autoscaling():
     cluster = resources()[("RayCluster", "joynexus")]["spec"]
     assert cluster["rayVersion"] == "2.60.0"  # the Ray of pyproject.toml
-    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # actors go to the GPU workers
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
     (workers,) = cluster["workerGroupSpecs"]
@@ -75,66 +137,124 @@ def test_gpu_workers_request_gpus_and_the_head_does_not():
     resources_ = pod["containers"][0]["resources"]
     assert resources_["requests"]["nvidia.com/gpu"] == resources_["limits"]["nvidia.com/gpu"] == 1
     assert workers["rayStartParams"]["num-gpus"] == "1"
+    assert 1 <= workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"joynexus.io/node-pool": "gpu"}  # the label node_groups.tf puts on GPU nodes
     node_groups = (REPO / "infra/terraform/modules/eks-gpu/node_groups.tf").read_text()
     assert '"joynexus.io/node-pool"          = "gpu"' in node_groups and 'key    = "nvidia.com/gpu"' in node_groups
 
 
-def test_every_container_runs_the_joynexus_image_with_the_shared_config():
-    for (kind, name), doc in resources().items():
-        if kind not in ("RayCluster", "Job", "Deployment"):
-            continue
-        for container in containers(doc):
-            assert container["image"] == f"{IMAGE}:0.1.0", (kind, name)
-            env_from = [e.get("configMapRef", {}).get("name") for e in container.get("envFrom", [])]
-            env = {e["name"]: e for e in container.get("env", [])}
-            assert "joynexus-config" in env_from or any(
-                e.get("valueFrom", {}).get("configMapKeyRef", {}).get("name") == "joynexus-config" for e in env.values()
-            ) or name == "joynexus-prefect", (kind, name)  # fmt: skip
-
-
 def test_ports_services_and_settings_line_up():
     res = resources()
-    config = res[("ConfigMap", "joynexus-config")]["data"]
-    head = res[("RayCluster", "joynexus")]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert {p["name"]: p["containerPort"] for p in head["ports"]} == {"gcs": 6379, "dashboard": 8265, "client": 10001}
-    assert config["JOYNEXUS_RAY_ADDRESS"] == "joynexus-head-svc:6379"  # KubeRay names the head service <name>-head-svc
     for name, port, url_key, health in (
         ("joynexus-mlflow", 5000, "JOYNEXUS_MLFLOW_TRACKING_URI", "/health"),
         ("joynexus-prefect", 4200, "PREFECT_API_URL", "/api/health"),
+        ("joynexus-api", 8765, None, "/openapi.json"),
     ):
         deployment, service = res[("Deployment", name)], res[("Service", name)]
-        (container,) = containers(deployment)
+        ((_, pod),) = pod_specs(deployment)
+        (container,) = pod["containers"]
         assert container["ports"] == [{"name": "http", "containerPort": port}]
         assert container["readinessProbe"]["httpGet"] == {"path": health, "port": "http"}
         assert service["spec"]["ports"] == [{"name": "http", "port": port, "targetPort": "http"}]
         assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
-        assert deployment["spec"]["selector"]["matchLabels"].items() <= service["spec"]["selector"].items()
-        assert config[url_key].startswith(f"http://{name}:{port}")
-    assert config["RAY_AUTH_MODE"] == "disabled"
+        if url_key:
+            assert config()[url_key].startswith(f"http://{name}:{port}")
+    ingress = res[("Ingress", "joynexus-api")]["spec"]
+    backend = ingress["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "joynexus-api", "port": {"name": "http"}}
+    assert config()["RAY_AUTH_MODE"] == "disabled"
 
 
-def test_mlflow_server_settings():
-    (container,) = containers(resources()[("Deployment", "joynexus-mlflow")])
-    env = {e["name"]: e for e in container["env"]}
-    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]["value"] == "false"
-    command = " ".join(container["args"])
-    assert '--artifacts-destination "s3://$JOYNEXUS_S3_BUCKET/mlflow"' in command  # where JoyNexus writes too
-    assert "--port 5000" in command
+def _allows(policy: dict, labels: dict[str, str], port: int) -> bool:
+    for rule in policy["spec"].get("ingress", []):
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if ports and port not in ports:
+            continue
+        sources = rule.get("from")
+        if sources is None:
+            return True
+        for source in sources:
+            if "ipBlock" in source:
+                return True
+            selector = source.get("podSelector")
+            if selector is not None and "namespaceSelector" not in source:
+                if selector.get("matchLabels", {}).items() <= labels.items():
+                    return True
+    return False
 
 
-def test_worker_serves_the_prefect_yaml_pool():
-    (container,) = containers(resources()[("Deployment", "joynexus-prefect-worker")])
-    pools = {d["work_pool"]["name"] for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
-    assert pools == {"joynexus-process"}
-    assert "prefect worker start --pool joynexus-process --type process" in " ".join(container["args"])
+def test_network_policy_guards_the_ray_head():
+    res = resources()
+    policies = [d for (k, _), d in res.items() if k == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and p["spec"].get("ingress") is None for p in policies)  # deny all
+    head_labels = {"ray.io/cluster": "joynexus", "ray.io/node-type": "head"}
+    head_policies = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"] != {} and p["spec"]["podSelector"]["matchLabels"].items() <= head_labels.items()
+    ]
+    assert head_policies
+
+    def reach(labels: dict[str, str], port: int) -> bool:
+        return any(_allows(p, labels, port) for p in head_policies)
+
+    ray_node = {"ray.io/cluster": "joynexus", "ray.io/node-type": "worker"}
+    assert reach(ray_node, 6379) and reach(ray_node, 10001)
+    for (kind, _name), doc in res.items():  # every pod that is not a Ray node: the client port at most
+        for label, pod in pod_specs(doc):
+            if kind == "RayCluster":
+                continue
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert not reach(labels, 6379) and not reach(labels, 8265), label
+            assert reach(labels, 10001) == (labels.get("joynexus.io/ray-client") == "true"), label
+            uses_ray = any(
+                c.get("command", [""])[0] == "joynexus" or c["name"] == "prefect-worker" for c in pod["containers"]
+            )
+            assert not uses_ray or reach(labels, 10001), label
+    assert not reach({"app": "anything-else"}, 10001) and not reach({}, 6379)
 
 
-@pytest.mark.parametrize("values", ["kuberay-operator.yaml", "nvidia-device-plugin.yaml"])
-def test_helm_values_sit_next_to_the_terraform(values):
-    path = REPO / "infra" / "terraform" / "values" / values
-    assert isinstance(yaml.safe_load(path.read_text()), dict)
-    assert f'file("${{path.module}}/values/{values}")' in "".join(
-        p.read_text() for p in (REPO / "infra" / "terraform").glob("*.tf")
-    )
+def test_prefect_deployments_pull_and_register_once():
+    prefect = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    assert prefect["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
+    assert {d["work_pool"]["name"] for d in prefect["deployments"]} == {"joynexus-process"}
+    res = resources()
+    ((_, worker),) = pod_specs(res[("Deployment", "joynexus-prefect-worker")])
+    command = " ".join(worker["containers"][0]["command"] + worker["containers"][0].get("args", []))
+    assert "prefect worker start --pool joynexus-process --type process" in command
+    assert "deploy" not in command  # registration is the Job's, not every worker start's
+    assert worker["containers"][0]["workingDir"] == "/opt/joynexus"
+    ((_, register),) = pod_specs(res[("Job", "joynexus-prefect-register")])
+    container = register["containers"][0]
+    assert container["workingDir"] == "/opt/joynexus"
+    assert "prefect --no-prompt deploy --all" in " ".join(container["args"])
+
+
+def test_cluster_addons_render_offline_and_the_remote_bases_are_pinned():
+    docs = by_key(rendered(ADDONS))
+    assert ("Deployment", "cluster-autoscaler") in docs and ("StorageClass", "gp3") in docs
+    remote = yaml.safe_load((ADDONS.parent / "kustomization.yaml").read_text())["resources"]
+    assert "addons" in remote
+    for url in (r for r in remote if r.startswith("http")):
+        assert re.search(r"(\?ref=v\d+\.\d+\.\d+$|/v\d+\.\d+\.\d+/)", url), url  # a release tag, never a branch
+
+
+@pytest.mark.parametrize("step", [
+    'install "torch==2.14.1" "torchvision==0.29.1"',
+    'install -c requirements/lock.txt -e ".[dev]"',
+    'install --no-deps "lerobot==0.4.4"',
+])  # fmt: skip
+def test_the_dockerfile_installs_the_stack_the_way_bootstrap_does(step):
+    bootstrap = (REPO / "scripts" / "bootstrap").read_text()
+    assert step in bootstrap  # the pinned steps the image inherits by running the script itself
+    dockerfile = (REPO / "Dockerfile").read_text()
+    instructions = [line.split(None, 1)[0] for line in dockerfile.splitlines() if line and line[0].isalpha()]
+    assert instructions[0] in ("ARG", "FROM") and "FROM" in instructions and instructions.count("USER") == 1
+    run = " ".join(line for line in dockerfile.splitlines())
+    assert "scripts/bootstrap" in re.findall(r"RUN [^#]*?scripts/bootstrap", run)[0]
+    assert re.search(r"^USER 10001", dockerfile, re.M)  # the manifests' runAsUser
+    assert "ARG VARIANT=cuda" in dockerfile and 'PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX"' in dockerfile
+    assert re.search(r"^FROM python:3\.11|^ARG PYTHON_IMAGE=python:3\.11", dockerfile, re.M)
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored

@@ -1,5 +1,6 @@
-"""infra/terraform: formatted, one file per concern, pinned chart and provider versions, and
-validated offline where the local provider mirror allows (it holds hashicorp/aws only)."""
+"""infra/terraform: formatted, one file per concern, exact provider pins, ONLY the aws provider (so the
+ROOT module validates offline against a mirror holding hashicorp/aws: `terraform init -backend=false
+-plugin-dir <mirror>` + `terraform validate`), and the pieces a running deployment needs."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def required_providers(folder: Path) -> set[str]:
     return set(re.findall(r'source\s*=\s*"([a-z0-9-]+/[a-z0-9-]+)"', text))
 
 
+def all_tf(folder: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(folder.rglob("*.tf")))
+
+
 def run(args: list[str], cwd: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_IN_AUTOMATION="1", TF_INPUT="0", CHECKPOINT_DISABLE="1")
     rc = tmp_path / "terraformrc"
@@ -52,24 +57,46 @@ def run(args: list[str], cwd: Path, tmp_path: Path) -> subprocess.CompletedProce
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_layout_one_file_per_concern_with_pinned_versions():
+def test_layout_one_file_per_concern_only_the_aws_provider():
     assert {p.name for p in TERRAFORM.glob("*.tf")} == {
-        "versions.tf", "providers.tf", "variables.tf", "main.tf", "kuberay.tf", "gpu.tf", "outputs.tf",
+        "versions.tf", "providers.tf", "variables.tf", "main.tf", "outputs.tf",
     }  # fmt: skip
     assert {p.name for p in MODULE.glob("*.tf")} == {
         "versions.tf", "variables.tf", "network.tf", "iam.tf", "cluster.tf", "node_groups.tf", "storage.tf",
-        "outputs.tf",
+        "shared.tf", "database.tf", "kms.tf", "outputs.tf",
     }  # fmt: skip
-    versions = (TERRAFORM / "versions.tf").read_text()
-    for provider in ("aws", "kubernetes", "helm"):  # exact pins, no ranges
-        assert re.search(rf'{provider} = \{{\s*source\s*= "hashicorp/{provider}"\s*version = "\d+\.\d+\.\d+"', versions)
+    for folder in (TERRAFORM, MODULE):
+        assert required_providers(folder) == {"hashicorp/aws"}
+        assert re.search(
+            r'aws = \{\s*source\s*= "hashicorp/aws"\s*version = "\d+\.\d+\.\d+"', (folder / "versions.tf").read_text()
+        )
+    text = all_tf(TERRAFORM)
+    assert "helm_release" not in text and 'provider "kubernetes"' not in text
+    assert (TERRAFORM / "backend.tf.example").read_text().count('backend "s3"') == 1
+
+
+def test_the_deployment_pieces_are_there():
+    module = all_tf(MODULE)
     variables = (TERRAFORM / "variables.tf").read_text()
-    assert 'chart_version = optional(string, "1.4.2")' in variables  # KubeRay operator chart
-    assert "optional(" in (MODULE / "variables.tf").read_text()
-    kuberay = (TERRAFORM / "kuberay.tf").read_text()
-    assert 'resource "helm_release" "kuberay_operator"' in kuberay
-    assert "version          = var.kuberay.chart_version" in kuberay
-    assert 'chart            = "kuberay-operator"' in kuberay
+    assert re.search(r'kubernetes_version\s*= optional\(string, "1\.3[1-3]"\)', variables)  # EKS standard support
+    assert re.search(r"public_endpoint\s*= optional\(bool, false\)", variables)  # private unless asked
+    assert "public_access_cidrs = var.public_endpoint ? var.public_access_cidrs : null" in module
+    # RDS PostgreSQL, password generated and kept by RDS in Secrets Manager
+    assert 'resource "aws_db_instance" "this"' in module and 'engine         = "postgres"' in module
+    assert "manage_master_user_password   = true" in module and "publicly_accessible    = false" in module
+    # per-pod IAM; the node role has no S3
+    assert 'resource "aws_eks_pod_identity_association" "pod"' in module and "pods.eks.amazonaws.com" in module
+    node_policies = re.search(r'resource "aws_iam_role_policy_attachment" "node" \{(.*?)\n\}', module, re.S).group(1)
+    assert "S3" not in node_policies and not re.search(r"role\s*=\s*aws_iam_role\.node\.id", module)
+    # add-ons: NetworkPolicy enforcement, EBS and EFS CSI
+    assert "enableNetworkPolicy" in module
+    for addon in ("aws-ebs-csi-driver", "aws-efs-csi-driver", "eks-pod-identity-agent"):
+        assert f'addon_name                  = "{addon}"' in module, addon
+    assert 'resource "aws_efs_file_system" "shared"' in module
+    # S3 lifecycle of old checkpoints
+    assert re.search(r'prefix = "checkpoints/"(.|\n)*?noncurrent_version_expiration', module)
+    # node autoscaling: cluster-autoscaler permissions, desired_size left to it
+    assert "autoscaling:SetDesiredCapacity" in module and "ignore_changes = [scaling_config[0].desired_size]" in module
 
 
 def test_terraform_fmt(tmp_path):
@@ -77,40 +104,19 @@ def test_terraform_fmt(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_aws_module_validates_offline(tmp_path):
-    """`terraform init -backend=false -plugin-dir=<mirror>` + `terraform validate` on the AWS module,
-    in a copy (init writes .terraform/ and a lock file next to the configuration)."""
+@pytest.mark.parametrize("folder", [TERRAFORM, MODULE], ids=["root", "eks-gpu"])
+def test_module_validates_offline(folder, tmp_path):
+    """`terraform init -backend=false -plugin-dir=<mirror>` + `terraform validate`, in a copy (init writes
+    .terraform/ and a lock file next to the configuration). The root module included: it needs only aws."""
     terraform = terraform_bin()
     mirror = provider_mirror()
     if mirror is None:
         pytest.skip("no local provider mirror (a folder named registry.terraform.io) was found")
-    missing = required_providers(MODULE) - mirrored_providers(mirror)
-    if missing:
-        pytest.skip(f"providers {sorted(missing)} are not in the mirror at {mirror}")
-    work = tmp_path / "eks-gpu"
-    shutil.copytree(MODULE, work)
+    assert required_providers(folder) <= mirrored_providers(mirror), f"the mirror at {mirror} lacks a provider"
+    work = tmp_path / folder.name
+    shutil.copytree(folder, work, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
     init = run([terraform, "init", "-backend=false", f"-plugin-dir={mirror}", "-input=false"], work, tmp_path)
     assert init.returncode == 0, init.stdout + init.stderr
     validate = run([terraform, "validate", "-no-color"], work, tmp_path)
     assert validate.returncode == 0, validate.stdout + validate.stderr
     assert "The configuration is valid" in validate.stdout
-
-
-def test_root_module_validates_offline(tmp_path):
-    terraform = terraform_bin()
-    mirror = provider_mirror()
-    if mirror is None:
-        pytest.skip("no local provider mirror (a folder named registry.terraform.io) was found")
-    missing = required_providers(TERRAFORM) - mirrored_providers(mirror)
-    if missing:
-        pytest.skip(
-            f"the root module also needs {sorted(missing)} (helm_release for KubeRay, the cluster's "
-            f"kubernetes provider), and the offline mirror at {mirror} holds only "
-            f"{sorted(mirrored_providers(mirror))}; its AWS module is validated by test_aws_module_validates_offline"
-        )
-    work = tmp_path / "terraform"
-    shutil.copytree(TERRAFORM, work)
-    init = run([terraform, "init", "-backend=false", f"-plugin-dir={mirror}", "-input=false"], work, tmp_path)
-    assert init.returncode == 0, init.stdout + init.stderr
-    validate = run([terraform, "validate", "-no-color"], work, tmp_path)
-    assert validate.returncode == 0, validate.stdout + validate.stderr

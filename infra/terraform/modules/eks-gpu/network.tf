@@ -1,4 +1,5 @@
 data "aws_availability_zones" "available" {
+  #checkov:skip=CKV_AWS_394:the first var.availability_zones zones of the region are taken by name at creation; the subnets keep their zone afterwards (changing it forces replacement, which a plan shows)
   state = "available"
 }
 
@@ -14,6 +15,54 @@ resource "aws_vpc" "this" {
   tags = { Name = "${var.cluster_name}-vpc" }
 }
 
+# The VPC's default security group allows nothing; every resource here uses its own group.
+resource "aws_default_security_group" "this" {
+  vpc_id = aws_vpc.this.id
+  tags   = { Name = "${var.cluster_name}-default-deny" }
+}
+
+# VPC flow logs (rejected and accepted traffic) to CloudWatch, encrypted, kept a year.
+resource "aws_cloudwatch_log_group" "flow_logs" {
+  name              = "/aws/vpc/${var.cluster_name}/flow-logs"
+  retention_in_days = 365
+  kms_key_id        = aws_kms_key.this.arn
+}
+
+data "aws_iam_policy_document" "flow_logs_assume" {
+  statement {
+    actions = ["sts:AssumeRole"]
+    principals {
+      type        = "Service"
+      identifiers = ["vpc-flow-logs.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role" "flow_logs" {
+  name               = "${var.cluster_name}-flow-logs"
+  assume_role_policy = data.aws_iam_policy_document.flow_logs_assume.json
+}
+
+data "aws_iam_policy_document" "flow_logs" {
+  statement {
+    actions   = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogGroups", "logs:DescribeLogStreams"]
+    resources = [aws_cloudwatch_log_group.flow_logs.arn, "${aws_cloudwatch_log_group.flow_logs.arn}:*"]
+  }
+}
+
+resource "aws_iam_role_policy" "flow_logs" {
+  name   = "${var.cluster_name}-flow-logs"
+  role   = aws_iam_role.flow_logs.id
+  policy = data.aws_iam_policy_document.flow_logs.json
+}
+
+resource "aws_flow_log" "this" {
+  vpc_id          = aws_vpc.this.id
+  traffic_type    = "ALL"
+  log_destination = aws_cloudwatch_log_group.flow_logs.arn
+  iam_role_arn    = aws_iam_role.flow_logs.arn
+}
+
 resource "aws_internet_gateway" "this" {
   vpc_id = aws_vpc.this.id
   tags   = { Name = "${var.cluster_name}-igw" }
@@ -24,7 +73,7 @@ resource "aws_subnet" "public" {
   vpc_id                  = aws_vpc.this.id
   availability_zone       = local.zones[count.index]
   cidr_block              = cidrsubnet(var.vpc_cidr, 4, count.index)
-  map_public_ip_on_launch = true
+  map_public_ip_on_launch = false # only the NAT gateway (an EIP) and load balancers live here
 
   tags = {
     Name                     = "${var.cluster_name}-public-${local.zones[count.index]}"

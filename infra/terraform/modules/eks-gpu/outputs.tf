@@ -22,3 +22,18 @@ output "gpu_node_group" {
   description = "Name of the GPU node group."
   value       = aws_eks_node_group.gpu.node_group_name
 }
+
+output "database_endpoint" {
+  description = "host:port of the PostgreSQL instance."
+  value       = aws_db_instance.this.endpoint
+}
+
+output "database_secret_arn" {
+  description = "Secrets Manager ARN of the RDS-managed master user secret."
+  value       = aws_db_instance.this.master_user_secret[0].secret_arn
+}
+
+output "shared_file_system_id" {
+  description = "EFS file system id of the shared datasets/weights volume."
+  value       = aws_efs_file_system.shared.id
+}

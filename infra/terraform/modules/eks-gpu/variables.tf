@@ -1,5 +1,5 @@
 variable "cluster_name" {
-  description = "EKS cluster name; also prefixes the VPC, roles and node groups."
+  description = "EKS cluster name; also prefixes the VPC, roles, node groups, database and file system."
   type        = string
 
   validation {
@@ -9,9 +9,14 @@ variable "cluster_name" {
 }
 
 variable "kubernetes_version" {
-  description = "EKS Kubernetes version."
+  description = "EKS Kubernetes version (standard support)."
   type        = string
-  default     = "1.31"
+  default     = "1.33"
+
+  validation {
+    condition     = contains(["1.31", "1.32", "1.33"], var.kubernetes_version)
+    error_message = "kubernetes_version: one of the EKS versions in standard support this module is tested against (1.31-1.33)."
+  }
 }
 
 variable "vpc_cidr" {
@@ -32,13 +37,30 @@ variable "availability_zones" {
 }
 
 variable "public_endpoint" {
-  description = "Whether the Kubernetes API is reachable from the internet (it is always reachable from the VPC)."
+  description = "Whether the Kubernetes API is reachable from outside the VPC (then only from public_access_cidrs)."
   type        = bool
-  default     = true
+  default     = false
+}
+
+variable "public_access_cidrs" {
+  description = "CIDRs allowed to reach a public Kubernetes API endpoint; must be set (and not 0.0.0.0/0) when public_endpoint is true."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition     = !contains(var.public_access_cidrs, "0.0.0.0/0")
+    error_message = "public_access_cidrs: list the operators' networks; 0.0.0.0/0 opens the API to the internet."
+  }
+}
+
+variable "namespace" {
+  description = "Kubernetes namespace whose service accounts get the per-pod IAM roles."
+  type        = string
+  default     = "joynexus"
 }
 
 variable "system_pool" {
-  description = "CPU node group: Prefect, MLflow, the Ray head, the KubeRay operator."
+  description = "CPU node group: the API, Prefect, MLflow, the Ray head, the KubeRay operator, the cluster-autoscaler."
   type = object({
     instance_types = optional(list(string), ["m6i.xlarge"])
     min_size       = optional(number, 2)
@@ -71,4 +93,27 @@ variable "artifact_bucket" {
   description = "S3 bucket name for checkpoints and MLflow artifacts; null: joynexus-artifacts-<account id>."
   type        = string
   default     = null
+}
+
+variable "checkpoint_lifecycle" {
+  description = "Lifecycle of the bucket's checkpoints/ prefix (days)."
+  type = object({
+    noncurrent_days        = optional(number, 30)
+    infrequent_access_days = optional(number, 60)
+  })
+  default = {}
+}
+
+variable "database" {
+  description = "RDS PostgreSQL settings."
+  type = object({
+    instance_class        = optional(string, "db.t4g.medium")
+    engine_version        = optional(string, "16")
+    allocated_storage_gib = optional(number, 50)
+    max_storage_gib       = optional(number, 200)
+    multi_az              = optional(bool, true)
+    backup_retention_days = optional(number, 7)
+    deletion_protection   = optional(bool, true)
+  })
+  default = {}
 }
