@@ -17,6 +17,7 @@ running workload from its recorded progress (or ends it `failed` with the reason
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -35,6 +36,7 @@ from joynexus.runtime import role_unavailable
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
 from joynexus.services.actor_loop import ActorLoop, ActorOutcome
 from joynexus.services.advantage_stage import AdvantageStage
+from joynexus.services.environment import SessionLimitExceeded
 from joynexus.services.rollout import RolloutProducer, evaluate_policy
 from joynexus.services.sft_producer import SFTProducer
 from joynexus.services.training import UnknownTenant
@@ -796,6 +798,13 @@ class WorkloadManager:
                 log.exception("workload %s failed to start", workload_id)
                 self._finish(workload_id, WORKLOAD_FAILED, error=f"start: {type(error).__name__}: {error}")
 
+    def _must_wait(self, error: BaseException, tenant_id: str) -> bool:
+        """Wait and try again (not a failure of the work): a service restarting, or full."""
+        if isinstance(error, SessionLimitExceeded) or self._service_restarting(error, tenant_id):
+            return True
+        # A restarted Inference Model Service serves nothing until versions are published again.
+        return isinstance(error, RuntimeError) and "no policy version being served" in str(error)
+
     def _service_restarting(self, error: BaseException, tenant_id: str) -> bool:
         """A service is gone or restarting in place (its call failed), or it is back without the
         tenant's slot yet (the Health Manager restores slots on its next round)."""
@@ -810,7 +819,7 @@ class WorkloadManager:
             try:
                 return call()
             except Exception as error:
-                if not self._service_restarting(error, tenant_id) or time.monotonic() > deadline:
+                if not self._must_wait(error, tenant_id) or time.monotonic() > deadline:
                     raise
                 log.warning("%s of tenant %s waits for a restarting service: %s", what, tenant_id, error)
                 if self.on_unavailable is not None:
@@ -875,10 +884,16 @@ class WorkloadManager:
                 except Exception as error:
                     if active.stop.is_set():
                         return  # the workload is ending; its jobs were released under it
-                    if role_unavailable(error) and outages < MAX_OUTAGE_RETRIES:
+                    if self._must_wait(error, tenant.tenant_id) and outages < MAX_OUTAGE_RETRIES:
                         # A service it writes to (Training Queue, Environment, Inference) is
-                        # restarting in place: not the workload's fault, so not on its failure budget.
+                        # restarting in place or full: not the workload's fault, so not on its
+                        # failure budget. A restarted Inference Model Service may have lost the
+                        # version the rollouts act with: serve the current one again.
                         outages += 1
+                        if kind == "rollout":
+                            with contextlib.suppress(Exception):
+                                if self.dep.inference_service.latest_version(tenant.tenant_id) is None:
+                                    self._publish_weights(tenant.tenant_id)
                         with self._lock:
                             self._producer_restarts += 1
                         log.warning(
