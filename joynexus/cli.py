@@ -10,7 +10,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="JoyNexus: multi-tenant post-training for robot VLA policies on one shared backbone.")
+# show_default: `--help` shows every option's default (joynexus.api.cli.HELP_SETTINGS).
+app = typer.Typer(
+    help="JoyNexus: multi-tenant post-training for robot VLA policies on one shared backbone.",
+    context_settings={"show_default": True},
+)
 # Logs and CI capture are not terminals; rich would wrap the tables at 80 columns there.
 console = Console(width=None if sys.stdout.isatty() else 140)
 
@@ -22,7 +26,9 @@ def _main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-_DATA_DIR_HELP = "Data dir of the deployment [default: $JOYNEXUS_DATA_DIR or ./var]."
+# Help text is rich markup, where a literal "[default: ...]" would vanish: defaults go in show_default.
+_DATA_DIR_HELP = "Data dir of the deployment."
+_DATA_DIR_DEFAULT = "$JOYNEXUS_DATA_DIR or ./var"
 
 
 def _deploy_settings(data_dir: Path | None):  # type: ignore[no-untyped-def]
@@ -33,7 +39,7 @@ def _deploy_settings(data_dir: Path | None):  # type: ignore[no-untyped-def]
 
 @app.command()
 def up(
-    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
+    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP, show_default=_DATA_DIR_DEFAULT),
     timeout: float = typer.Option(300.0, min=1, help="Seconds each service may take to come up."),
 ) -> None:
     """Start a Ray head, the resident services (detached actors), a Prefect server and an MLflow server.
@@ -57,7 +63,7 @@ def up(
 
 @app.command()
 def down(
-    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
+    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP, show_default=_DATA_DIR_DEFAULT),
 ) -> None:
     """Remove the resident service actors and stop exactly the processes `joynexus up` started."""
     from joynexus.ops.supervisor import down as deploy_down
@@ -67,7 +73,7 @@ def down(
 
 @app.command()
 def status(
-    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP),
+    data_dir: Path | None = typer.Option(None, help=_DATA_DIR_HELP, show_default=_DATA_DIR_DEFAULT),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Health of each service, the Training Queue depth and the Inference Queue depth."""

@@ -10,8 +10,16 @@ Both speak the server's own pydantic models (`joynexus.protocol.schemas`), so re
         final = handle.result(timeout=600)          # waits; raises WorkloadFailed if it failed
         step = client.train_batch(images, state, action)   # lower layer: one optimizer step
 
-Tensors go in as numpy arrays (or torch CPU tensors) and come back as `wire.Tensor`
-(`.to_numpy()`). Bodies are msgpack by default (raw tensor bytes); `wire="json"` sends JSON.
+Tensors go in as numpy arrays, torch CPU tensors or plain nested lists of numbers (lists get the
+dtype the field expects: float32 for images / states / actions / advantages, uint8 for integer
+images, bool for masks) and come back as `wire.Tensor` (`.to_numpy()`). Bodies are msgpack by
+default (raw tensor bytes); `wire="json"` sends JSON.
+
+Errors: everything this client raises is a `JoyNexusError` (`status_code`, `code`, `message`,
+`problems`): `ApiRequestError` (4xx), `ServerError` (5xx), `ConnectionFailed` (no answer: refused,
+unreachable, timed out), `InvalidResponse` (an answer it cannot read), `InvalidArgument` (refused
+before sending; `SpecFileError` for a spec file that does not parse, with its line and column),
+`WorkloadFailed` and `WorkloadTimeout` (from a workload handle's `result`).
 
 Retries: only transient failures — connection errors and 502 / 503 / 504 — with exponential
 backoff and jitter; never a 4xx. Every POST carries an `Idempotency-Key` that its retries reuse,
@@ -33,21 +41,36 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from joynexus.protocol import schemas as s
-from joynexus.protocol.wire import JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE, Tensor, msgpack_dumps, msgpack_loads, tensor
+from joynexus.protocol.wire import (
+    JSON_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPE,
+    Tensor,
+    TensorKind,
+    WireError,
+    as_tensor,
+    msgpack_dumps,
+    msgpack_loads,
+)
 
 __all__ = [
     "ApiRequestError",
     "AsyncJoyNexusClient",
     "AsyncWorkloadHandle",
+    "ConnectionFailed",
+    "InvalidArgument",
+    "InvalidResponse",
     "JoyNexusClient",
     "JoyNexusError",
     "RetryPolicy",
     "ServerError",
+    "SpecFileError",
     "WorkloadFailed",
     "WorkloadHandle",
+    "WorkloadTimeout",
+    "load_spec_file",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8765"
@@ -66,15 +89,31 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-class JoyNexusError(Exception):
-    """An error answer of the API: HTTP status, machine-readable code, message, field problems."""
+def _body(code: str, message: str, problems: list[tuple[str, str]] | tuple[()] = ()) -> s.ErrorBody:
+    return s.ErrorBody(code=code, message=message, problems=[s.Problem(field=f, reason=r) for f, r in problems])
 
-    def __init__(self, status_code: int, body: s.ErrorBody):
+
+class JoyNexusError(Exception):
+    """Every error this client raises: the HTTP status of an error answer (None where there was no
+    such answer), a machine-readable code, a message, and the field problems (`.field`, `.reason`)."""
+
+    def __init__(self, status_code: int | None, body: s.ErrorBody):
         self.status_code = status_code
         self.code = body.code
         self.message = body.message
         self.problems = body.problems
-        super().__init__(f"{status_code} {body.code}: {body.message}")
+        head = body.code if status_code is None else f"{status_code} {body.code}"
+        super().__init__(f"{head}: {body.message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (process pools, Ray, Prefect) whatever the subclass
+        return (_restore_error, (type(self), self.args, self.__dict__))
+
+
+def _restore_error(cls: type[JoyNexusError], args: tuple[Any, ...], state: dict[str, Any]) -> JoyNexusError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ApiRequestError(JoyNexusError):
@@ -85,10 +124,58 @@ class ServerError(JoyNexusError):
     """5xx (after the retries, for 502 / 503 / 504)."""
 
 
-class WorkloadFailed(RuntimeError):
+class ConnectionFailed(JoyNexusError):
+    """No answer from the server, after the retries: refused, unreachable, timed out or dropped.
+    `code` is "timeout" for a timeout, else "connection_failed"; `__cause__` is httpx's error."""
+
+    def __init__(self, url: str, error: BaseException):
+        code = "timeout" if isinstance(error, httpx.TimeoutException) else "connection_failed"
+        detail = str(error) or "no detail"
+        super().__init__(None, _body(code, f"no answer from {url} ({type(error).__name__}: {detail})"))
+        self.url = url
+
+
+class InvalidResponse(JoyNexusError):
+    """An answer this client cannot read: not JSON / msgpack, or not the shape it expects."""
+
+    def __init__(self, what: str, reason: str, status_code: int | None = None):
+        super().__init__(status_code, _body("invalid_response", f"{what}: {reason}"))
+
+
+class InvalidArgument(JoyNexusError, ValueError):
+    """An argument refused before anything was sent; `problems` name the fields."""
+
+    def __init__(self, problems: list[tuple[str, str]], message: str | None = None):
+        message = message or "; ".join(f"{field}: {reason}" for field, reason in problems)
+        super().__init__(None, _body("invalid_argument", message, problems))
+
+
+class SpecFileError(InvalidArgument):
+    """A workload spec file that cannot be read, does not parse (YAML or JSON), or holds no mapping.
+    `line` and `column` (1-based) say where a syntax error is; None when not known."""
+
+    def __init__(self, path: str | Path, reason: str, line: int | None = None, column: int | None = None):
+        self.path, self.reason, self.line, self.column = str(path), reason, line, column
+        where = self.path + "".join(f":{n}" for n in (line, column) if n is not None)
+        super().__init__([("spec", f"{where}: {reason}")], message=f"{where}: {reason}")
+
+
+class WorkloadFailed(JoyNexusError, RuntimeError):
+    """A workload ended failed or cancelled; `.status` is its final `WorkloadInfo`."""
+
     def __init__(self, status: s.WorkloadInfo):
         self.status = status
-        super().__init__(f"workload {status.workload_id} {status.state}: {status.error}")
+        message = f"workload {status.workload_id} {status.state}: {status.error}"
+        super().__init__(None, _body(f"workload_{status.state}", message))
+
+
+class WorkloadTimeout(JoyNexusError, TimeoutError):
+    """A workload handle's `result(timeout)` ran out of time; the workload goes on."""
+
+    def __init__(self, status: s.WorkloadInfo, timeout: float | None):
+        self.status = status
+        message = f"workload {status.workload_id} is still {status.state} after {timeout} s"
+        super().__init__(None, _body("workload_timeout", message))
 
 
 @dataclass(frozen=True)
@@ -132,13 +219,52 @@ def _json_or_none(response: httpx.Response) -> Any:
 
 
 def _error(response: httpx.Response) -> JoyNexusError:
+    """The error of a 4xx / 5xx answer: its ErrorBody, or (a proxy's HTML page, an empty body) its
+    text and reason phrase under the code "http_error"."""
     data = _json_or_none(response)
     try:
         body = s.ErrorBody.model_validate(data)
-    except Exception:
-        body = s.ErrorBody(code="http_error", message=response.text[:500] or response.reason_phrase)
+    except ValidationError:
+        try:
+            text = " ".join(response.text.split())[:500]
+        except (UnicodeDecodeError, LookupError):
+            text = ""
+        body = s.ErrorBody(code="http_error", message=text or response.reason_phrase or "no message")
     cls = ApiRequestError if response.status_code < 500 else ServerError
     return cls(response.status_code, body)
+
+
+def _transport_error(url: str, error: Exception) -> JoyNexusError:
+    """What a failed request raises: our own errors as they are, anything else as ConnectionFailed."""
+    return error if isinstance(error, JoyNexusError) else ConnectionFailed(url, error)
+
+
+def _event(data: str) -> s.WorkloadEvent:
+    try:
+        return s.WorkloadEvent.model_validate_json(data)
+    except ValidationError as error:
+        raise InvalidResponse("workload event", _first_error(error)) from None
+
+
+def _stream_error(data: str) -> JoyNexusError:
+    """The `error` event of a workload stream (the workload is not the caller's, or is gone)."""
+    try:
+        return ApiRequestError(404, s.ErrorBody.model_validate_json(data))
+    except ValidationError as error:
+        return InvalidResponse("workload stream error event", _first_error(error))
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0] if error.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ())) or "body"
+    return f"{where}: {first.get('msg', str(error))} ({error.error_count()} problem(s))"
+
+
+def _http_client(cls: Any, base_url: str, timeout_s: float) -> Any:
+    try:
+        return cls(base_url=base_url, timeout=timeout_s)
+    except (httpx.InvalidURL, ValueError, TypeError) as error:
+        raise InvalidArgument([("base_url", f"{base_url!r} is not a usable URL ({error})")]) from None
 
 
 class _Base:
@@ -152,6 +278,9 @@ class _Base:
         wire: Literal["msgpack", "json"],
     ):
         self.base_url = (base_url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+        if not self.base_url.startswith(("http://", "https://")):
+            reason = f"{self.base_url!r} is not an http:// or https:// URL (e.g. {DEFAULT_URL})"
+            raise InvalidArgument([("base_url", reason)])
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
@@ -164,6 +293,12 @@ class _Base:
         return headers
 
     def _request_kwargs(self, call: _Call) -> dict[str, Any]:
+        try:
+            return self._encoded(call)
+        except (TypeError, ValueError, OverflowError) as error:  # a body msgpack / JSON cannot carry
+            raise InvalidArgument([("body", f"cannot be encoded: {type(error).__name__}: {error}")]) from None
+
+    def _encoded(self, call: _Call) -> dict[str, Any]:
         headers = self._headers()
         kwargs: dict[str, Any] = {"params": call.params, "headers": headers}
         if call.method == "POST":
@@ -178,8 +313,11 @@ class _Base:
             if self.wire == "msgpack":
                 headers["Content-Type"] = MSGPACK_MEDIA_TYPE
                 kwargs["content"] = msgpack_dumps(data)
-            else:
-                kwargs["json"] = data
+            else:  # encoded here (not by httpx) so an unencodable body fails before sending
+                headers["Content-Type"] = JSON_MEDIA_TYPE
+                kwargs["content"] = json.dumps(
+                    data, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+                ).encode()
         return kwargs
 
     @staticmethod
@@ -188,11 +326,19 @@ class _Base:
             raise _error(response)
         if call.raw:
             return response.content
+        what = f"the answer to {call.method} {call.path}"
         media = response.headers.get("content-type", "").split(";")[0].strip()
-        data = msgpack_loads(response.content) if media == MSGPACK_MEDIA_TYPE else response.json()
+        try:
+            data = msgpack_loads(response.content) if media == MSGPACK_MEDIA_TYPE else response.json()
+        except (WireError, ValueError, UnicodeDecodeError) as error:
+            body = " ".join(response.text.split())[:200] if media != MSGPACK_MEDIA_TYPE else f"{media} bytes"
+            raise InvalidResponse(what, f"not {media or 'JSON'} ({type(error).__name__}): {body!r}") from None
         if call.model is None:
             return data
-        return _adapter(call.model).validate_python(data)
+        try:
+            return _adapter(call.model).validate_python(data)
+        except ValidationError as error:
+            raise InvalidResponse(what, _first_error(error), response.status_code) from None
 
     def _should_retry(self, attempt: int, response: httpx.Response | None, error: Exception | None) -> bool:
         if attempt + 1 >= self.retry.attempts:
@@ -205,41 +351,118 @@ class _Base:
 # -- request builders (shared by both clients) ---------------------------------------------------
 
 
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    """A workload spec file (YAML, or JSON for a `.json` file) as a dict. SpecFileError names the
+    file, and for a syntax error its line and column, with the parser's reason."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecFileError(path, f"cannot be read ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise SpecFileError(path, f"is not UTF-8 text (byte {error.start})") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SpecFileError(path, f"JSON syntax error: {error.msg}", error.lineno, error.colno) from None
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark or error.context_mark
+            reason = ": ".join(part for part in (error.context, error.problem) if part) or "not valid YAML"
+            line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+            raise SpecFileError(path, f"YAML syntax error: {reason}", line, column) from None
+        except yaml.YAMLError as error:
+            raise SpecFileError(path, f"YAML syntax error: {error}") from None
+    if not isinstance(data, dict):
+        got = "nothing" if data is None else f"a {type(data).__name__}"
+        raise SpecFileError(path, f"holds {got}, not a mapping of spec fields (tenant, task, observation, ...)")
+    return data
+
+
 def _spec_dict(spec: Any) -> dict[str, Any] | None:
     if spec is None:
         return None
     if isinstance(spec, str | Path):
-        import yaml
-
-        data = yaml.safe_load(Path(spec).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"spec file {str(spec)!r} does not hold a mapping")
-        return data
+        return load_spec_file(spec)
     if isinstance(spec, BaseModel):
         return spec.model_dump(mode="json")
-    return dict(spec)
+    try:
+        return dict(spec)
+    except (TypeError, ValueError):
+        reason = f"expected a dict, a WorkloadSpec or a file path, got {type(spec).__name__}"
+        raise InvalidArgument([("spec", reason)]) from None
 
 
-def _tensor(value: Any) -> Tensor | None:
-    if value is None or isinstance(value, Tensor):
-        return value
-    return tensor(value)
+def _tensor(value: Any, field: str, kind: TensorKind = "float") -> Tensor | None:
+    """A request tensor (see `wire.as_tensor`: plain lists get the dtype `kind` names)."""
+    if value is None:
+        return None
+    try:
+        return as_tensor(value, field, kind)
+    except WireError as error:
+        raise InvalidArgument([(error.field, error.reason)]) from None
 
 
 def _samples(images: Any, state: Any, action: Any, action_is_pad: Any, instructions: list[str] | None) -> dict:
     return {
-        "images": _tensor(images),
-        "state": _tensor(state),
-        "action": _tensor(action),
-        "action_is_pad": _tensor(action_is_pad),
+        "images": _tensor(images, "images", "image"),
+        "state": _tensor(state, "state"),
+        "action": _tensor(action, "action"),
+        "action_is_pad": _tensor(action_is_pad, "action_is_pad", "bool"),
         "instructions": instructions,
     }
 
 
 def _columns(columns: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, list | tuple) else _tensor(v) for k, v in columns.items()}
+    """Queue columns: lists of strings as they are; arrays / tensors as tensors with their dtype
+    (numbers in a plain list are refused: a queue column's dtype is not known here)."""
+    out: dict[str, Any] = {}
+    for key, value in columns.items():
+        if isinstance(value, list | tuple):
+            if not all(isinstance(item, str) for item in value):
+                reason = "a list is a column of strings; pass numbers as a numpy array (its dtype is kept)"
+                raise InvalidArgument([(f"columns.{key}", reason)])
+            out[key] = list(value)
+        elif isinstance(value, Tensor):
+            out[key] = value
+        else:
+            try:
+                out[key] = Tensor.from_numpy(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+            except (WireError, ValueError, TypeError) as error:
+                raise InvalidArgument([(f"columns.{key}", str(getattr(error, "reason", error)))]) from None
+    return out
 
 
+def _checked(builder: Any) -> Any:
+    """A request builder whose invalid arguments (pydantic's checks of the request models) raise
+    InvalidArgument with their fields, before anything is sent."""
+
+    @functools.wraps(builder)
+    def build(*args: Any, **kwargs: Any) -> _Call:
+        try:
+            return builder(*args, **kwargs)
+        except ValidationError as error:
+            problems = [
+                (".".join(str(part) for part in item["loc"]) or "argument", item["msg"]) for item in error.errors()
+            ]
+            raise InvalidArgument(problems) from None
+
+    return staticmethod(build)
+
+
+def _check_builders(cls: type) -> type:
+    for name, value in list(vars(cls).items()):
+        if isinstance(value, staticmethod):
+            setattr(cls, name, _checked(value.__func__))
+    return cls
+
+
+@_check_builders
 class _Calls:
     """What each API operation sends; each returns a `_Call`."""
 
@@ -303,7 +526,9 @@ class _Calls:
         images: Any, state: Any, action: Any, action_is_pad: Any, instructions: Any, loss: str, advantages: Any
     ) -> _Call:
         body = s.ForwardBackwardRequest(
-            **_samples(images, state, action, action_is_pad, instructions), loss=loss, advantages=_tensor(advantages)
+            **_samples(images, state, action, action_is_pad, instructions),
+            loss=loss,
+            advantages=_tensor(advantages, "advantages"),
         )
         return _Call("POST", "/v1/forward_backward", s.ForwardBackwardResult, body)
 
@@ -323,7 +548,9 @@ class _Calls:
         timeout_s: float,
     ) -> _Call:
         body = s.PredictRequest(
-            observations=s.ObservationBatch(images=_tensor(images), state=_tensor(state), instructions=instructions),
+            observations=s.ObservationBatch(
+                images=_tensor(images, "images", "image"), state=_tensor(state, "state"), instructions=instructions
+            ),
             policy_version=policy_version,
             seeds=seeds,
             session_id=session_id,
@@ -378,7 +605,8 @@ class _Calls:
 
     @staticmethod
     def step(session_id: str, action: Any) -> _Call:
-        return _Call("POST", f"/v1/env/sessions/{session_id}/step", s.EnvResult, s.EnvStep(action=_tensor(action)))
+        body = s.EnvStep(action=_tensor(action, "action"))
+        return _Call("POST", f"/v1/env/sessions/{session_id}/step", s.EnvResult, body)
 
     @staticmethod
     def close_session(session_id: str) -> _Call:
@@ -462,7 +690,10 @@ def _from_wire(value: Any) -> Any:
     """Environment results with their wire tensors turned back into numpy arrays."""
     if isinstance(value, dict):
         if set(value) == {"dtype", "shape", "data"}:
-            return Tensor.model_validate(value).to_numpy()
+            try:
+                return Tensor.model_validate(value).to_numpy()
+            except ValidationError as error:
+                raise InvalidResponse("a tensor of an environment result", _first_error(error)) from None
         return {k: _from_wire(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_wire(v) for v in value]
@@ -497,8 +728,8 @@ class WorkloadHandle:
         return self.client.stream(self.workload_id, after)
 
     def result(self, timeout: float | None = None, *, poll_s: float = 0.5) -> s.WorkloadInfo:
-        """Wait for the final status; WorkloadFailed if it failed or was cancelled, TimeoutError
-        if `timeout` seconds pass first."""
+        """Wait for the final status; WorkloadFailed if it failed or was cancelled, WorkloadTimeout
+        (a TimeoutError) if `timeout` seconds pass first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             status = self.progress()
@@ -507,7 +738,7 @@ class WorkloadHandle:
                     raise WorkloadFailed(status)
                 return status
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"workload {self.workload_id} is still {status.state} after {timeout} s")
+                raise WorkloadTimeout(status, timeout)
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
@@ -525,7 +756,7 @@ class JoyNexusClient(_Base):
         http: httpx.Client | None = None,
     ):
         super().__init__(base_url, api_key, timeout_s=timeout_s, retry=retry, wire=wire)
-        self._http = http or httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._http = http or _http_client(httpx.Client, self.base_url, timeout_s)
         self._owns_http = http is None
 
     def close(self) -> None:
@@ -546,7 +777,7 @@ class JoyNexusClient(_Base):
                 response = self._http.request(call.method, call.path, **kwargs)
             except Exception as error:
                 if not self._should_retry(attempt, None, error):
-                    raise
+                    raise _transport_error(self.base_url, error) from error
                 time.sleep(self.retry.delay(attempt))
             else:
                 if not self._should_retry(attempt, response, None):
@@ -603,17 +834,21 @@ class JoyNexusClient(_Base):
                         if kind == "end":
                             return
                         if kind == "error":
-                            raise ApiRequestError(404, s.ErrorBody.model_validate_json(data))
-                        event = s.WorkloadEvent.model_validate_json(data)
+                            raise _stream_error(data)
+                        event = _event(data)
                         after = event.seq
                         attempt = 0
                         yield event
                     return
-            except TRANSIENT_ERRORS:
+            except TRANSIENT_ERRORS as error:
                 if attempt + 1 >= self.retry.attempts:
-                    raise
+                    raise ConnectionFailed(self.base_url, error) from error
                 time.sleep(self.retry.delay(attempt))
                 attempt += 1
+            except JoyNexusError:
+                raise
+            except Exception as error:  # any other failure of the connection (httpx, the transport)
+                raise ConnectionFailed(self.base_url, error) from error
 
     def versions(self, *, after: int | None = None, limit: int | None = None) -> s.Versions:
         """The tenant's versions. With `limit`, one page of checkpoints (versions > `after`, None:
@@ -633,7 +868,10 @@ class JoyNexusClient(_Base):
         else:
             payload = self._run(_Calls.export_version(version))
         if path is not None:
-            Path(path).write_bytes(payload)
+            try:
+                Path(path).write_bytes(payload)
+            except OSError as error:
+                raise InvalidArgument([("path", f"cannot write {str(path)!r}: {error.strerror or error}")]) from None
         return payload
 
     def checkpoint_manifest(self, version: int) -> s.Manifest:
@@ -781,7 +1019,7 @@ class AsyncWorkloadHandle:
                     raise WorkloadFailed(status)
                 return status
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"workload {self.workload_id} is still {status.state} after {timeout} s")
+                raise WorkloadTimeout(status, timeout)
             await asyncio.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
@@ -799,7 +1037,7 @@ class AsyncJoyNexusClient(_Base):
         http: httpx.AsyncClient | None = None,
     ):
         super().__init__(base_url, api_key, timeout_s=timeout_s, retry=retry, wire=wire)
-        self._http = http or httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._http = http or _http_client(httpx.AsyncClient, self.base_url, timeout_s)
         self._owns_http = http is None
 
     async def aclose(self) -> None:
@@ -820,7 +1058,7 @@ class AsyncJoyNexusClient(_Base):
                 response = await self._http.request(call.method, call.path, **kwargs)
             except Exception as error:
                 if not self._should_retry(attempt, None, error):
-                    raise
+                    raise _transport_error(self.base_url, error) from error
                 await asyncio.sleep(self.retry.delay(attempt))
             else:
                 if not self._should_retry(attempt, response, None):
@@ -854,21 +1092,26 @@ class AsyncJoyNexusClient(_Base):
     async def stream(self, workload_id: str, after: int = 0) -> AsyncIterator[s.WorkloadEvent]:
         headers = {**self._headers(), "Accept": "text/event-stream"}
         path = f"/v1/workloads/{workload_id}/stream"
-        async with self._http.stream("GET", path, params={"after": after}, headers=headers, timeout=None) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-                raise _error(resp)
-            parser = _SSEParser()
-            async for line in resp.aiter_lines():
-                parsed = parser.feed(line)
-                if parsed is None:
-                    continue
-                kind, data = parsed
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise ApiRequestError(404, s.ErrorBody.model_validate_json(data))
-                yield s.WorkloadEvent.model_validate_json(data)
+        try:
+            async with self._http.stream("GET", path, params={"after": after}, headers=headers, timeout=None) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _error(resp)
+                parser = _SSEParser()
+                async for line in resp.aiter_lines():
+                    parsed = parser.feed(line)
+                    if parsed is None:
+                        continue
+                    kind, data = parsed
+                    if kind == "end":
+                        return
+                    if kind == "error":
+                        raise _stream_error(data)
+                    yield _event(data)
+        except JoyNexusError:
+            raise
+        except Exception as error:  # the connection failed (httpx, the transport)
+            raise ConnectionFailed(self.base_url, error) from error
 
     async def versions(self, *, after: int | None = None, limit: int | None = None) -> s.Versions:
         """As `JoyNexusClient.versions`: one page with `limit`, else every checkpoint page by page."""

@@ -14,14 +14,22 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 console = Console(width=None if sys.stdout.isatty() else 140)
-tenant_app = typer.Typer(help="Tenants, API keys and quotas (admin key).", no_args_is_help=True)
-workload_app = typer.Typer(help="Workloads of your tenant: submit, watch, list, cancel.", no_args_is_help=True)
+# `--help` shows every option's default; defaults that are not a value say what happens instead
+# (show_default="..."): help text itself is rich markup, where "[default: ...]" would vanish.
+HELP_SETTINGS = {"show_default": True}
+tenant_app = typer.Typer(
+    help="Tenants, API keys and quotas (admin key).", no_args_is_help=True, context_settings=HELP_SETTINGS
+)
+workload_app = typer.Typer(
+    help="Workloads of your tenant: submit, watch, list, cancel.", no_args_is_help=True, context_settings=HELP_SETTINGS
+)
 
-URL = typer.Option(None, "--url", envvar="JOYNEXUS_URL", help="API base URL [default: http://127.0.0.1:8765].")
+URL = typer.Option(None, "--url", envvar="JOYNEXUS_URL", help="API base URL.", show_default="http://127.0.0.1:8765")
 API_KEY = typer.Option(None, "--api-key", envvar="JOYNEXUS_API_KEY", help="Your tenant's API key.")
 ADMIN_KEY = typer.Option(None, "--admin-key", envvar="JOYNEXUS_ADMIN_KEY", help="The server's admin key.")
 
@@ -32,29 +40,38 @@ def _client(url: str | None, key: str | None, what: str) -> Any:
     if not key:
         console.print(f"[red]no {what}: pass --{what.replace(' ', '-')} or set its environment variable")
         raise typer.Exit(code=2)
-    return JoyNexusClient(url, key)
+    return _run(lambda: JoyNexusClient(url, key))
 
 
 def _fail(error: Exception) -> typer.Exit:
-    from joynexus.client import JoyNexusError
+    """Print an error without a traceback and return the exit to raise: 2 for what was wrong on
+    this side (a spec file that does not parse, an invalid argument), 1 for everything else.
 
+    An API error prints its status, code and message, then every problem as `field: reason` (a
+    refused spec lists each field it refused). Texts are printed as they are, never as markup."""
+    from joynexus.client import InvalidArgument, JoyNexusError, SpecFileError
+
+    if isinstance(error, SpecFileError):  # one line: file:line:column: reason
+        console.print(f"[red]error[/]: {escape(error.message)}", soft_wrap=True)
+        return typer.Exit(code=2)
     if isinstance(error, JoyNexusError):
-        console.print(f"[red]{error.status_code} {error.code}[/]: {error.message}")
-        for problem in error.problems[1:]:
-            console.print(f"  {problem.field}: {problem.reason}")
-    else:
-        console.print(f"[red]{type(error).__name__}: {error}")
+        head = error.code if error.status_code is None else f"{error.status_code} {error.code}"
+        console.print(f"[red]{escape(head)}[/]: {escape(error.message)}", soft_wrap=True)
+        for problem in error.problems:
+            line = f"{problem.field}: {problem.reason}"
+            if line != error.message:  # a single problem is often the message itself
+                console.print(f"  {escape(line)}", soft_wrap=True)
+        return typer.Exit(code=2 if isinstance(error, InvalidArgument) else 1)
+    console.print(f"[red]{escape(type(error).__name__)}[/]: {escape(str(error))}", soft_wrap=True)
     return typer.Exit(code=1)
 
 
 def _run(fn: Any) -> Any:
-    import httpx
-
     from joynexus.client import JoyNexusError
 
     try:
         return fn()
-    except (JoyNexusError, httpx.HTTPError, OSError, ValueError) as error:
+    except (JoyNexusError, OSError, ValueError) as error:  # OSError: local files (export -o)
         raise _fail(error) from None
 
 
@@ -67,7 +84,8 @@ def serve(
     data_dir: Path | None = typer.Option(
         None,
         envvar="JOYNEXUS_DATA_DIR",
-        help="Where the store, checkpoints and MLflow live [default: $JOYNEXUS_DATA_DIR or ./var].",
+        help="Where the store, checkpoints and MLflow live.",
+        show_default="./var",
     ),
     services: str = typer.Option(
         "ray",
@@ -183,9 +201,15 @@ def tenant_delete(
 @tenant_app.command("quota")
 def tenant_quota(
     tenant_id: str = typer.Argument(...),
-    max_device_seconds: float | None = typer.Option(None, min=0, help="Spend cap; unset: server default."),
-    max_queued_workloads: int | None = typer.Option(None, min=0, help="Waiting workloads; unset: server default."),
-    max_storage_bytes: int | None = typer.Option(None, min=0, help="Checkpoint bytes; unset: server default."),
+    max_device_seconds: float | None = typer.Option(
+        None, min=0, help="Spend cap (device-seconds).", show_default="the server's default"
+    ),
+    max_queued_workloads: int | None = typer.Option(
+        None, min=0, help="Waiting workloads.", show_default="the server's default"
+    ),
+    max_storage_bytes: int | None = typer.Option(
+        None, min=0, help="Checkpoint bytes.", show_default="the server's default"
+    ),
     url: str | None = URL,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
@@ -208,7 +232,9 @@ def tenant_quota(
 @workload_app.command("submit")
 def workload_submit(
     spec: Path | None = typer.Argument(None, exists=True, dir_okay=False, help="Your tenant's spec (optional)."),
-    jobs: int | None = typer.Option(None, min=1, help="Training jobs [default: the spec's completion_target]."),
+    jobs: int | None = typer.Option(
+        None, min=1, help="Training jobs.", show_default="the spec's scheduling.completion_target"
+    ),
     watch: bool = typer.Option(False, "--watch", help="Follow it with a live progress bar."),
     url: str | None = URL,
     api_key: str | None = API_KEY,
@@ -225,7 +251,7 @@ def workload_submit(
 
 @workload_app.command("eval")
 def workload_eval(
-    version: int | None = typer.Option(None, min=0, help="Policy version [default: the latest served]."),
+    version: int | None = typer.Option(None, min=0, help="Policy version.", show_default="the latest served"),
     episodes: int = typer.Option(4, min=1),
     watch: bool = typer.Option(False, "--watch"),
     url: str | None = URL,
@@ -326,8 +352,10 @@ def workload_cancel(
 
 
 def versions(
-    after: int | None = typer.Option(None, min=0, help="Only checkpoints with a version above this [default: all]."),
-    limit: int | None = typer.Option(None, min=1, max=1000, help="At most this many checkpoints [default: all]."),
+    after: int | None = typer.Option(
+        None, min=0, help="Only checkpoints with a version above this.", show_default="all"
+    ),
+    limit: int | None = typer.Option(None, min=1, max=1000, help="At most this many checkpoints.", show_default="all"),
     url: str | None = URL,
     api_key: str | None = API_KEY,
 ) -> None:
@@ -350,8 +378,12 @@ def versions(
 
 
 def export(
-    version: int | None = typer.Option(None, min=0, help="[default: the current training parameters]"),
-    output: Path | None = typer.Option(None, "-o", "--output", help="[default: <tenant>-v<N>.safetensors]"),
+    version: int | None = typer.Option(
+        None, min=0, help="Policy version to export.", show_default="the current training parameters"
+    ),
+    output: Path | None = typer.Option(
+        None, "-o", "--output", help="File to write.", show_default="<tenant>-v<N>.safetensors"
+    ),
     url: str | None = URL,
     api_key: str | None = API_KEY,
 ) -> None:
@@ -400,9 +432,9 @@ def usage(
 
 def register(app: typer.Typer) -> None:
     """Add the tenant-API commands to the main `joynexus` app."""
-    app.command("serve")(serve)
+    app.command("serve", context_settings=HELP_SETTINGS)(serve)
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(workload_app, name="workload")
-    app.command("versions")(versions)
-    app.command("export")(export)
-    app.command("usage")(usage)
+    app.command("versions", context_settings=HELP_SETTINGS)(versions)
+    app.command("export", context_settings=HELP_SETTINGS)(export)
+    app.command("usage", context_settings=HELP_SETTINGS)(usage)

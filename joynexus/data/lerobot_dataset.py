@@ -4,15 +4,21 @@ Everything goes through lerobot 0.4.4's own ``LeRobotDataset`` / ``LeRobotDatase
 so the on-disk format is exactly what tenants bring; we never parse the format by hand
 except to give clear errors before lerobot would fall back to the (unreachable) hub.
 
-Only image-mode datasets can be read in this build: lerobot 0.4.4's video decoding needs
-torchcodec + FFmpeg libraries (its PyAV fallback calls a torchvision API that
-torchvision 0.29 removed), so video-mode datasets are rejected with an explicit error.
+Image-mode and video-mode datasets are both read. Video (mp4) is decoded by lerobot's
+"torchcodec" backend: torchcodec (requirements/lock.txt) over the system FFmpeg libraries
+(Debian's ``ffmpeg``, installed by scripts/install-system-deps). lerobot's other backend,
+"pyav", calls a torchvision API that torchvision 0.29 removed, so it is never used for video.
+Where torchcodec or FFmpeg cannot be loaded, video-mode datasets are refused with a message
+saying what is missing (`video_decoding_problem`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +34,14 @@ STATE_KEY = "observation.state"
 ACTION_KEY = "action"
 
 VIDEO_UNSUPPORTED_MSG = (
-    "video-mode LeRobot datasets are not supported in this build: decoding videos with "
-    "lerobot 0.4.4 needs torchcodec + FFmpeg libraries (its PyAV fallback uses a torchvision "
-    "API removed in torchvision 0.29). Re-export the dataset in image mode (use_videos=False)."
+    "video-mode LeRobot datasets need torchcodec and the FFmpeg libraries, which cannot be loaded "
+    "here: run scripts/install-system-deps (Debian's ffmpeg) and scripts/bootstrap (torchcodec), "
+    "or re-export the dataset in image mode (use_videos=False)."
 )
+# Video frames are encoded as yuv420p H.264 (libx264, from PyAV's FFmpeg): it handles the small
+# images tenants use, where lerobot's default SVT-AV1 encoder kills the process (SIGFPE) on some
+# small frames (8x8, 9x9, 16x16 here). yuv420p halves the chroma resolution: both sides must be even.
+VIDEO_CODEC = "h264"
 
 
 class NotALeRobotDatasetError(FileNotFoundError):
@@ -39,7 +49,35 @@ class NotALeRobotDatasetError(FileNotFoundError):
 
 
 class VideoDatasetNotSupportedError(RuntimeError):
-    """The dataset stores cameras as video, which this build cannot decode."""
+    """The dataset stores cameras as video, which cannot be decoded here (no torchcodec / FFmpeg,
+    or videos that are missing or unreadable)."""
+
+
+@functools.cache
+def video_decoding_problem() -> str | None:
+    """Why video-mode datasets cannot be decoded in this process, or None when they can.
+
+    Loading ``torchcodec.decoders`` loads torchcodec's core library, which links the FFmpeg
+    libraries: an ImportError without torchcodec, a RuntimeError without (a supported) FFmpeg.
+    """
+    try:
+        importlib.import_module("torchcodec")
+        importlib.import_module("torchcodec.decoders")
+    except Exception as exc:  # any failure to load means "cannot decode"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"torchcodec cannot be loaded ({type(exc).__name__}: {first})"
+    return None
+
+
+# lerobot keeps one torchcodec decoder per video file for the whole process (a module-level cache);
+# decoders are not thread-safe, so reads of one dataset's videos are serialized per dataset root.
+_VIDEO_LOCKS: dict[Path, threading.Lock] = {}
+_VIDEO_LOCKS_GUARD = threading.Lock()
+
+
+def _video_lock(root: Path) -> threading.Lock:
+    with _VIDEO_LOCKS_GUARD:
+        return _VIDEO_LOCKS.setdefault(root.resolve(), threading.Lock())
 
 
 def camera_feature_key(camera: str) -> str:
@@ -63,6 +101,23 @@ def quiet_datasets() -> Iterator[None]:
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def quiet_video_encoder() -> Iterator[None]:
+    """Keep FFmpeg's per-video encoder report (libx264 statistics at INFO) off the terminal.
+
+    lerobot hands PyAV's FFmpeg back its own log callback after each encode, which prints at
+    FFmpeg's default INFO level; warnings and errors still print. Only PyAV's bundled FFmpeg (the
+    encoder) is affected, not the system FFmpeg torchcodec decodes with.
+    """
+    import av
+
+    av.logging.set_libav_level(av.logging.ERROR)
+    try:
+        yield
+    finally:
+        av.logging.set_libav_level(av.logging.INFO)  # FFmpeg's default
 
 
 # --------------------------------------------------------------------------------------
@@ -110,14 +165,15 @@ def _render_camera(
 
 
 def dataset_features(
-    cameras: Sequence[str], image_size: tuple[int, int], state_dim: int, action_dim: int
+    cameras: Sequence[str], image_size: tuple[int, int], state_dim: int, action_dim: int, *, video: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """LeRobot feature specs for camera images (HWC, image mode), the state and the action."""
+    """LeRobot feature specs for camera images (HWC; image mode, or mp4 with ``video``), the state
+    and the action."""
     height, width = int(image_size[0]), int(image_size[1])
     features: dict[str, dict[str, Any]] = {}
     for cam in cameras:
         features[CAMERA_KEY_PREFIX + cam] = {
-            "dtype": "image",
+            "dtype": "video" if video else "image",
             "shape": (height, width, 3),
             "names": ["height", "width", "channels"],
         }
@@ -130,18 +186,43 @@ def create_image_dataset(
     root: str | Path, repo_id: str, fps: int, features: dict[str, dict[str, Any]], robot_type: str
 ) -> Any:
     """An empty image-mode v3.0 LeRobotDataset at `root` (call add_frame / save_episode / finalize)."""
+    return create_dataset(root, repo_id, fps, features, robot_type)
+
+
+def create_dataset(
+    root: str | Path,
+    repo_id: str,
+    fps: int,
+    features: dict[str, dict[str, Any]],
+    robot_type: str,
+) -> Any:
+    """An empty v3.0 LeRobotDataset at `root` (call add_frame / save_episode / finalize), written by
+    lerobot's own writer: PNG frames for "image" features; for "video" features mp4 files
+    (`VIDEO_CODEC`, encoded through PyAV after each episode)."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
+    video = any(ft.get("dtype") == "video" for ft in features.values())
+    if video:
+        for key, ft in features.items():
+            if ft.get("dtype") == "video":
+                height, width = int(ft["shape"][0]), int(ft["shape"][1])
+                if height % 2 or width % 2:
+                    raise ValueError(
+                        f"image_size: video mode needs an even height and width ({key} is {height}x{width}); "
+                        "yuv420p video halves the chroma resolution"
+                    )
     return LeRobotDataset.create(
         repo_id=repo_id,
         fps=fps,
         features=features,
         root=root,
         robot_type=robot_type,
-        use_videos=False,
+        use_videos=video,
         image_writer_threads=0,
         image_writer_processes=0,
-        video_backend="pyav",  # no torchcodec here; naming it skips lerobot's fallback warning
+        vcodec=VIDEO_CODEC,
+        # Decoding (this writer object is not read back): name a backend to skip lerobot's fallback warning.
+        video_backend="torchcodec" if video and video_decoding_problem() is None else "pyav",
     )
 
 
@@ -158,8 +239,10 @@ def write_synthetic_dataset(
     fps: int = 10,
     task: str = "move the arm to the target",
     seed: int = 0,
+    video: bool = False,
 ) -> Path:
-    """Write a small, learnable LeRobot v3.0 image-mode dataset at ``root`` and return it.
+    """Write a small, learnable LeRobot v3.0 dataset at ``root`` and return it: image mode, or with
+    ``video`` the cameras as mp4 videos (lerobot's ``use_videos=True``; even image sides only).
 
     Per episode the state follows a phase oscillator ``theta_t = theta0 + omega * t`` (random
     theta0 per episode, shared omega) rendered as cos/sin harmonics; the action is
@@ -195,7 +278,7 @@ def write_synthetic_dataset(
         raise FileExistsError(f"root: {root} already exists; LeRobot datasets are written to a new folder")
 
     height, width = int(image_size[0]), int(image_size[1])
-    features = dataset_features(cameras, (height, width), state_dim, action_dim)
+    features = dataset_features(cameras, (height, width), state_dim, action_dim, video=video)
 
     rng = np.random.default_rng(seed)
     # Moderate gain keeps tanh in its near-linear range: smooth, learnable targets.
@@ -203,9 +286,9 @@ def write_synthetic_dataset(
     bias = rng.normal(0.0, 0.1, size=(action_dim,))
     omega = 2 * np.pi / max(8.0, 2.0 * fps)  # one revolution every ~2 s of demonstration
 
-    ds = create_image_dataset(root, repo_id, fps, features, robot_type="synthetic")
+    ds = create_dataset(root, repo_id, fps, features, robot_type="synthetic")
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    with quiet_datasets(), contextlib.ExitStack() as stack:
+    with quiet_datasets(), quiet_video_encoder(), contextlib.ExitStack() as stack:
         # v3.0 keeps parquet writers open; finalize() flushes data + episode metadata.
         stack.callback(ds.finalize)
         for _ in range(num_episodes):
@@ -243,8 +326,11 @@ class DatasetInfo:
     image_shapes: dict[str, tuple[int, int, int]]  # camera -> (C, H, W), as LeRobot returns frames
     state_dim: int | None
     action_dim: int | None
-    video_cameras: tuple[str, ...]  # cameras stored as video (not decodable in this build)
+    # Cameras stored as video that cannot be decoded here (torchcodec or FFmpeg missing; see
+    # `video_decoding_problem`): empty when video decoding works. Consumers refuse these.
+    undecodable_video_cameras: tuple[str, ...]
     tasks: tuple[str, ...]
+    stored_as_video: tuple[str, ...] = ()  # every camera stored as video (mp4), decodable or not
 
 
 def _check_dataset_root(root: Path) -> None:
@@ -295,7 +381,7 @@ def inspect_dataset(root: str | Path, repo_id: str | None = None) -> DatasetInfo
     features = meta.features
     cameras: list[str] = []
     image_shapes: dict[str, tuple[int, int, int]] = {}
-    video_cameras: list[str] = []
+    stored_as_video: list[str] = []
     for key, ft in features.items():
         if ft.get("dtype") not in ("image", "video"):
             continue
@@ -303,7 +389,7 @@ def inspect_dataset(root: str | Path, repo_id: str | None = None) -> DatasetInfo
         cameras.append(cam)
         image_shapes[cam] = _chw(ft)
         if ft["dtype"] == "video":
-            video_cameras.append(cam)
+            stored_as_video.append(cam)
 
     def _dim(key: str) -> int | None:
         ft = features.get(key)
@@ -323,9 +409,22 @@ def inspect_dataset(root: str | Path, repo_id: str | None = None) -> DatasetInfo
         image_shapes=image_shapes,
         state_dim=_dim(STATE_KEY),
         action_dim=_dim(ACTION_KEY),
-        video_cameras=tuple(video_cameras),
+        undecodable_video_cameras=tuple(stored_as_video) if video_decoding_problem() is not None else (),
         tasks=tasks,
+        stored_as_video=tuple(stored_as_video),
     )
+
+
+def _missing_videos(root: Path, repo_id: str) -> list[str]:
+    """The video files (relative to `root`) the metadata names for some episode but that are absent."""
+    meta = _load_metadata(root, repo_id)
+    missing: set[str] = set()
+    for episode in range(int(meta.total_episodes)):
+        for key in meta.video_keys:
+            relative = meta.get_video_file_path(episode, key)
+            if not (root / relative).is_file():
+                missing.add(str(relative))
+    return sorted(missing)
 
 
 # --------------------------------------------------------------------------------------
@@ -340,6 +439,9 @@ class LeRobotDemoSource:
     Chunk padding past an episode end is lerobot's own: the last action is repeated and
     ``action_is_pad`` is True for those steps. Batches also carry ``"index"`` (int64, the
     frames' dataset indices) so callers can trace a sample back to its episode.
+
+    Video-mode datasets are decoded through lerobot's torchcodec backend; the first frame is
+    decoded at construction so a missing or unreadable video fails here, with its reason.
     """
 
     def __init__(
@@ -364,29 +466,55 @@ class LeRobotDemoSource:
             raise ValueError(
                 f"cameras: unknown camera(s) {unknown} in dataset {self.root}; available: {list(self.info.cameras)}"
             )
-        if self.info.video_cameras:
+        if self.info.undecodable_video_cameras:
             # LeRobotDataset.__getitem__ decodes every video key, requested or not.
             raise VideoDatasetNotSupportedError(
-                f"{self.root}: cameras {list(self.info.video_cameras)} are stored as video; " + VIDEO_UNSUPPORTED_MSG
+                f"{self.root}: cameras {list(self.info.undecodable_video_cameras)} are stored as video; "
+                f"{VIDEO_UNSUPPORTED_MSG} ({video_decoding_problem()})"
             )
         if self.info.num_frames == 0:
             raise ValueError(f"{self.root}: dataset has no frames")
         if self.info.state_dim is None or self.info.action_dim is None:
             raise ValueError(f"{self.root}: dataset needs both {STATE_KEY!r} and {ACTION_KEY!r} features")
 
+        if self.info.stored_as_video:
+            missing = _missing_videos(self.root, repo_id)
+            if missing:  # lerobot would try to download them from the (unreachable) hub
+                raise VideoDatasetNotSupportedError(
+                    f"{self.root}: cannot decode the videos of cameras {list(self.info.stored_as_video)}: "
+                    f"{len(missing)} video file(s) missing, e.g. {missing[0]}"
+                )
+
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
         self.cameras = cameras
         self.action_chunk = int(action_chunk)
         fps = self.info.fps
+        self._video_lock = _video_lock(self.root) if self.info.stored_as_video else None
         with quiet_datasets():
             self._ds = LeRobotDataset(
                 repo_id,
                 root=self.root,
                 delta_timestamps={ACTION_KEY: [k / fps for k in range(self.action_chunk)]},
-                video_backend="pyav",  # unused (image mode); avoids the torchcodec fallback warning
+                # "pyav" is unused in image mode; naming a backend avoids lerobot's fallback warning.
+                video_backend="torchcodec" if self.info.stored_as_video else "pyav",
             )
         self._rng = np.random.default_rng(seed)
+        if self._video_lock is not None:
+            try:
+                self._item(0)
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise VideoDatasetNotSupportedError(
+                    f"{self.root}: cannot decode the videos of cameras {list(self.info.stored_as_video)}: "
+                    f"{type(exc).__name__}: {first}"
+                ) from exc
+
+    def _item(self, index: int) -> dict[str, Any]:
+        if self._video_lock is None:
+            return self._ds[index]
+        with self._video_lock:
+            return self._ds[index]
 
     def __len__(self) -> int:
         return len(self._ds)
@@ -402,7 +530,7 @@ class LeRobotDemoSource:
     def _collate(self, indices: Sequence[int]) -> dict[str, Any]:
         images, states, actions, pads, tasks = [], [], [], [], []
         for i in indices:
-            item = self._ds[int(i)]
+            item = self._item(int(i))
             # LeRobot already returns images as float32 CHW in [0, 1].
             images.append(np.stack([item[camera_feature_key(c)].numpy() for c in self.cameras]))
             states.append(item[STATE_KEY].numpy())

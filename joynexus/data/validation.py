@@ -2,7 +2,8 @@
 
 Two stages:
 1. schema checks from the LeRobot metadata (cameras, image shapes, state/action dims,
-   no video cameras) — cheap and they explain most tenant mistakes;
+   video cameras only where this machine can decode them) — cheap and they explain most
+   tenant mistakes;
 2. data checks on the frames with Great Expectations 1.x (pandas, ephemeral context):
    finite state/action vectors of the expected length, non-null indices and timestamps
    that never go backwards within an episode.
@@ -106,8 +107,9 @@ def _schema_failures(info: DatasetInfo, exp: DatasetExpectation) -> list[Validat
         c = info.image_shapes[cam][0]
         if cam in exp.cameras and c != 3:
             out.append(ValidationFailure("dataset.image_size", f"camera {cam!r} has {c} channels, expected 3 (RGB)"))
-    # Any video key blocks reading (lerobot decodes every video key per frame), requested or not.
-    video = list(info.video_cameras)
+    # A video key this machine cannot decode (no torchcodec / FFmpeg) blocks reading: lerobot
+    # decodes every video key per frame, requested or not.
+    video = list(info.undecodable_video_cameras)
     if video:
         out.append(
             ValidationFailure("dataset.video_cameras", f"cameras {video} are stored as video; {VIDEO_UNSUPPORTED_MSG}")

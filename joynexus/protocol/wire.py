@@ -130,6 +130,53 @@ def tensor(array: Any) -> Tensor:
     return Tensor.from_numpy(array)
 
 
+TensorKind = Literal["float", "image", "bool", "int"]
+
+
+def as_tensor(value: Any, field: str, kind: TensorKind) -> Tensor:
+    """A request tensor from what a caller has at hand, for a field that expects `kind`.
+
+    A `Tensor`, a numpy array or a torch tensor keeps its dtype (the server says which dtypes a
+    field accepts). Plain Python numbers and (nested, rectangular) lists or tuples of them get the
+    dtype the field expects, so nothing is guessed: ``"float"`` -> float32; ``"image"`` -> uint8
+    when every value is an integer in [0, 255], else float32 (in [0, 1]); ``"bool"`` -> bool (from
+    bools, or integers 0 / 1); ``"int"`` -> int64 (integers only, never silently truncated floats).
+    Anything else raises a `WireError` naming `field`.
+    """
+    if isinstance(value, Tensor):
+        return value
+    if hasattr(value, "detach") or isinstance(value, np.ndarray | np.generic):
+        try:
+            return tensor(value)
+        except WireError as error:
+            raise WireError(field, error.reason) from None
+    if not isinstance(value, list | tuple | int | float | bool):
+        raise WireError(
+            field, f"expected a numpy array, a torch tensor or nested lists of numbers, got {type(value).__name__}"
+        )
+    try:
+        array = np.asarray(value)
+    except ValueError as error:  # ragged nesting: lists of different lengths at one depth
+        raise WireError(field, f"nested lists must be rectangular (equal lengths at each depth): {error}") from None
+    if array.dtype.kind not in "biuf":
+        raise WireError(field, f"expected numbers, got {array.dtype.kind!r}-kind values ({array.dtype})")
+    if kind == "float" or (kind == "image" and array.dtype.kind == "f"):
+        return tensor(array.astype(np.float32))
+    if kind == "image":
+        if array.size and (array.min() < 0 or array.max() > 255):
+            raise WireError(field, "integer images are uint8: every value in [0, 255] (or send floats in [0, 1])")
+        return tensor(array.astype(np.uint8))
+    if kind == "bool":
+        if array.dtype.kind == "f" or (array.size and not np.isin(array, (0, 1)).all()):
+            raise WireError(field, "expected booleans (True / False, or 0 / 1)")
+        return tensor(array.astype(bool))
+    if kind == "int":
+        if array.dtype.kind == "f":
+            raise WireError(field, "expected integers, got floats")
+        return tensor(array.astype(np.int64))
+    raise WireError(field, f"unknown tensor kind {kind!r}")
+
+
 # -- msgpack bodies ----------------------------------------------------------------------------
 
 

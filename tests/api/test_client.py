@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -16,10 +17,16 @@ import pytest
 from joynexus.client import (
     ApiRequestError,
     AsyncJoyNexusClient,
+    ConnectionFailed,
+    InvalidArgument,
+    InvalidResponse,
     JoyNexusClient,
+    JoyNexusError,
     RetryPolicy,
     ServerError,
+    SpecFileError,
     WorkloadFailed,
+    WorkloadTimeout,
 )
 from joynexus.protocol import schemas as s
 from tests.api.conftest import ADMIN_KEY
@@ -71,9 +78,13 @@ def test_a_cancelled_workload_raises_from_result(api, live_server):
     t = api.tenant("client-cancel", jobs=50)
     with JoyNexusClient(live_server, t.api_key, wire="json") as client:
         handle = client.submit(jobs=50)
+        with pytest.raises(WorkloadTimeout) as waited:  # a JoyNexusError and a TimeoutError
+            handle.result(timeout=0)
+        assert isinstance(waited.value, TimeoutError) and waited.value.code == "workload_timeout"
         handle.cancel()
         with pytest.raises(WorkloadFailed) as caught:
             handle.result(timeout=60)
+    assert isinstance(caught.value, JoyNexusError) and caught.value.code.startswith("workload_")
     # "failed" too: the WorkloadManager can record a producer's error racing the cancel (reported)
     assert caught.value.status.state in ("cancelled", "failed")
 
@@ -109,6 +120,8 @@ class _Flaky:
         outcome = self.script.pop(0)
         if isinstance(outcome, Exception):
             raise outcome
+        if isinstance(outcome, httpx.Response):
+            return outcome
         status, body = outcome
         return httpx.Response(status, json=body)
 
@@ -153,9 +166,130 @@ def test_a_500_is_not_retried_and_a_persistent_503_gives_up():
 
 def test_read_timeouts_are_not_retried():
     client, flaky = _client([httpx.ReadTimeout("slow"), (200, OK)])
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(ConnectionFailed) as caught:
         client.optim_step()
     assert len(flaky.requests) == 1
+    assert caught.value.code == "timeout" and isinstance(caught.value.__cause__, httpx.ReadTimeout)
+
+
+def test_an_unreachable_server_raises_connection_failed_after_the_retries():
+    from tests.api.conftest import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a real refused connection
+    retry = RetryPolicy(attempts=2, backoff_s=0.001, max_backoff_s=0.002)
+    with JoyNexusClient(url, "key", retry=retry) as client:
+        with pytest.raises(ConnectionFailed) as caught:
+            client.usage()
+        with pytest.raises(ConnectionFailed):
+            list(client.stream("w-1"))
+    assert caught.value.code == "connection_failed" and caught.value.status_code is None
+    assert url in caught.value.message and isinstance(caught.value.__cause__, httpx.ConnectError)
+
+    async def scenario() -> JoyNexusError:
+        async with AsyncJoyNexusClient(url, "key", retry=retry) as client:
+            try:
+                await client.usage()
+            except JoyNexusError as error:
+                return error
+        raise AssertionError("no error")
+
+    assert isinstance(asyncio.run(scenario()), ConnectionFailed)
+    copy = pickle.loads(pickle.dumps(caught.value))  # errors cross process boundaries intact
+    assert type(copy) is ConnectionFailed and (copy.code, copy.message, str(copy)) == (
+        caught.value.code, caught.value.message, str(caught.value))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"), [(404, ApiRequestError), (500, ServerError), (502, ServerError)], ids=["404", "500", "502"]
+)
+def test_error_answers_that_are_not_json_keep_their_text(status, cls):
+    page = httpx.Response(status, text="<html><body><h1>Bad Gateway</h1>\n  nginx</body></html>")
+    client, _ = _client([page] * 4)
+    with pytest.raises(cls) as caught:
+        client.optim_step()
+    error = caught.value
+    assert error.status_code == status and error.code == "http_error"
+    assert error.message == "<html><body><h1>Bad Gateway</h1> nginx</body></html>"
+    empty, _ = _client([httpx.Response(status)] * 4)
+    with pytest.raises(cls) as caught:
+        empty.optim_step()
+    assert caught.value.message == httpx.codes.get_reason_phrase(status)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(200, text="<html>a login page</html>"),
+        httpx.Response(200, json={"loss": "not a number"}),
+        httpx.Response(200, content=b"\xc1", headers={"content-type": "application/msgpack"}),
+    ],
+    ids=["html", "wrong-shape", "bad-msgpack"],
+)
+def test_answers_the_client_cannot_read_raise_invalid_response(answer):
+    client, _ = _client([answer])
+    with pytest.raises(InvalidResponse) as caught:
+        client.optim_step()
+    assert caught.value.code == "invalid_response" and "/v1/optim_step" in caught.value.message
+
+
+def test_a_stream_event_that_is_not_json_raises_invalid_response():
+    stream = httpx.Response(
+        200, text="event: message\ndata: not json\n\n", headers={"content-type": "text/event-stream"}
+    )
+    client, _ = _client([stream])
+    with pytest.raises(InvalidResponse):
+        list(client.stream("w-1"))
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent(tmp_path):
+    client, flaky = _client([])
+    with pytest.raises(InvalidArgument) as caught:
+        client.submit(jobs=0)
+    assert caught.value.problems[0].field == "jobs" and isinstance(caught.value, ValueError)
+    with pytest.raises(InvalidArgument) as caught:
+        client.train_batch([[[[[0.5]]]]], [[1.0, 2.0], [3.0]], [[[0.0]]])  # ragged state
+    assert caught.value.problems[0].field == "state" and "rectangular" in caught.value.problems[0].reason
+    with pytest.raises(InvalidArgument) as caught:
+        client.train_batch([[[[["x"]]]]], [[1.0]], [[[0.0]]])
+    assert caught.value.problems[0].field == "images"
+    with pytest.raises(InvalidArgument) as caught:
+        client.train_batch([[[[[300]]]]], [[1.0]], [[[0.0]]])  # integer images are uint8
+    assert caught.value.problems[0].field == "images" and "[0, 255]" in caught.value.problems[0].reason
+    with pytest.raises(InvalidArgument) as caught:
+        client.queue_put("p", {"reward": [1.0, 2.0]})
+    assert caught.value.problems[0].field == "columns.reward"
+    with pytest.raises(InvalidArgument) as caught:
+        client.create_tenant({"tenant": "t", "dataset": {"root": Path("/data")}})  # msgpack cannot carry a Path
+    assert caught.value.problems[0].field == "body"
+    broken = tmp_path / "spec.yaml"
+    broken.write_text("tenant: a\n  task: sft\n")
+    with pytest.raises(SpecFileError) as caught:
+        client.submit(broken)
+    assert (caught.value.line, caught.value.column) == (2, 7) and caught.value.message.startswith(f"{broken}:2:7: ")
+    with pytest.raises(SpecFileError, match="cannot be read"):
+        client.create_tenant(tmp_path / "missing.yaml")
+    with pytest.raises(InvalidArgument) as caught:
+        JoyNexusClient("127.0.0.1:8765", "key")  # no scheme
+    assert caught.value.problems[0].field == "base_url"
+    assert flaky.requests == []
+
+
+def test_plain_lists_are_sent_with_the_dtype_each_field_expects(api, live_server):
+    t = api.tenant("client-lists")
+    batch = t.batch(3)
+    with JoyNexusClient(live_server, t.api_key) as client:
+        step = client.train_batch(batch["images"].tolist(), batch["state"].tolist(), batch["action"].tolist(),
+                                  action_is_pad=[[0, 0], [0, 1], [0, 0]])  # fmt: skip
+        assert step.version == 1 and step.samples == 3
+        client.load_weights()
+        arrays = client.predict(batch["images"], batch["state"]).actions.to_numpy()
+        lists = client.predict(batch["images"].tolist(), batch["state"].tolist()).actions.to_numpy()
+        np.testing.assert_array_equal(lists, arrays)
+        # Integer images are uint8 in [0, 255]: the server scales them as it scales a uint8 array.
+        pixels = np.random.default_rng(0).integers(0, 256, size=batch["images"].shape)
+        as_uint8 = client.predict(pixels.astype(np.uint8), batch["state"]).actions.to_numpy()
+        as_list = client.predict(pixels.tolist(), batch["state"]).actions.to_numpy()
+        np.testing.assert_array_equal(as_list, as_uint8)
 
 
 def test_example_sft_upper_layer(api, live_server):

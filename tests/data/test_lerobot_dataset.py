@@ -79,7 +79,7 @@ def test_write_then_inspect(ds_root: Path) -> None:
     assert info.image_shapes == {c: (3, H, W) for c in CAMS}  # (C, H, W), like the tensors lerobot returns
     assert info.state_dim == STATE_DIM
     assert info.action_dim == ACTION_DIM
-    assert info.video_cameras == ()
+    assert info.undecodable_video_cameras == ()
     assert info.tasks == (TASK,)
     # repo_id is optional for inspection
     assert inspect_dataset(str(ds_root)).num_frames == EPISODES * LENGTH
@@ -213,15 +213,19 @@ def test_unknown_camera_is_named(ds_root: Path) -> None:
         LeRobotDemoSource(ds_root, REPO, cameras=["front", "top"], action_chunk=2)
 
 
-def test_video_dataset_is_rejected_clearly(ds_root: Path, tmp_path: Path) -> None:
+def test_video_dataset_is_rejected_clearly_without_torchcodec(
+    ds_root: Path, tmp_path: Path, without_torchcodec
+) -> None:
     # Re-label one camera as video in the metadata: enough for the check, no encoder needed.
+    # (Where torchcodec loads, video datasets are read: tests/data/test_video_dataset.py.)
     root = tmp_path / "video"
     shutil.copytree(ds_root, root)
     info_path = root / "meta" / "info.json"
     info = json.loads(info_path.read_text())
     info["features"][CAMERA_KEY_PREFIX + "wrist"]["dtype"] = "video"
     info_path.write_text(json.dumps(info))
-    assert inspect_dataset(root, REPO).video_cameras == ("wrist",)
+    described = inspect_dataset(root, REPO)
+    assert described.undecodable_video_cameras == ("wrist",) == described.stored_as_video
     with pytest.raises(VideoDatasetNotSupportedError, match="torchcodec") as exc:
         LeRobotDemoSource(root, REPO, cameras=["front"], action_chunk=2)
     assert "wrist" in str(exc.value) and "FFmpeg" in str(exc.value)

@@ -128,7 +128,7 @@ def test_decreasing_timestamp_fails(good_root: Path, tmp_path: Path) -> None:
     assert [f.field for f in report.failures] == ["dataset.timestamp"]
 
 
-def test_video_cameras_fail(good_root: Path, tmp_path: Path) -> None:
+def test_video_cameras_fail_without_torchcodec(good_root: Path, tmp_path: Path, without_torchcodec) -> None:
     root = tmp_path / "video"
     shutil.copytree(good_root, root)
     info_path = root / "meta" / "info.json"
