@@ -35,6 +35,7 @@ from joynexus.artifacts import (
     PayloadError,
     TenantManifest,
     decode_tenant_payload,
+    payload_digest,
     validate_tenant_id,
 )
 
@@ -239,7 +240,10 @@ class ExperimentTracker:
 
         Artifacts go to ``tenant_payload/v<policy_version:06d>/`` inside the run, so one run may
         register several policy versions without overwriting the files an earlier version points to.
-        Returns the new registry version number.
+        The version is tagged with the export's digests: ``manifest_digest`` (the manifest's, what the
+        API's ``X-JoyNexus-Manifest-Digest`` says) and ``payload_sha256`` (the payload's bytes).
+        Exports of one policy version are byte-identical, so a later export of the same version
+        matches both tags. Returns the new registry version number.
         """
         validate_tenant_id(tenant_id)
         if manifest.tenant_id != tenant_id:
@@ -283,6 +287,7 @@ class ExperimentTracker:
                     "schema_signature": manifest.schema_signature,
                     "base_model_id": manifest.base_model_id,
                     "manifest_digest": manifest.digest,
+                    "payload_sha256": payload_digest(payload),
                 },
                 description=f"tenant {tenant_id} policy_version {manifest.policy_version}",
             )
@@ -315,7 +320,8 @@ class ExperimentTracker:
         """Download a registered version (by number, alias, or newest) and verify it.
 
         The payload must decode, its embedded manifest must equal ``manifest.json``, and both must
-        match the ``manifest_digest`` tag written at registration.
+        match the ``manifest_digest`` tag written at registration; the payload's bytes must match the
+        ``payload_sha256`` tag (versions registered before that tag existed have none to check).
         """
         mv = self._resolve_version(tenant_id, version, alias)
         where = f"tenant {tenant_id!r} model version {mv.version}"
@@ -343,6 +349,12 @@ class ExperimentTracker:
             raise RegistryError(
                 f"{where}: manifest digest mismatch (tag {expected_digest}, payload {embedded.digest}, "
                 f"{MANIFEST_FILE} {stored.digest})"
+            )
+        expected_sha = tags.get("payload_sha256")
+        if expected_sha is not None and payload_digest(payload) != expected_sha:
+            raise RegistryError(
+                f"{where}: {ACTION_MODULE_FILE} bytes do not match the payload_sha256 tag "
+                f"(tag {expected_sha}, file {payload_digest(payload)})"
             )
         return payload, embedded
 

@@ -29,6 +29,10 @@ MAX_TRAINING_SEED = 2**64 - 1
 MAX_ENVIRONMENT_SEED = 2**31 - 1
 # Counts stored in the control plane's Integer columns (32-bit on PostgreSQL).
 MAX_STORED_COUNT = 2**31 - 1
+# LoRA adapter bounds (the backend checks the target modules against its backbone's text model).
+MAX_ADAPTER_RANK = 64
+MAX_ADAPTER_TARGETS = 16
+ADAPTER_TARGET_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 class TaskType(StrEnum):
@@ -44,6 +48,39 @@ class _Strict(BaseModel):
 class ActionModuleSpec(_Strict):
     kind: str = "oft_mlp"  # a name in joynexus.models.action_modules registry
     size: str = "small"  # a size preset of that registry
+
+
+class AdapterSpec(_Strict):
+    """A tenant-private LoRA adapter on the shared backbone's text model, trained beside the action
+    module (peft LoRA: W x + B A x * alpha / rank on each targeted Linear layer)."""
+
+    kind: Literal["lora"] = "lora"
+    rank: int = Field(default=8, ge=1, le=MAX_ADAPTER_RANK)
+    alpha: float = Field(default=16.0, gt=0, le=4096)
+    target_modules: list[str] = Field(default=["q_proj", "v_proj"], min_length=1, max_length=MAX_ADAPTER_TARGETS)
+    dropout: float = 0.0
+
+    @field_validator("target_modules")
+    @classmethod
+    def _target_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not ADAPTER_TARGET_PATTERN.match(name):
+                raise ValueError(
+                    f"target module {name!r} must be a layer name matching {ADAPTER_TARGET_PATTERN.pattern}"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"target modules must be unique, got {names}")
+        return names
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(
+                f"only 0.0 is supported, got {value}: the shared backbone runs in eval mode, and a tenant's "
+                "grouped and per-tenant training steps must be equal"
+            )
+        return value
 
 
 class ObservationSpec(_Strict):
@@ -125,6 +162,7 @@ class WorkloadSpec(_Strict):
     base_model: str = Field(min_length=1)
     task: TaskType
     action_module: ActionModuleSpec = ActionModuleSpec()
+    adapter: AdapterSpec | None = None  # a tenant-private LoRA adapter on the backbone; None: none
     observation: ObservationSpec
     dataset: DatasetSpec | None = Field(default=None, validate_default=True)
     environment: EnvironmentSpec | None = Field(default=None, validate_default=True)

@@ -388,6 +388,12 @@ class ApiGateway:
             raise InvalidInput(
                 "payload.manifest.module_config", "differs from the action module config your tenant was created with"
             )
+        # A payload cannot add, drop or reshape the tenant's LoRA adapter on the shared backbone.
+        adapter = (manifest.extra or {}).get("adapter")
+        if json.loads(json.dumps(adapter)) != json.loads(json.dumps(cfg.adapter)):
+            raise InvalidInput(
+                "payload.manifest.extra.adapter", "differs from the adapter config your tenant was created with"
+            )
         return module_state, manifest
 
     @staticmethod

@@ -8,11 +8,14 @@ from joynexus.artifacts.codec import (
     MANIFEST_FILE,
     OPTIMIZER_JSON_FILE,
     OPTIMIZER_TENSORS_FILE,
+    VERSION_CREATED_AT_KEY,
     CheckpointError,
     PayloadError,
     TenantManifest,
     decode_tenant_payload,
     encode_tenant_payload,
+    export_manifest,
+    payload_digest,
     validate_tenant_id,
 )
 
@@ -27,9 +30,12 @@ __all__ = [
     "LocalBlobStore",
     "PayloadError",
     "TenantManifest",
+    "VERSION_CREATED_AT_KEY",
     "VersionInfo",
     "blob_store_for",
     "decode_tenant_payload",
     "encode_tenant_payload",
+    "export_manifest",
+    "payload_digest",
     "validate_tenant_id",
 ]

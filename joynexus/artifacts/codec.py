@@ -30,6 +30,9 @@ PAYLOAD_MANIFEST_KEY = "joynexus.manifest"
 PAYLOAD_FORMAT_KEY = "joynexus.format"
 PAYLOAD_FORMAT = "tenant-payload/1"
 OPTIMIZER_FORMAT = "optimizer-state/1"
+# Manifest `extra` key: when the version's weights were made (ISO 8601, UTC). An export's manifest
+# takes it as its created_at, so every export of one version is the same bytes (see export_manifest).
+VERSION_CREATED_AT_KEY = "version_created_at"
 
 _TENANT_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _VERSION_DIR_RE = re.compile(r"v(\d{6,})")
@@ -152,7 +155,28 @@ def _prepare_tensors(state: Mapping[str, Any], what: str) -> dict[str, torch.Ten
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    return _st_save(tensors, metadata=metadata)
+    """safetensors bytes that are a function of the tensors and metadata alone (see _canonical_header)."""
+    return _canonical_header(_st_save(tensors, metadata=metadata))
+
+
+def _canonical_header(data: bytes) -> bytes:
+    """Rewrite a safetensors header with its metadata keys sorted.
+
+    The library serialises ``__metadata__`` from a Rust HashMap, whose order is random per process
+    (and per map), so two saves of the same tensors and metadata differ in bytes once the metadata
+    has two keys. Tensor entries keep the library's (deterministic) order and offsets; the header
+    is padded with spaces to 8 bytes, as the library does, so the data stays aligned.
+    """
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    metadata = header.pop("__metadata__", None)
+    canonical: dict[str, Any] = {}
+    if metadata:
+        canonical["__metadata__"] = {key: metadata[key] for key in sorted(metadata)}
+    canonical.update(header)
+    text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + header_len :]
 
 
 def _read_safetensors_header(data: bytes) -> dict[str, Any]:
@@ -191,6 +215,22 @@ def encode_tenant_payload(module_state: dict[str, torch.Tensor], manifest: Tenan
     tensors = _prepare_tensors(module_state, "module_state")
     metadata = {PAYLOAD_FORMAT_KEY: PAYLOAD_FORMAT, PAYLOAD_MANIFEST_KEY: manifest.to_json()}
     return _save_tensors(tensors, metadata)
+
+
+def export_manifest(manifest: TenantManifest) -> TenantManifest:
+    """The manifest every export of this manifest's version carries: no checkpoint file hashes, and
+    created_at the time the version's weights were made (``extra["version_created_at"]``; manifests
+    written before it was recorded keep their own time). Applied to a checkpoint's manifest it gives
+    the manifest ``TrainingModelService.export_params`` gave that version."""
+    created = manifest.extra.get(VERSION_CREATED_AT_KEY)
+    return dataclasses.replace(
+        manifest, files={}, created_at=created if isinstance(created, str) else manifest.created_at
+    )
+
+
+def payload_digest(payload: bytes) -> str:
+    """sha256 hex of a payload's bytes (equal for every export of one version)."""
+    return _sha256(bytes(payload))
 
 
 def decode_tenant_payload(payload: bytes) -> tuple[dict[str, torch.Tensor], TenantManifest]:

@@ -23,9 +23,15 @@ class BaseModelCapabilities:
     max_state_dim: int = 128
     max_action_dim: int = 64
     max_action_chunk: int = 128
+    # Linear layers of the text model a LoRA adapter may target (Idefics3 / SmolVLM: a Llama decoder).
+    lora_target_modules: tuple[str, ...] = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    max_lora_rank: int = 64
 
     @classmethod
-    def of_backbone(cls, backbone: Any, **limits: int) -> BaseModelCapabilities:
+    def of_backbone(cls, backbone: Any, **limits: Any) -> BaseModelCapabilities:
+        targets = getattr(backbone, "lora_target_modules", None)
+        if targets is not None and "lora_target_modules" not in limits:
+            limits["lora_target_modules"] = tuple(targets())
         return cls(
             model_id=backbone.model_id,
             feature_dim=backbone.hidden_size,
@@ -67,6 +73,9 @@ class TenantBackendConfig(BaseModel):
     seed: int
     environment: dict[str, Any] | None = None  # an EnvironmentSpec as a dict (RL tenants)
     rl: dict[str, Any] | None = None  # an RLSpec as a dict (RL tenants)
+    # A LoraAdapterConfig as a dict (joynexus.models.adapters): the tenant's LoRA adapter on the
+    # shared backbone, trained, versioned and exported with its action module; None: no adapter.
+    adapter: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class SpecCompiler:
                 )
             )
         problems.extend(_rl_problems(spec))
+        problems.extend(_adapter_problems(spec, caps))
         if spec.training.microbatch_size > spec.training.samples_per_job:
             problems.append(
                 (
@@ -146,6 +147,7 @@ class SpecCompiler:
             seed=spec.training.seed,
             environment=spec.environment.model_dump(mode="json") if spec.environment else None,
             rl=spec.rl.model_dump(mode="json") if spec.task is TaskType.RL else None,
+            adapter=_adapter_config(spec),
         )
 
     def _environment_problems(self, spec: WorkloadSpec) -> list[tuple[str, str]]:
@@ -199,6 +201,38 @@ class SpecCompiler:
         )
         report = validate_dataset(root, spec.dataset.repo_id, expectation, raise_on_error=False)
         return [(failure.field, failure.reason) for failure in report.failures]
+
+
+def _adapter_problems(spec: WorkloadSpec, caps: Any) -> list[tuple[str, str]]:
+    """The LoRA adapter must target Linear layers the backbone's text model has, at a rank it allows."""
+    adapter = spec.adapter
+    if adapter is None:
+        return []
+    problems: list[tuple[str, str]] = []
+    known = set(caps.lora_target_modules)
+    unknown = [name for name in adapter.target_modules if name not in known]
+    if unknown:
+        problems.append(
+            (
+                "adapter.target_modules",
+                f"{unknown} are not Linear layers of {caps.model_id}'s text model; choose from {sorted(known)}",
+            )
+        )
+    limit = min(caps.max_lora_rank, caps.feature_dim)
+    if adapter.rank > limit:
+        problems.append(
+            ("adapter.rank", f"{adapter.rank} exceeds this backend's limit of {limit} (1..{limit} for {caps.model_id})")
+        )
+    return problems
+
+
+def _adapter_config(spec: WorkloadSpec) -> dict[str, Any] | None:
+    """The spec's adapter as the backend's LoraAdapterConfig dict (None without an adapter)."""
+    if spec.adapter is None:
+        return None
+    from joynexus.models.adapters import LoraAdapterConfig
+
+    return LoraAdapterConfig.model_validate(spec.adapter.model_dump()).model_dump(mode="json")
 
 
 def _rl_problems(spec: WorkloadSpec) -> list[tuple[str, str]]:
@@ -341,6 +375,15 @@ def backend_build_problems(config: TenantBackendConfig) -> list[tuple[str, str]]
             problems.append(("action_module", f"kind {module_config.kind!r} built no value head, which GAE needs"))
     except Exception as error:  # whatever the module raises is this spec's problem, not a server error
         problems.append(("action_module", _first_line(error)))
+    if config.adapter is not None:
+        from joynexus.models.adapters import LoraAdapterConfig
+
+        try:
+            LoraAdapterConfig.model_validate(config.adapter)
+        except ValidationError as error:
+            for item in error.errors():
+                name = ".".join(str(part) for part in item["loc"])
+                problems.append((f"adapter.{name}" if name else "adapter", item["msg"]))
     return problems
 
 

@@ -19,10 +19,18 @@ Hot path (``encode``) deliberately bypasses the HF image processor and processor
   the sequence index, so right padding leaves every real token bit-for-bit
   independent of the other samples in the batch (left padding would shift RoPE
   positions).
+
+Tenant-private LoRA adapters (``joynexus.models.adapters``) live on the text model of
+this one backbone: ``encode(..., adapters=[key or None per sample])`` runs a batch
+that mixes tenants' adapters (and samples without one) in ONE forward, and
+``grad=True`` keeps the autograd graph from the features to the adapters' weights
+for training (the vision tower and every base weight stay frozen). With no adapter
+on the backbone, ``encode`` is exactly what it was before adapters existed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -30,10 +38,10 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 # The service must never reach a model hub; set before transformers is imported.
 # Every load below also passes ``local_files_only=True``, so this is belt and braces.
@@ -55,6 +63,9 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+if TYPE_CHECKING:
+    from joynexus.models.adapters import BackboneAdapters
 
 __all__ = [
     "BackboneFeatures",
@@ -250,6 +261,10 @@ class BackboneFeatures:
     def to(self, device: torch.device | str) -> BackboneFeatures:
         return BackboneFeatures(self.tokens.to(device), self.mask.to(device), self.pooled.to(device))
 
+    def detach(self) -> BackboneFeatures:
+        """The same values without the autograd graph (features of an adapter-carrying forward)."""
+        return BackboneFeatures(self.tokens.detach(), self.mask, self.pooled.detach())
+
     @staticmethod
     def concat(parts: Sequence[BackboneFeatures]) -> BackboneFeatures:
         """Join batches along B, right-padding L to the longest part (padding zeroed, masked out)."""
@@ -383,6 +398,10 @@ class ResidentBackbone:
         # Frozen: no gradients, eval mode (no dropout), and encode runs in inference_mode.
         self.model.requires_grad_(False)
         self.model.eval()
+        # Tenant LoRA adapters on the text model, made on first use; every encode holds this lock,
+        # so an adapter is never injected or deleted while a forward runs.
+        self._adapter_lock = threading.RLock()
+        self._adapters: BackboneAdapters | None = None
         with ResidentBackbone._instances_lock:
             ResidentBackbone.instances_created += 1
 
@@ -500,7 +519,14 @@ class ResidentBackbone:
         """Write config + safetensors weights + tokenizer + HF processor + joynexus metadata."""
         root = Path(path).expanduser()
         root.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(root, safe_serialization=True)
+        # The base model only, under its own names: tenant adapters (peft moves a wrapped layer's
+        # weight to `<layer>.base_layer.weight` and adds `lora_*` tensors) are never part of it.
+        base_state = {
+            name.replace(".base_layer.", "."): tensor
+            for name, tensor in self.model.state_dict().items()
+            if ".lora_" not in name
+        }
+        self.model.save_pretrained(root, state_dict=base_state, safe_serialization=True)
         self.tokenizer.save_pretrained(root)
         if self.model.config.model_type == "idefics3":
             # A stock HF processor too, so the directory also works with AutoProcessor
@@ -538,7 +564,32 @@ class ResidentBackbone:
         return (self.model_id, self.image_size, self.max_images)
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """Parameters of the frozen base model (tenant adapters not counted)."""
+        return sum(p.numel() for name, p in self.model.named_parameters() if ".lora_" not in name)
+
+    @property
+    def text_model(self) -> torch.nn.Module:
+        """The decoder LoRA adapters are injected into (``PeftModel.from_pretrained`` takes this)."""
+        return self.model.text_model
+
+    @property
+    def adapters(self) -> BackboneAdapters:
+        """The tenants' LoRA adapters on this backbone's text model (created on first use)."""
+        with self._adapter_lock:
+            if self._adapters is None:
+                from joynexus.models.adapters import BackboneAdapters
+
+                self._adapters = BackboneAdapters(self.text_model, self._adapter_lock)
+            return self._adapters
+
+    def has_adapters(self) -> bool:
+        return self._adapters is not None and len(self._adapters) > 0
+
+    def lora_target_modules(self) -> list[str]:
+        """Names of the text model's Linear layers, i.e. what an adapter's ``target_modules`` may list."""
+        from joynexus.models.adapters import linear_module_names
+
+        return linear_module_names(self.text_model)
 
     def __repr__(self) -> str:
         return (
@@ -634,18 +685,68 @@ class ResidentBackbone:
         additive.masked_fill_(~allowed, torch.finfo(torch.float32).min)
         return additive.unsqueeze(1)
 
-    def encode(self, images: list[list[torch.Tensor]], instructions: list[str]) -> BackboneFeatures:
+    def encode(
+        self,
+        images: list[list[torch.Tensor]],
+        instructions: list[str],
+        adapters: Sequence[Hashable | None] | None = None,
+        *,
+        grad: bool = False,
+    ) -> BackboneFeatures:
         """Encode a batch of (cameras, instruction) samples into frozen token features.
 
         ``images[b]`` holds 1..max_images float (3, h, w) tensors in [0, 1] of any size.
         Instructions longer than ``max_instruction_tokens`` tokens are truncated.
+        ``adapters[b]``: the key of the LoRA adapter (see ``adapters``) sample b runs with, None for
+        the base model; one forward serves any mix. ``grad=True`` keeps the graph from the features
+        to the adapters' weights (training); otherwise everything runs in inference mode.
         """
         self._validate(images, instructions)
+        if adapters is not None and len(adapters) != len(images):
+            raise ValueError(f"encode: got {len(adapters)} adapter keys for {len(images)} samples")
         input_ids, attention_mask = self._input_ids(images, instructions)
         pixels, slot_mask = self._canonicalize(images)
         device = self.model.device  # CPU in this service; a no-op move there
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         pixels, slot_mask = pixels.to(device), slot_mask.to(device)
+        with self._adapter_lock:
+            if self.has_adapters():
+                # Every forward is routed once any adapter exists: samples without one say so.
+                routing = self.adapters.routing(list(adapters) if adapters is not None else [None] * len(images))
+            elif adapters is not None and any(key is not None for key in adapters):
+                unknown = sorted({repr(key) for key in adapters if key is not None})
+                raise KeyError(f"encode: no LoRA adapter {', '.join(unknown)} on this backbone (it has none)")
+            else:
+                routing = contextlib.nullcontext()
+            with routing:
+                if grad:
+                    return self._encode_with_grad(input_ids, attention_mask, pixels, slot_mask)
+                return self._encode_inference(input_ids, attention_mask, pixels, slot_mask)
+
+    def _encode_with_grad(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixels: torch.Tensor, slot_mask: torch.Tensor
+    ) -> BackboneFeatures:
+        """The same computation as ``_encode_inference`` with autograd on for the text model (where
+        the adapters are); the vision tower and connector, which no adapter touches, run without."""
+        with torch.no_grad():
+            vision = self.model.vision_model(pixel_values=pixels[slot_mask]).last_hidden_state
+            image_states = self.model.connector(vision)
+        with torch.enable_grad():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=self._text_attention_mask(attention_mask),
+                image_hidden_states=image_states,
+                use_cache=False,
+                return_dict=True,
+            )
+            mask = attention_mask.bool()
+            tokens = out.last_hidden_state.float() * mask.unsqueeze(-1)
+            pooled = tokens.sum(dim=1) / mask.sum(dim=1, keepdim=True)
+        return BackboneFeatures(tokens=tokens, mask=mask, pooled=pooled)
+
+    def _encode_inference(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixels: torch.Tensor, slot_mask: torch.Tensor
+    ) -> BackboneFeatures:
         with torch.inference_mode():
             # Only real camera slots reach the vision tower (selected by the slot mask,
             # not by pixel values); the flattened order matches the order of the image

@@ -13,6 +13,12 @@ fails fails only its own requests.
 in a bounded per-tenant LRU (the latest version is never evicted); a request pins its serving
 state when it is submitted, so eviction never breaks a request already in the queue.
 
+LoRA tenants: a payload carrying adapter tensors (`adapter/...`, config in the manifest's
+`extra["adapter"]`) installs, beside its module, a peft LoRA adapter on the shared backbone, one per
+serving version. A batch mixing tenants with different adapters (and tenants without) is still ONE
+backbone forward: each sample runs through its own version's adapter (peft mixed-adapter batch). An
+evicted version's adapter leaves the backbone; a request pinned to it re-installs it for its batch.
+
 Fairness (issue 11): a request of more than `max_chunk_samples` observations (or more than B,
 whichever is smaller) is split at submission into chunks of that size, and `TenantFairQueue` forms
 each batch round-robin across tenants, least recently served first. So one tenant's 1,024-sample
@@ -23,6 +29,7 @@ actions as unsplit (per-observation seeds draw the same noise wherever a row is 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -41,6 +48,7 @@ from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogram
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
+from joynexus.models.adapters import LoraAdapterConfig, split_tenant_state
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
 from joynexus.services.training import BackboneSource
@@ -77,6 +85,11 @@ class ServingState:
     module: ActionModule
     manifest_digest: str
     last_used: float = field(default_factory=time.monotonic)
+    # The version's LoRA adapter (None: the tenant has none): its config, its tensors (kept here, so
+    # it can be re-installed for a pinned request after eviction) and its key on the backbone.
+    adapter: LoraAdapterConfig | None = None
+    adapter_state: dict[str, torch.Tensor] | None = None
+    adapter_key: tuple[Any, ...] | None = None
 
 
 @dataclass
@@ -329,6 +342,7 @@ class InferenceModelService:
         self.queue = TenantFairQueue()
         self._states: dict[str, OrderedDict[int, ServingState]] = {}
         self._lock = threading.RLock()  # guards _states; never held while a batch runs
+        self._adapter_ids = itertools.count(1)  # one backbone adapter key per serving state
         self._stats = {
             "batches": 0,
             "requests": 0,  # callers' requests; a split one counts once, when its first chunk is served
@@ -365,28 +379,65 @@ class InferenceModelService:
                 f"payload of tenant {manifest.tenant_id!r} expects feature_dim {config.feature_dim}, "
                 f"the backbone gives {self.backbone.hidden_size}"
             )
+        module_tensors, adapter_tensors = split_tenant_state(tensors)
         module = build_action_module(config)
-        module.load_state_dict(tensors, strict=True)
+        module.load_state_dict(module_tensors, strict=True)
         module.eval().requires_grad_(False)
         state = ServingState(
             manifest.tenant_id, manifest.policy_version, manifest.schema_signature, module, manifest.digest
         )
+        self._install_adapter(state, manifest.extra.get("adapter"), adapter_tensors)
         with self._lock:
             versions = self._states.setdefault(manifest.tenant_id, OrderedDict())
+            replaced = versions.get(manifest.policy_version)
             versions[manifest.policy_version] = state
             versions.move_to_end(manifest.policy_version)
-            self._evict(versions)
+            dropped = self._evict(versions)
+            if replaced is not None:
+                dropped.append(replaced)
+        self._drop_adapters(dropped)  # outside _lock: the worker takes the adapter lock, then _lock
         return {
             "tenant_id": manifest.tenant_id,
             "version": manifest.policy_version,
             "loaded": self.versions(manifest.tenant_id),
         }
 
-    def _evict(self, versions: OrderedDict[int, ServingState]) -> None:
+    def _install_adapter(self, state: ServingState, config: Any, adapter_tensors: dict[str, torch.Tensor]) -> None:
+        """Put a payload's LoRA adapter on the backbone for `state` (strictly checked: the config's
+        keys and shapes, finite values), or refuse the payload."""
+        where = f"payload of tenant {state.tenant_id!r} v{state.version}"
+        if config is None:
+            if adapter_tensors:
+                raise InferenceError(f"{where} holds LoRA adapter tensors but its manifest names no adapter")
+            return
+        if not adapter_tensors:
+            raise InferenceError(f"{where}: its manifest names an adapter, but it holds no adapter tensors")
+        try:
+            state.adapter = LoraAdapterConfig.model_validate(config)
+            state.adapter_state = {k: v.detach().clone() for k, v in adapter_tensors.items()}
+            state.adapter_key = ("serving", state.tenant_id, state.version, next(self._adapter_ids))
+            self.backbone.adapters.add(state.adapter_key, state.adapter, state=state.adapter_state)
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise InferenceError(f"{where}: its LoRA adapter does not fit this backbone: {error}") from error
+
+    def _drop_adapters(self, states: list[ServingState]) -> None:
+        """Take dropped serving states' adapters off the backbone."""
+        for state in states:
+            if state.adapter_key is not None:
+                self.backbone.adapters.remove(state.adapter_key)
+
+    def _is_current(self, state: ServingState) -> bool:
+        with self._lock:
+            return self._states.get(state.tenant_id, {}).get(state.version) is state
+
+    def _evict(self, versions: OrderedDict[int, ServingState]) -> list[ServingState]:
+        """Drop the least recently used versions beyond the bound (never the latest); returns them."""
         latest = max(versions)
+        dropped = []
         while len(versions) > self.max_versions:
             victim = min((v for v in versions if v != latest), key=lambda v: versions[v].last_used)
-            del versions[victim]
+            dropped.append(versions.pop(victim))
+        return dropped
 
     def versions(self, tenant_id: str) -> list[int]:
         with self._lock:
@@ -407,7 +458,9 @@ class InferenceModelService:
     def remove_tenant(self, tenant_id: str) -> int:
         """Forget every serving state of the tenant (tenant deletion); returns how many versions."""
         with self._lock:
-            return len(self._states.pop(tenant_id, {}))
+            states = list(self._states.pop(tenant_id, {}).values())
+        self._drop_adapters(states)
+        return len(states)
 
     def _resolve(self, tenant_id: str, version: int | None) -> ServingState:
         with self._lock:
@@ -547,7 +600,7 @@ class InferenceModelService:
                 instructions.append(obs.instruction)
             slices.append(slice(start, len(images)))
         try:
-            features = self.backbone.encode(images, instructions)
+            features = self._shared_forward(batch, images, instructions)
         except Exception as error:  # a bad shared forward fails the batch, never the service
             for request in batch:
                 _settle(request.future, exception=InferenceError(f"shared backbone forward failed: {error}"))
@@ -601,6 +654,27 @@ class InferenceModelService:
                 "parts_left_out": max(0, len(batch) - RECENT_BATCH_PARTS),
             }
         )
+
+    def _shared_forward(self, batch: list[InferenceRequest], images: list, instructions: list[str]) -> Any:
+        """ONE backbone forward for the batch; with adapter tenants in it, each sample through its
+        pinned version's adapter (a mixed-adapter batch). An adapter evicted since its request was
+        pinned is installed for this forward only."""
+        states = [request.context.state for request in batch]
+        if all(state.adapter is None for state in states):
+            return self.backbone.encode(images, instructions)
+        keys: list[Any] = []
+        transient: list[ServingState] = []
+        adapters = self.backbone.adapters
+        try:
+            with adapters.lock:  # nothing installs or drops an adapter between the check and the forward
+                for request, state in zip(batch, states, strict=True):
+                    if state.adapter is not None and state.adapter_key not in adapters:
+                        adapters.add(state.adapter_key, state.adapter, state=state.adapter_state)
+                        transient.append(state)
+                    keys.extend([state.adapter_key] * request.size)
+                return self.backbone.encode(images, instructions, keys)
+        finally:  # outside the adapter lock (_is_current takes _lock: never the other way round)
+            self._drop_adapters([state for state in transient if not self._is_current(state)])
 
     def _meter_request(self, request: InferenceRequest, seconds: float) -> None:
         if self.meter is None:

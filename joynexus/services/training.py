@@ -7,6 +7,11 @@ without gradients, then that tenant's loss, backward and optimizer step. `train_
 group-batched form (paper 5.2): one shared backbone forward over several tenants' microbatches,
 then each tenant's own update on its own rows. Nothing here is ever averaged or shared across
 tenants. Deployed as a named Ray actor (`training_service_actor`).
+
+A tenant may also own a LoRA adapter on the shared backbone (`TenantBackendConfig.adapter`): its
+parameters join the tenant's AdamW, its forward runs with autograd through the backbone's text model
+(the base weights stay frozen and shared), and the slot's state dict — the module's tensors plus the
+adapter's under `adapter/` — is what is versioned, checkpointed, exported and loaded for serving.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
     OPTIMIZER_TENSORS_FILE,
+    VERSION_CREATED_AT_KEY,
     CheckpointError,
     CheckpointStore,
     TenantManifest,
@@ -34,6 +40,7 @@ from joynexus.artifacts import (
 )
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
+from joynexus.models.adapters import LoraAdapterConfig, join_tenant_state, split_tenant_state
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone, TinyBackboneSpec
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import TrainingJob
@@ -85,6 +92,16 @@ class TenantSlot:
     jobs_completed: int = 0
     samples_trained: int = 0
     losses: list[float] = field(default_factory=list)
+    # The tenant's LoRA adapter on the shared backbone (its key there is the tenant id); None: none.
+    adapter: LoraAdapterConfig | None = None
+    adapter_parameters: list[torch.nn.Parameter] = field(default_factory=list)
+    # When the weights of `version` were made (an export's created_at: exports of one version are
+    # byte-identical); restored from the checkpoint with the version.
+    version_created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Everything the tenant trains: its module's parameters, then its adapter's."""
+        return [*self.module.parameters(), *self.adapter_parameters]
 
 
 def microbatch_to_tensors(
@@ -182,11 +199,14 @@ class TrainingModelService:
     def tenant_state(self, tenant_id: str) -> dict[str, Any]:
         """Copies of the slot's parameters and optimizer state (tests check isolation with these)."""
         slot = self._slot(tenant_id)
-        return {
+        state = {
             "version": slot.version,
             "module": {k: v.detach().clone() for k, v in slot.module.state_dict().items()},
             "optimizer": _clone_optimizer_state(slot.optimizer.state_dict()),
         }
+        if slot.adapter is not None:
+            state["adapter"] = self.backbone.adapters.state_dict(tenant_id)
+        return state
 
     # -- slots ------------------------------------------------------------------------------
     def add_tenant(self, config: TenantBackendConfig | dict[str, Any], resume: bool = True) -> dict[str, Any]:
@@ -203,12 +223,31 @@ class TrainingModelService:
         with torch.random.fork_rng():
             torch.manual_seed(config.seed)
             module = build_action_module(module_config)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=config.learning_rate)
-        slot = TenantSlot(config=config, module=module, optimizer=optimizer)
+        if config.adapter is None:
+            optimizer = torch.optim.AdamW(module.parameters(), lr=config.learning_rate)
+            slot = TenantSlot(config=config, module=module, optimizer=optimizer)
+        else:
+            adapter = LoraAdapterConfig.model_validate(config.adapter)
+            # Initialized from the tenant's seed (peft: A Kaiming-uniform, B zero: a no-op at first).
+            self.backbone.adapters.add(config.tenant_id, adapter, seed=config.seed, trainable=True)
+            adapter_parameters = self.backbone.adapters.parameters(config.tenant_id)
+            optimizer = torch.optim.AdamW([*module.parameters(), *adapter_parameters], lr=config.learning_rate)
+            slot = TenantSlot(
+                config=config,
+                module=module,
+                optimizer=optimizer,
+                adapter=adapter,
+                adapter_parameters=adapter_parameters,
+            )
         resumed = False
-        if resume and self.checkpoints.latest_version(config.tenant_id) is not None:
-            self._restore(slot)
-            resumed = True
+        try:
+            if resume and self.checkpoints.latest_version(config.tenant_id) is not None:
+                self._restore(slot)
+                resumed = True
+        except BaseException:
+            if slot.adapter is not None:  # no slot, so no adapter left on the shared backbone either
+                self.backbone.adapters.remove(config.tenant_id)
+            raise
         # Versions after the restored checkpoint may have been issued (exported, published) before a
         # crash with other weights: continue numbering after every version ever issued.
         slot.issued_version = max(slot.version, self.checkpoints.issued_version(config.tenant_id) or 0)
@@ -224,12 +263,14 @@ class TrainingModelService:
                 f"{manifest.schema_signature}, the tenant's spec has {slot.config.schema_signature}"
             )
         where = f"checkpoint of tenant {tenant_id!r} v{manifest.policy_version}"
+        module_state, adapter_state = split_tenant_state(module_state)
         try:
             slot.module.load_state_dict(module_state)
         except (RuntimeError, ValueError, KeyError) as exc:  # verified bytes, but not this module's tensors
             raise CheckpointError(
                 f"{where}: file {ACTION_MODULE_FILE} does not fit the tenant's module: {exc}"
             ) from exc
+        self._restore_adapter(slot, manifest, adapter_state, where)
         if optimizer_state is not None:
             try:
                 slot.optimizer.load_state_dict(optimizer_state)
@@ -238,15 +279,44 @@ class TrainingModelService:
                     f"{where}: file {OPTIMIZER_TENSORS_FILE} does not fit the tenant's optimizer: {exc}"
                 ) from exc
         slot.version = manifest.policy_version
+        created = manifest.extra.get(VERSION_CREATED_AT_KEY)
+        slot.version_created_at = created if isinstance(created, str) else manifest.created_at
         slot.optimizer_steps = int(manifest.extra.get("optimizer_steps", 0))
         slot.jobs_completed = int(manifest.extra.get("jobs_completed", 0))
         slot.samples_trained = int(manifest.extra.get("samples_trained", 0))
 
+    def _restore_adapter(
+        self, slot: TenantSlot, manifest: TenantManifest, adapter_state: dict[str, torch.Tensor], where: str
+    ) -> None:
+        """The checkpoint's adapter tensors into the slot's adapter (strict), or refuse the checkpoint."""
+        if slot.adapter is None:
+            if adapter_state:
+                raise CheckpointError(
+                    f"{where}: file {ACTION_MODULE_FILE} holds LoRA adapter tensors, but the tenant has no adapter"
+                )
+            return
+        if not adapter_state:
+            raise CheckpointError(f"{where}: file {ACTION_MODULE_FILE} holds no LoRA adapter tensors")
+        recorded = manifest.extra.get("adapter")
+        if recorded is not None and recorded != slot.adapter.model_dump(mode="json"):
+            raise CheckpointError(
+                f"{where}: adapter {recorded} differs from the tenant's {slot.adapter.model_dump(mode='json')}"
+            )
+        try:
+            self.backbone.adapters.load_state_dict(slot.config.tenant_id, adapter_state)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"{where}: file {ACTION_MODULE_FILE} does not fit the tenant's adapter: {exc}"
+            ) from exc
+
     def remove_tenant(self, tenant_id: str) -> bool:
-        """Drop the tenant's slot (module, optimizer, pending gradients) from memory; its checkpoints
-        stay (CheckpointStore.delete_tenant removes those). False if it had no slot."""
+        """Drop the tenant's slot (module, adapter, optimizer, pending gradients) from memory; its
+        checkpoints stay (CheckpointStore.delete_tenant removes those). False if it had no slot."""
         self._pending_gradients().pop(tenant_id, None)
-        return self._slots.pop(tenant_id, None) is not None
+        slot = self._slots.pop(tenant_id, None)
+        if slot is not None and slot.adapter is not None:
+            self.backbone.adapters.remove(tenant_id)
+        return slot is not None
 
     def _issue_version(self, slot: TenantSlot) -> int:
         """Number a parameter change: the next never-issued version, made durable BEFORE the slot
@@ -254,6 +324,7 @@ class TrainingModelService:
         version = max(slot.version, slot.issued_version) + 1
         self.checkpoints.record_issued_version(slot.config.tenant_id, version)
         slot.issued_version = slot.version = version
+        slot.version_created_at = datetime.now(UTC).isoformat()
         return version
 
     def _slot(self, tenant_id: str) -> TenantSlot:
@@ -340,9 +411,13 @@ class TrainingModelService:
                 data = self.queue.get_data(meta)
                 _check_annotations(data, job.tenant_id, slot.config.schema_signature)
                 batch = self._prepare(slot, data)
-                if meta.indices not in features_cache:
-                    features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
-                features = features_cache[meta.indices]
+                if slot.adapter is not None:
+                    # The features depend on the adapter, which every step changes: no reuse.
+                    features = self._encode_slot(slot, batch)
+                else:
+                    if meta.indices not in features_cache:
+                        features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
+                    features = features_cache[meta.indices]
                 old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32))
                 advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32))
                 returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32))
@@ -395,6 +470,11 @@ class TrainingModelService:
         own slot; nothing is averaged across tenants. A tenant whose update raises (module error,
         non-finite loss or gradients) gets `error` in its result and keeps its slot unchanged,
         while the others still step.
+
+        Tenants with LoRA adapters share the forward too (a mixed-adapter batch with autograd on):
+        each one's gradients are taken from the one graph for its own parameters only, and only
+        when every tenant's are taken do their optimizers step (a step changes adapter weights the
+        graph still needs).
         """
         if not batches:
             return []
@@ -420,6 +500,16 @@ class TrainingModelService:
             offset += len(batch)
 
         started = time.perf_counter()
+        if any(slot.adapter is not None for slot in slots):
+            features = self.encode(
+                [cams for batch in prepared for cams in batch.images],
+                [text for batch in prepared for text in batch.instructions],
+                adapters=[
+                    key for slot, batch in zip(slots, prepared, strict=True) for key in _adapter_keys(slot, batch)
+                ],
+                grad=True,
+            )
+            return self._adapter_group_updates(slots, prepared, rows, features, time.perf_counter() - started)
         features = self.encode(
             [cams for batch in prepared for cams in batch.images],
             [text for batch in prepared for text in batch.instructions],
@@ -450,6 +540,90 @@ class TrainingModelService:
             results.append(result)
         return results
 
+    def _adapter_group_updates(
+        self,
+        slots: list[TenantSlot],
+        prepared: list[_Microbatch],
+        rows: list[slice],
+        features: BackboneFeatures,
+        encode_seconds: float,
+    ) -> list[dict[str, Any]]:
+        """`train_group`'s updates after a shared forward that carries adapter gradients. Tenants
+        without an adapter step at once on detached features (their module is not in the graph);
+        adapter tenants first all take their gradients, then all step."""
+        results: list[dict[str, Any] | None] = [None] * len(slots)
+        waiting: list[tuple[int, float, float]] = []  # (index, loss, module seconds so far)
+
+        def result(slot: TenantSlot, loss: float | None, seconds: float, error: str | None) -> dict[str, Any]:
+            out = {
+                "tenant_id": slot.config.tenant_id,
+                "loss": loss,
+                "optimizer_steps": slot.optimizer_steps,
+                "version": slot.version,
+                "encode_seconds": encode_seconds,
+                "module_seconds": seconds,
+            }
+            if error is not None:
+                out["error"] = error
+            return out
+
+        for index, (slot, batch, own_rows) in enumerate(zip(slots, prepared, rows, strict=True)):
+            started = time.perf_counter()
+            own = features.select(own_rows).trimmed()
+            try:
+                if slot.adapter is None:
+                    loss = self._update(slot, own.detach(), batch)
+                    self._issue_version(slot)
+                    results[index] = result(slot, loss, time.perf_counter() - started, None)
+                else:
+                    waiting.append((index, self._gradients(slot, own, batch), time.perf_counter() - started))
+            except Exception as exc:
+                results[index] = result(slot, None, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+        for index, loss, seconds in waiting:
+            slot = slots[index]
+            started = time.perf_counter()
+            self._apply_step(slot, prepared[index], loss)
+            self._issue_version(slot)
+            results[index] = result(slot, loss, seconds + time.perf_counter() - started, None)
+        return [r for r in results if r is not None]
+
+    def _gradients(self, slot: TenantSlot, features: BackboneFeatures, batch: _Microbatch) -> float:
+        """The first half of `_update` from a graph other tenants share: loss, then gradients of
+        THIS slot's parameters only (autograd.grad, the graph kept), clipped. Raising leaves no
+        gradient behind."""
+        slot.module.train()
+        slot.optimizer.zero_grad(set_to_none=True)
+        params = slot.parameters()
+        try:
+            loss = slot.module.loss(
+                features, batch.state, batch.action, batch.action_is_pad, generator=_loss_generator(slot)
+            )
+            if not torch.isfinite(loss):
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {loss.item()}")
+            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if not torch.isfinite(grad_norm):
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
+        except BaseException:
+            slot.optimizer.zero_grad(set_to_none=True)
+            raise
+        return float(loss.detach())
+
+    def _apply_step(self, slot: TenantSlot, batch: _Microbatch, loss: float) -> None:
+        """The second half of `_update`: the AdamW step on the gradients `_gradients` left."""
+        slot.optimizer.step()
+        slot.optimizer_steps += 1
+        slot.samples_trained += len(batch)
+        slot.losses.append(loss)
+
+    def _encode_slot(self, slot: TenantSlot, batch: _Microbatch) -> BackboneFeatures:
+        """One tenant's own forward: through its adapter with autograd if it has one."""
+        if slot.adapter is None:
+            return self.encode(batch.images, batch.instructions)
+        return self.encode(batch.images, batch.instructions, adapters=_adapter_keys(slot, batch), grad=True)
+
     def _prepare(self, slot: TenantSlot, data: dict[str, Any]) -> _Microbatch:
         images, instructions, state, action, pad = microbatch_to_tensors(data)
         if slot.config.instruction:
@@ -459,7 +633,7 @@ class TrainingModelService:
     def _step(self, slot: TenantSlot, data: dict[str, Any]) -> float:
         """Serial path: this microbatch's own backbone forward, then the tenant's update."""
         batch = self._prepare(slot, data)
-        return self._update(slot, self.encode(batch.images, batch.instructions), batch)
+        return self._update(slot, self._encode_slot(slot, batch), batch)
 
     def _update(
         self,
@@ -485,28 +659,37 @@ class TrainingModelService:
             if not torch.isfinite(loss):
                 raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {loss.item()}")
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(slot.module.parameters(), 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters(), 1.0)
             if not torch.isfinite(grad_norm):
                 raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
         except BaseException:
             slot.optimizer.zero_grad(set_to_none=True)
             raise
-        slot.optimizer.step()
-        slot.optimizer_steps += 1
-        slot.samples_trained += len(batch)
         value = float(loss.detach())
-        slot.losses.append(value)
+        self._apply_step(slot, batch, value)
         return value
 
-    def encode(self, images: list[list[torch.Tensor]], instructions: list[str]) -> BackboneFeatures:
-        """The shared frozen forward; no graph is kept (only tenant modules learn)."""
-        return self.backbone.encode(images, instructions)
+    def encode(
+        self,
+        images: list[list[torch.Tensor]],
+        instructions: list[str],
+        adapters: list[str | None] | None = None,
+        grad: bool = False,
+    ) -> BackboneFeatures:
+        """The shared frozen forward; no graph is kept (only tenant modules learn) unless `grad`:
+        then the graph reaches the LoRA adapters named per sample in `adapters` (tenant ids)."""
+        if adapters is None and not grad:
+            return self.backbone.encode(images, instructions)
+        return self.backbone.encode(images, instructions, adapters, grad=grad)
 
     # -- export and checkpoints -------------------------------------------------------------
     def _manifest(self, slot: TenantSlot) -> TenantManifest:
+        """The export manifest of the slot's version: a function of the version alone (its
+        creation time, not the export's), so exports of one version are byte-identical and equal
+        `artifacts.export_manifest` of that version's checkpoint manifest."""
         cfg = slot.config
         return TenantManifest(
-            created_at=datetime.now(UTC).isoformat(),
+            created_at=slot.version_created_at,
             tenant_id=cfg.tenant_id,
             policy_version=slot.version,
             schema_signature=cfg.schema_signature,
@@ -519,17 +702,29 @@ class TrainingModelService:
 
     @staticmethod
     def _extra(slot: TenantSlot) -> dict[str, Any]:
-        return {
+        extra: dict[str, Any] = {
             "optimizer_steps": slot.optimizer_steps,
             "jobs_completed": slot.jobs_completed,
             "samples_trained": slot.samples_trained,
+            VERSION_CREATED_AT_KEY: slot.version_created_at,
         }
+        if slot.adapter is not None:
+            extra["adapter"] = slot.adapter.model_dump(mode="json")
+        return extra
+
+    def _state_dict(self, slot: TenantSlot) -> dict[str, torch.Tensor]:
+        """What a version is: the module's tensors, plus the adapter's under `adapter/` if it has one."""
+        module = {k: v.detach().cpu().contiguous() for k, v in slot.module.state_dict().items()}
+        if slot.adapter is None:
+            return module
+        return join_tenant_state(module, self.backbone.adapters.state_dict(slot.config.tenant_id))
 
     def export_params(self, tenant_id: str) -> bytes:
-        """The tenant's action-module payload as safetensors bytes with its manifest; no backbone tensor."""
+        """The tenant's payload as safetensors bytes with its manifest: the action module's tensors
+        and, for an adapter tenant, the adapter's (under `adapter/`); no backbone tensor. Exports of
+        one version are byte-identical (the manifest's created_at is the version's)."""
         slot = self._slot(tenant_id)
-        state = {k: v.detach().cpu().contiguous() for k, v in slot.module.state_dict().items()}
-        return encode_tenant_payload(state, self._manifest(slot))
+        return encode_tenant_payload(self._state_dict(slot), self._manifest(slot))
 
     def save(self, tenant_ids: list[str] | None = None, include_optim: bool = True) -> list[dict[str, Any]]:
         ids = sorted(self._slots) if tenant_ids is None else tenant_ids
@@ -547,7 +742,7 @@ class TrainingModelService:
             base_model_id=cfg.base_model_id,
             module_kind=slot.module.config.kind,
             module_config=slot.module.config.model_dump(mode="json"),
-            module_state=slot.module.state_dict(),
+            module_state=self._state_dict(slot),
             optimizer_state=slot.optimizer.state_dict() if include_optim else None,
             extra=self._extra(slot),
         )
@@ -593,7 +788,7 @@ class TrainingModelService:
                     f"advantages: expected {len(prepared)} finite values (one per sample), "
                     f"got shape {tuple(weights.shape)}"
                 )
-        features = self.encode(prepared.images, prepared.instructions)
+        features = self._encode_slot(slot, prepared)
         # The first microbatch draws exactly what train_batch would; later ones draw fresh values.
         generator = _loss_generator(slot)
         if pending is not None:
@@ -657,7 +852,7 @@ class TrainingModelService:
                 "in between; call forward_backward again"
             )
         started = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(slot.module.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters(), 1.0)
         if not torch.isfinite(grad_norm):
             slot.optimizer.zero_grad(set_to_none=True)
             raise TenantSlotError(f"tenant {tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
@@ -692,6 +887,12 @@ def _manifest_dict(manifest: TenantManifest) -> dict[str, Any]:
     import json
 
     return {**json.loads(manifest.to_json()), "digest": manifest.digest}
+
+
+def _adapter_keys(slot: TenantSlot, batch: _Microbatch) -> list[str | None]:
+    """Per-sample adapter keys of a tenant's rows in a shared forward (its id, or None)."""
+    key = slot.config.tenant_id if slot.adapter is not None else None
+    return [key] * len(batch)
 
 
 def _loss_generator(slot: TenantSlot) -> torch.Generator:
