@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,14 @@ def compiled_config(tenant: str, capabilities: Any, **shape: Any) -> Any:
     spec["task"] = "eval"  # evaluation tenants need no dataset: compile checks only the interface
     spec["dataset"] = None
     return SpecCompiler(BackendCapabilities.single(capabilities)).compile(parse_workload_spec(spec))
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy (returned); fail naming `what` after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)

@@ -4,16 +4,13 @@ workload still completes exactly its jobs."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import pytest
 
 from joynexus.connect import Cluster, in_process
 from joynexus.master.health import HealthOptions
 from joynexus.master.service import MasterOptions
 from joynexus.runtime import Settings
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 ROLES = {
     "master",
@@ -26,16 +23,6 @@ ROLES = {
     "admission",
     "producers",
 }
-
-
-def wait_for(predicate, what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from typing import Any
 
@@ -21,19 +20,9 @@ from joynexus.master.service import MasterOptions
 from joynexus.ops.supervisor import remove_service_actors
 from joynexus.runtime import Settings
 from joynexus.scheduling.inference_queue import Observation
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 ray = pytest.importorskip("ray")
-
-
-def wait_for(predicate, what: str, timeout_s: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +61,18 @@ def test_killed_services_restart_in_place_and_workloads_complete(cluster: Cluste
     spec = sft_spec("alpha", tmp_path / "alpha", jobs=None, samples_per_job=8, microbatch_size=8, max_in_flight=1)
     write_dataset_for(spec, episodes=2, length=8, seed=0)
     cluster.master.create_tenant(spec)
-    report = wait_for(lambda: (r := cluster.master.health()) and all(e["healthy"] for e in r.values()) and r, "healthy")
+    report = wait_for(
+        lambda: (r := cluster.master.health()) and all(e["healthy"] for e in r.values()) and r, "all healthy", 120
+    )
     assert report["training_service"]["restarts"] == 0
 
     # 1. The Training Model Service dies in the middle of a workload.
     first = cluster.master.submit_workload("alpha", jobs=8).workload_id
-    wait_for(lambda: cluster.master.get_workload(first).completed_jobs >= 2, "two jobs done")
+    wait_for(lambda: cluster.master.get_workload(first).completed_jobs >= 2, "two jobs done", 120)
     checkpoints = cluster.checkpoints
     acknowledged = {v: checkpoints.read_manifest("alpha", v).digest for v in checkpoints.versions("alpha")}
     old_pid = sigkill(cluster, "training_service")
-    report = wait_for(lambda: restarted(cluster, "training_service", 1), "the training service back")
+    report = wait_for(lambda: restarted(cluster, "training_service", 1), "the training service back", 120)
     assert cluster.master.role_beat("training_service")["pid"] != old_pid
     assert "restored" in report["training_service"]["detail"]
     final = wait_for(lambda: (w := cluster.master.get_workload(first)).state != "running" and w, "first done", 240)
@@ -95,9 +86,9 @@ def test_killed_services_restart_in_place_and_workloads_complete(cluster: Cluste
 
     # 2. The Training Queue dies (every partition with it) while the next workload runs.
     second = cluster.master.submit_workload("alpha", jobs=6).workload_id
-    wait_for(lambda: cluster.master.get_workload(second).completed_jobs >= 1, "a job of the second workload")
+    wait_for(lambda: cluster.master.get_workload(second).completed_jobs >= 1, "a job of the second workload", 120)
     sigkill(cluster, "training_queue")
-    report = wait_for(lambda: restarted(cluster, "training_queue", 1), "the training queue back")
+    report = wait_for(lambda: restarted(cluster, "training_queue", 1), "the training queue back", 120)
     final = wait_for(lambda: (w := cluster.master.get_workload(second)).state != "running" and w, "second done", 240)
     assert final.state == "completed" and final.completed_jobs == 6, final
 
@@ -105,7 +96,7 @@ def test_killed_services_restart_in_place_and_workloads_complete(cluster: Cluste
     served = cluster.inference.versions("alpha")
     assert served
     sigkill(cluster, "inference_service")
-    report = wait_for(lambda: restarted(cluster, "inference_service", 1), "the inference service back")
+    report = wait_for(lambda: restarted(cluster, "inference_service", 1), "the inference service back", 120)
     assert "serving 1 of 1" in report["inference_service"]["detail"]
     observation = Observation(images=(np.zeros((3, 32, 32), dtype=np.float32),), state=np.zeros(4, dtype=np.float32))
     result = cluster.inference.predict("alpha", [observation])
