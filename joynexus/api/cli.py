@@ -384,6 +384,12 @@ def export(
     output: Path | None = typer.Option(
         None, "-o", "--output", help="File to write.", show_default="<tenant>-v<N>.safetensors"
     ),
+    directory: Path | None = typer.Option(
+        None,
+        "--dir",
+        help="Also write the version as files stock tools load: action_module/ (config.json + "
+        "model.safetensors) and, for a LoRA tenant, a PEFT adapter/ directory. Must not exist or be empty.",
+    ),
     url: str | None = URL,
     api_key: str | None = API_KEY,
 ) -> None:
@@ -393,6 +399,15 @@ def export(
     with _client(url, api_key, "api key") as client:
         payload = _run(lambda: client.export(version))
     _, manifest = decode_tenant_payload(payload)
+    if directory is not None:
+        from joynexus.artifacts.exports import export_directory
+
+        try:
+            export_directory(payload, directory)
+        except FileExistsError as error:
+            console.print(f"error: --dir: {error}", markup=False)
+            raise typer.Exit(code=2) from None
+        console.print(f"wrote {directory}/ (files stock tools load)", markup=False)
     path = output or Path(f"{manifest.tenant_id}-v{manifest.policy_version}.safetensors")
     path.write_bytes(payload)
     console.print(f"wrote {path} ({len(payload):,} bytes): {manifest.tenant_id} v{manifest.policy_version}")

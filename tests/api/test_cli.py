@@ -39,6 +39,12 @@ def test_cli_from_tenant_creation_to_export(api, live_server, tmp_path):
     exported = runner.invoke(app, ["export", "--version", "1", "-o", str(out)], env=env)
     assert exported.exit_code == 0, exported.output
     assert decode_tenant_payload(out.read_bytes())[1].tenant_id == spec["tenant"]
+    bundle = tmp_path / "bundle"
+    exported = runner.invoke(app, ["export", "--version", "1", "-o", str(out), "--dir", str(bundle)], env=env)
+    assert exported.exit_code == 0, exported.output
+    assert {p.name for p in (bundle / "action_module").iterdir()} >= {"config.json", "model.safetensors"}
+    again = runner.invoke(app, ["export", "--version", "1", "-o", str(out), "--dir", str(bundle)], env=env)
+    assert again.exit_code == 2 and "--dir" in again.output
 
     usage = runner.invoke(app, ["usage"], env=env)
     assert usage.exit_code == 0 and spec["tenant"] in usage.output
