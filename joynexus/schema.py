@@ -23,7 +23,7 @@ class VLASchema(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     base_model_id: str
-    cameras: tuple[str, ...] = Field(min_length=1)  # ordered: position i is canonical camera slot i
+    cameras: tuple[str, ...]  # ordered: position i is canonical camera slot i; () for a state-only tenant
     image_size: tuple[int, int]  # (height, width) as the tenant's data provides it
     state_dim: int = Field(ge=0)
     action_dim: int = Field(ge=1)

@@ -84,7 +84,7 @@ class AdapterSpec(_Strict):
 
 
 class ObservationSpec(_Strict):
-    cameras: list[str] = Field(min_length=1)
+    cameras: list[str]  # [] for a state-only tenant: the backbone sees the instruction only
     image_size: tuple[int, int] = (32, 32)  # (height, width) of the tenant's camera images
     state_dim: int = Field(default=0, ge=0)
     action_dim: int = Field(ge=1)

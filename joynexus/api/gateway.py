@@ -780,11 +780,29 @@ class ApiGateway:
         }
 
     def _observation_arrays(
-        self, tenant: Tenant, images_in: Tensor, state_in: Tensor, instructions_in: list[str] | None
+        self, tenant: Tenant, images_in: Tensor | None, state_in: Tensor, instructions_in: list[str] | None
     ) -> tuple[np.ndarray, np.ndarray, list[str]]:
         cfg = tenant.backend_config
         height, width = cfg.image_size
         cameras = len(cfg.cameras)
+        if images_in is None:
+            if cameras:
+                raise InvalidInput(
+                    "images",
+                    f"required: your tenant has cameras {list(cfg.cameras)}; send shape (N, {cameras}, 3, {height}, "
+                    f"{width})",
+                )
+            # A state-only tenant: N comes from the state, and every sample has no camera image.
+            n = state_in.shape[0] if len(state_in.shape) == 2 else 0
+            if not n:
+                raise InvalidInput(
+                    "state", f"expected shape (N, {cfg.state_dim}) with N >= 1, got {tuple(state_in.shape)}"
+                )
+            if n > self.limits.max_samples_per_request:
+                raise InvalidInput(
+                    "state", f"{n} samples, the limit per request is {self.limits.max_samples_per_request}"
+                )
+            images_in = Tensor.from_numpy(np.zeros((n, 0, 3, height, width), dtype=np.float32))
         if len(images_in.shape) != 5 or not images_in.shape[0]:
             raise InvalidInput(
                 "images",

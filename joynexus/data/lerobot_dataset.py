@@ -250,9 +250,7 @@ def write_synthetic_dataset(
     state. So an action chunk starting at t is a smooth deterministic function of state_t.
     ``root`` must not exist yet (lerobot refuses to overwrite).
     """
-    cameras = tuple(cameras)
-    if len(cameras) < 1:
-        raise ValueError("cameras: at least one camera is required")
+    cameras = tuple(cameras)  # () writes a state-only dataset (no image features)
     for cam in cameras:
         if not cam or "." in cam or "/" in cam:
             raise ValueError(f"cameras: invalid camera name {cam!r} (no dots or slashes)")
@@ -455,9 +453,7 @@ class LeRobotDemoSource:
     ) -> None:
         if action_chunk < 1:
             raise ValueError(f"action_chunk: must be >= 1, got {action_chunk}")
-        cameras = tuple(cameras)
-        if not cameras:
-            raise ValueError("cameras: at least one camera is required")
+        cameras = tuple(cameras)  # (): state-only samples, "images" is (B, 0, 3, 1, 1)
         self.root = Path(root)
         self.repo_id = repo_id
         self.info = inspect_dataset(self.root, repo_id)
@@ -532,7 +528,10 @@ class LeRobotDemoSource:
         for i in indices:
             item = self._item(int(i))
             # LeRobot already returns images as float32 CHW in [0, 1].
-            images.append(np.stack([item[camera_feature_key(c)].numpy() for c in self.cameras]))
+            if self.cameras:
+                images.append(np.stack([item[camera_feature_key(c)].numpy() for c in self.cameras]))
+            else:
+                images.append(np.zeros((0, 3, 1, 1), dtype=np.float32))
             states.append(item[STATE_KEY].numpy())
             actions.append(item[ACTION_KEY].numpy().reshape(self.action_chunk, -1))
             pads.append(item[f"{ACTION_KEY}_is_pad"].numpy())

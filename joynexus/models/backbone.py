@@ -618,9 +618,9 @@ class ResidentBackbone:
         for b, cams in enumerate(images):
             if not isinstance(instructions[b], str):
                 raise ValueError(f"encode: instructions[{b}] must be str, got {type(instructions[b]).__name__}")
-            if not 1 <= len(cams) <= self.max_images:
+            if not 0 <= len(cams) <= self.max_images:
                 raise ValueError(
-                    f"encode: sample {b} has {len(cams)} cameras; expected 1..{self.max_images} (max_images)"
+                    f"encode: sample {b} has {len(cams)} cameras; expected 0..{self.max_images} (max_images)"
                 )
             for c, img in enumerate(cams):
                 if not isinstance(img, torch.Tensor) or img.ndim != 3 or img.shape[0] != 3:
@@ -647,7 +647,8 @@ class ResidentBackbone:
                 # antialias: cameras are usually larger than S; plain bilinear would alias.
                 batch = F.interpolate(batch, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
             out[idx] = batch
-        out = (out - self._mean) / self._std
+        if flat:
+            out = (out - self._mean) / self._std
         counts = torch.tensor([len(cams) for cams in images])
         slot_mask = torch.arange(self.max_images).unsqueeze(0) < counts.unsqueeze(1)
         pixels = out.new_zeros(len(images), self.max_images, 3, size, size)
@@ -695,7 +696,9 @@ class ResidentBackbone:
     ) -> BackboneFeatures:
         """Encode a batch of (cameras, instruction) samples into frozen token features.
 
-        ``images[b]`` holds 1..max_images float (3, h, w) tensors in [0, 1] of any size.
+        ``images[b]`` holds 0..max_images float (3, h, w) tensors in [0, 1] of any size; a sample
+        with none (a state-only tenant) is encoded from its instruction text alone, and may share a
+        forward with samples that have cameras (its prompt simply holds no image tokens).
         Instructions longer than ``max_instruction_tokens`` tokens are truncated.
         ``adapters[b]``: the key of the LoRA adapter (see ``adapters``) sample b runs with, None for
         the base model; one forward serves any mix. ``grad=True`` keeps the graph from the features
@@ -723,14 +726,20 @@ class ResidentBackbone:
                     return self._encode_with_grad(input_ids, attention_mask, pixels, slot_mask)
                 return self._encode_inference(input_ids, attention_mask, pixels, slot_mask)
 
+    def _image_states(self, pixels: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor | None:
+        """Connector outputs of the real camera slots; None when no sample has a camera (text only)."""
+        if not bool(slot_mask.any()):
+            return None
+        vision = self.model.vision_model(pixel_values=pixels[slot_mask]).last_hidden_state
+        return self.model.connector(vision)
+
     def _encode_with_grad(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixels: torch.Tensor, slot_mask: torch.Tensor
     ) -> BackboneFeatures:
         """The same computation as ``_encode_inference`` with autograd on for the text model (where
         the adapters are); the vision tower and connector, which no adapter touches, run without."""
         with torch.no_grad():
-            vision = self.model.vision_model(pixel_values=pixels[slot_mask]).last_hidden_state
-            image_states = self.model.connector(vision)
+            image_states = self._image_states(pixels, slot_mask)
         with torch.enable_grad():
             out = self.model(
                 input_ids=input_ids,
@@ -751,8 +760,7 @@ class ResidentBackbone:
             # Only real camera slots reach the vision tower (selected by the slot mask,
             # not by pixel values); the flattened order matches the order of the image
             # tokens, which is what Idefics3's inputs_merger expects.
-            vision = self.model.vision_model(pixel_values=pixels[slot_mask]).last_hidden_state
-            image_states = self.model.connector(vision)
+            image_states = self._image_states(pixels, slot_mask)
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=self._text_attention_mask(attention_mask),

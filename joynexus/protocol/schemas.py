@@ -263,7 +263,7 @@ class SampleBatch(_Request):
     uint8; state (N, state_dim); action (N, action_chunk, action_dim); action_is_pad (N,
     action_chunk) bool; instructions: N strings (blank: the tenant's default instruction)."""
 
-    images: Tensor
+    images: Tensor | None = None  # None (or N x 0 cameras) only for a tenant with no cameras
     state: Tensor
     action: Tensor
     action_is_pad: Tensor | None = None
@@ -312,7 +312,7 @@ class OptimStepResult(_Response):
 class ObservationBatch(_Request):
     """N observations: images (N, cameras, 3, H, W) float in [0, 1] or uint8, state (N, state_dim)."""
 
-    images: Tensor
+    images: Tensor | None = None  # None (or N x 0 cameras) only for a tenant with no cameras
     state: Tensor
     instructions: list[str] | None = Field(default=None, max_length=MAX_SAMPLES_PER_REQUEST)
 

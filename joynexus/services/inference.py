@@ -564,8 +564,8 @@ class InferenceModelService:
         cfg = state.module.config
         for i, obs in enumerate(observations):
             slots = self.backbone.max_images
-            if not 1 <= len(obs.images) <= slots:
-                raise ValueError(f"observations[{i}].images: {len(obs.images)} cameras, the backbone takes 1..{slots}")
+            if not 0 <= len(obs.images) <= slots:
+                raise ValueError(f"observations[{i}].images: {len(obs.images)} cameras, the backbone takes 0..{slots}")
             for c, image in enumerate(obs.images):
                 shape = tuple(np.shape(image))
                 if len(shape) != 3 or shape[0] != 3:

@@ -287,7 +287,8 @@ class RolloutProducer:
             )
             has_critic = preds[0]["values"] is not None
             for obs, pred in zip(envs.obs, preds, strict=True):
-                columns["images"].append(np.stack(obs.images))
+                # A state-only tenant (no cameras) stores a (0, 3, 1, 1) placeholder per sample.
+                columns["images"].append(np.stack(obs.images) if obs.images else np.zeros((0, 3, 1, 1), np.float32))
                 columns["state"].append(obs.state)
                 columns["action"].append(pred["actions"][0])
                 columns["log_prob"].append(float(pred["log_probs"][0]))

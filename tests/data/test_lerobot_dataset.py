@@ -108,7 +108,7 @@ def test_saved_dataset_reloads_in_fresh_lerobot_dataset(ds_root: Path) -> None:
     [
         ({"state_dim": 0}, "state_dim"),
         ({"action_dim": 0}, "action_dim"),
-        ({"cameras": []}, "cameras"),
+        ({"cameras": ["a.b"]}, "cameras"),  # [] is allowed: a state-only dataset
         ({"image_size": (0, 8)}, "image_size"),
         ({"num_episodes": 0}, "num_episodes"),
         ({"episode_length": 0}, "episode_length"),
