@@ -37,7 +37,7 @@ from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
 from joynexus.services.actor_loop import ActorLoop, ActorOutcome
 from joynexus.services.advantage_stage import AdvantageStage
 from joynexus.services.environment import SessionLimitExceeded
-from joynexus.services.rollout import RolloutProducer, evaluate_policy
+from joynexus.services.rollout import NoServingVersion, RolloutProducer, evaluate_policy
 from joynexus.services.sft_producer import SFTProducer
 from joynexus.services.training import UnknownTenant
 
@@ -179,7 +179,7 @@ class WorkloadManager:
                 actor = ActorLoop(
                     self.dep.scheduler, self.dep.training_service, owner=owner, on_outcome=self._on_outcome,
                     on_unavailable=self.on_unavailable, max_attempts=self.max_job_attempts,
-                    tenant_exists=self._tenant_exists, retired=role.stop,
+                    service_restarting=self._service_restarting, retired=role.stop,
                 )  # fmt: skip
                 step: Callable[[], Any] = lambda: actor.step(0.2)  # noqa: E731
             elif name == "advantage_stage":
@@ -803,7 +803,7 @@ class WorkloadManager:
         if isinstance(error, SessionLimitExceeded) or self._service_restarting(error, tenant_id):
             return True
         # A restarted Inference Model Service serves nothing until versions are published again.
-        return isinstance(error, RuntimeError) and "no policy version being served" in str(error)
+        return isinstance(error, NoServingVersion)
 
     def _service_restarting(self, error: BaseException, tenant_id: str) -> bool:
         """A service is gone or restarting in place (its call failed), or it is back without the

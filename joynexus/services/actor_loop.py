@@ -13,7 +13,6 @@ from typing import Any
 
 from joynexus.runtime import role_unavailable
 from joynexus.scheduling.training_scheduler import InvalidTransition, TrainingJob, TrainingScheduler
-from joynexus.services.training import UnknownTenant
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class ActorLoop:
         on_outcome: Callable[[ActorOutcome], None] | None = None,
         on_unavailable: Callable[[str], None] | None = None,
         max_attempts: int = 3,
-        tenant_exists: Callable[[str], bool] | None = None,
+        service_restarting: Callable[[Exception, str], bool] | None = None,
         retired: threading.Event | None = None,
     ):
         self.scheduler = scheduler
@@ -62,7 +61,9 @@ class ActorLoop:
         # Health Manager checks at once instead of at its next tick).
         self.on_unavailable = on_unavailable
         self.max_attempts = max_attempts
-        self.tenant_exists = tenant_exists
+        # (error, tenant_id) -> the service is gone or restarting, not failing the job; the
+        # default knows Ray's actor errors only (the Master also knows which tenants exist).
+        self.service_restarting = service_restarting or (lambda error, _tenant_id: role_unavailable(error))
         # Set when the Health Manager replaced this loop (it stopped beating): a job it still holds
         # was re-queued for the replacement, so it must not train it too.
         self.retired = retired
@@ -91,7 +92,7 @@ class ActorLoop:
         except InvalidTransition as lost:
             return self._lost(job, lost)
         except Exception as error:  # one tenant's failure must not stop the actor for the others
-            if self._service_unavailable(job, error):
+            if self.service_restarting(error, job.tenant_id):
                 return self._give_back(job, error)
             cause = getattr(error, "cause", None) or error  # unwrap Ray's RayTaskError
             reason = f"{type(cause).__name__}: {cause}"
@@ -107,15 +108,6 @@ class ActorLoop:
             except Exception:  # the Master's bookkeeping failing must not stop training for every tenant
                 log.exception("handling the outcome of job %s failed", job.job_id)
         return outcome
-
-    def _service_unavailable(self, job: TrainingJob, error: Exception) -> bool:
-        """The job could not run because the service is gone or restarting (a restarted service has
-        no slot for the tenant until the Health Manager restores it), not because of the job."""
-        if role_unavailable(error):
-            return True
-        if isinstance(error, UnknownTenant) and self.tenant_exists is not None:
-            return self.tenant_exists(job.tenant_id)
-        return False
 
     def _give_back(self, job: TrainingJob, error: Exception) -> ActorOutcome:
         reason = f"the Training Model Service is unavailable: {type(error).__name__}: {error}"

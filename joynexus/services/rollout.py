@@ -70,6 +70,11 @@ def to_observation(raw: dict[str, Any], cameras: tuple[str, ...], instruction: s
     )
 
 
+class NoServingVersion(RuntimeError):
+    """Rollouts need a served version of the tenant's policy and none is (e.g. the Inference Model
+    Service restarted in place): publish one and try again."""
+
+
 @dataclass
 class EpisodeStats:
     returns: list[float] = field(default_factory=list)
@@ -223,7 +228,7 @@ class RolloutProducer:
         cfg = self.config
         version = self.inference.latest_version(cfg.tenant_id)
         if version is None:
-            raise RuntimeError(f"tenant {cfg.tenant_id!r} has no policy version being served; publish one first")
+            raise NoServingVersion(f"tenant {cfg.tenant_id!r} has no policy version being served; publish one first")
         job = self.scheduler.reserve(
             tenant_id=cfg.tenant_id,
             task_type="rl",
