@@ -16,7 +16,8 @@ t; when it arrives at step t' >= t, its actions for steps t'.. replace the queue
 were overtaken by time), so the robot always executes the freshest plan for each step.
 
 `get_observation()` returns ``{"images": (cameras, 3, H, W), "state": (state_dim,),
-"instruction": str}`` for one robot (a leading sample axis of 1 is accepted too); images uint8 or
+"instruction": str}`` for one robot (a leading sample axis of 1 is accepted too; a robot of a
+tenant without cameras leaves "images" out); images uint8 or
 float in [0, 1].
 
 The connection is re-opened with exponential backoff (and jitter) when it drops; a request that
@@ -69,24 +70,27 @@ def stream_url(url: str) -> str:
 
 
 def observation_frame(seq: int, observation: dict[str, Any], policy_version: int | None = None) -> dict[str, Any]:
-    """An `obs` frame for one robot's observation (adds the sample axis when it is missing)."""
-    images = np.asarray(observation["images"])
+    """An `obs` frame for one robot's observation (adds the sample axis when it is missing). A robot
+    of a tenant without cameras leaves out "images" (or gives None)."""
     state = np.asarray(observation["state"])
-    if images.ndim == 4:
-        images = images[None]
     if state.ndim == 1:
         state = state[None]
-    if images.dtype.kind == "f" and images.dtype != np.float32:
-        images = images.astype(np.float32)
     if state.dtype != np.float32:
         state = state.astype(np.float32)
+    images = observation.get("images")
+    if images is not None:
+        images = np.asarray(images)
+        if images.ndim == 4:
+            images = images[None]
+        if images.dtype.kind == "f" and images.dtype != np.float32:
+            images = images.astype(np.float32)
     instruction = observation.get("instruction")
-    instructions = None if instruction is None else [instruction] * images.shape[0]
+    instructions = None if instruction is None else [instruction] * state.shape[0]
     return {
         "type": "obs",
         "seq": seq,
         "observations": {
-            "images": Tensor.from_numpy(images).model_dump(),
+            "images": None if images is None else Tensor.from_numpy(images).model_dump(),
             "state": Tensor.from_numpy(state).model_dump(),
             "instructions": instructions,
         },

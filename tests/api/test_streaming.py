@@ -16,6 +16,7 @@ from joynexus.protocol.wire import Tensor, msgpack_dumps, msgpack_loads, tensor
 from joynexus.robot_client import RobotClientError, RobotPolicyClient, observation_frame
 from joynexus.runtime import handle_of
 from tests.api.conftest import ADMIN_KEY, wire
+from tests.helpers import sft_spec, write_dataset_for
 
 WS_TIMEOUT_S = 30
 
@@ -357,3 +358,25 @@ def test_observation_frames_add_the_sample_axis():
     frame = observation_frame(3, {"images": np.zeros((2, 3, 8, 8), np.uint8), "state": np.zeros(4, np.float64)})
     assert frame["observations"]["images"]["shape"] == [1, 2, 3, 8, 8]
     assert frame["observations"]["state"]["dtype"] == "float32" and frame["seq"] == 3
+
+
+def test_a_robot_of_a_tenant_without_cameras_streams_on_state_alone(api, live_server):
+    spec = sft_spec("stream-blind", api.data_dir / "datasets" / "stream-blind", cameras=(), jobs=2)
+    write_dataset_for(spec, episodes=2, length=12)
+    created = api.client.post("/v1/admin/tenants", json=spec, headers=api.admin)
+    assert created.status_code == 201, created.text
+    key = created.json()["key"]["api_key"]
+    headers = {"Authorization": f"Bearer {key}"}
+    rng = np.random.default_rng(0)
+    state = rng.standard_normal((2, 4)).astype(np.float32)
+    action = np.tanh(rng.standard_normal((2, 2, 3))).astype(np.float32)
+    assert api.client.post("/v1/train_batch", json=wire({"state": state, "action": action}), headers=headers).is_success
+    assert api.client.post("/v1/weights/load", json={}, headers=headers).is_success
+    frame = observation_frame(0, {"state": state[0]})
+    assert frame["observations"]["images"] is None
+    client = RobotPolicyClient(live_server, key, lambda: {"state": state[0]}, control_hz=30)
+    with client:
+        action = client.next_action(timeout=WS_TIMEOUT_S)
+        stats = client.stats()
+    assert action is not None and action.shape == (3,) and np.isfinite(action).all()
+    assert stats["fatal"] is None and stats["errors"] == 0, stats
