@@ -239,6 +239,31 @@ def test_predict_is_answered_by_the_resident_inference_service(trained: Trained)
     assert after["backbone_instances_created"] == 1  # one backbone in the actor for every tenant
 
 
+def test_the_policy_stream_is_served_by_the_resident_inference_service(ray_api: RayApi, trained: Trained):
+    """/v1/stream on the API's default (Ray) path: robots of two tenants on one server get their
+    chunks from the resident Inference Model Service actor."""
+    from joynexus.protocol.wire import Tensor, msgpack_dumps, msgpack_loads, tensor
+
+    inference = ray_api.actor("joynexus.inference_service")
+    before = ray.get(inference.stats.remote(), timeout=60)
+    batch = sample_batch(trained.sft.spec, 1, seed=5)
+    frame = {
+        "type": "obs",
+        "seq": 7,
+        "observations": {"images": tensor(batch["images"]).model_dump(), "state": tensor(batch["state"]).model_dump()},
+    }
+    with ray_api.client.websocket_connect("/v1/stream", headers=trained.sft.headers) as ws:
+        ready = msgpack_loads(ws.receive_bytes())
+        assert ready["type"] == "ready" and ready["tenant"]["tenant_id"] == trained.sft.tenant_id
+        ws.send_bytes(msgpack_dumps(frame))
+        answer = msgpack_loads(ws.receive_bytes())
+    assert answer["type"] == "actions" and answer["seq"] == 7 and answer["policy_version"] == 1, answer
+    actions = Tensor.model_validate(answer["actions"]).to_numpy()
+    assert actions.shape == (1, 2, 3) and np.isfinite(actions).all()
+    after = ray.get(inference.stats.remote(), timeout=60)
+    assert after["requests"] >= before["requests"] + 1  # answered by the actor, not in this process
+
+
 def test_metering_is_written_by_the_services(ray_api: RayApi, trained: Trained):
     rl = ray_api.usage(trained.rl)
     # Rollouts and the evaluation went straight to the resident services, never through the API.
