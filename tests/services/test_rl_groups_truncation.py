@@ -120,4 +120,5 @@ def test_evaluation_runs_the_same_episodes_whatever_the_policy_does(dep):
     short = config.model_copy(update={"environment": {**config.environment, "max_episode_steps": 4}})
     first = evaluate_policy(short, dep.environment_service, dep.inference_service, episodes=3, num_envs=2)
     one_env = evaluate_policy(short, dep.environment_service, dep.inference_service, episodes=3, num_envs=1)
-    assert first.returns == one_env.returns  # episode j has seed base + j however the envs split them
+    # episode j has seed base + j however the envs split them (float noise of the batch shape aside)
+    assert first.returns == pytest.approx(one_env.returns, rel=1e-6, abs=1e-6)
