@@ -10,14 +10,134 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from joynexus.scheduling.autoscaler import ScalingPolicy
 
 RAY_NAMESPACE = "joynexus"
 HEALTH_GROUP = "health"  # the actor concurrency group that answers heartbeats
 S = TypeVar("S")
 R = TypeVar("R")
+
+
+ROLES = (
+    "master",
+    "training_queue",
+    "training_service",
+    "inference_service",  # each Inference Model Service replica
+    "inference_router",  # the replica set in front of them (when there is more than one replica)
+    "environment_service",  # the single Environment Service, or the pool's front
+    "environment_worker",  # each worker of an Environment Service pool
+)
+# The named actor each role is created as (replicas and pool workers carry a suffix of their own).
+ROLE_OF_ACTOR = {
+    "joynexus.master": "master",
+    "joynexus.training_queue": "training_queue",
+    "joynexus.training_service": "training_service",
+    "joynexus.inference_service": "inference_service",
+    "joynexus.environment_service": "environment_service",
+}
+
+
+class RoleResources(BaseModel):
+    """What one role's actor asks Ray for. None keeps the role's embedded default. `num_gpus` may be
+    a fraction below 1 (roles sharing one device, as in the paper's co-location); above 1 Ray needs
+    a whole number. `memory` is bytes Ray reserves for the actor (a scheduling constraint, not a
+    limit). `resources`: custom resources, e.g. {"joynexus_worker": 0.1} places the role on nodes
+    started with that resource."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_cpus: float | None = Field(default=None, ge=0)
+    num_gpus: float | None = Field(default=None, ge=0)
+    memory: int | None = Field(default=None, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_above_one(cls, value: float | None) -> float | None:
+        if value is not None and value > 1 and not float(value).is_integer():
+            raise ValueError("fractional above 1; Ray takes a fraction of a GPU only below 1")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource (use num_cpus / num_gpus / memory)")
+            if amount <= 0 or (amount > 1 and not float(amount).is_integer()):
+                raise ValueError(f"{name}: {amount} must be > 0, and a whole number above 1")
+        return value
+
+    def ray_options(self, *, default_num_cpus: float) -> dict[str, Any]:
+        """Keyword arguments of `ActorClass.options` (unset fields: the role's defaults)."""
+        options: dict[str, Any] = {"num_cpus": default_num_cpus if self.num_cpus is None else self.num_cpus}
+        if self.num_gpus is not None:
+            options["num_gpus"] = self.num_gpus
+        if self.memory is not None:
+            options["memory"] = self.memory
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+def parse_role_resources(value: Any) -> dict[str, RoleResources]:
+    """{role: RoleResources} from JSON text or a dict; errors name the role, the field and the value."""
+    import json
+
+    where = "JOYNEXUS_RESOURCES_JSON"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected an object {{role: {{num_cpus, num_gpus, memory, resources}}}}")
+    parsed: dict[str, RoleResources] = {}
+    for role, spec in value.items():
+        if role not in ROLES:
+            raise ValueError(f"{where}: unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if isinstance(spec, RoleResources):
+            parsed[role] = spec
+            continue
+        try:
+            parsed[role] = RoleResources.model_validate(spec)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "(value)"
+            bad = first.get("input")
+            raise ValueError(f"{where}: role {role!r}, field {field}: {first['msg']} (got {bad!r})") from None
+    return parsed
+
+
+def _scaling_policy(text: str) -> Any:
+    import json
+
+    from joynexus.scheduling.autoscaler import ScalingPolicy
+
+    where = "JOYNEXUS_INFERENCE_SCALING_JSON"
+    try:
+        return ScalingPolicy.model_validate(json.loads(text))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error})") from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(value)"
+        raise ValueError(f"{where}: field {field}: {first['msg']} (got {first.get('input')!r})") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer environment variable; a bad value's error names the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {text!r}") from None
 
 
 class Settings(BaseModel):
@@ -33,6 +153,19 @@ class Settings(BaseModel):
     backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
     ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
     torch_threads: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")), ge=1)
+    # Device placement of the model services (joynexus.models.placement.DevicePlacement): "auto" takes
+    # a GPU when the service's process sees one, else the CPU; dtype is the backbone's.
+    device: str = Field(
+        default_factory=lambda: os.environ.get("JOYNEXUS_DEVICE", "auto").strip().lower(),
+        pattern=r"^(auto|cpu|cuda(:(0|[1-9][0-9]*))?)$",
+        validate_default=True,  # defaults come from the environment: check them like given values
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default_factory=lambda: os.environ.get("JOYNEXUS_DTYPE", "float32").strip().lower(), validate_default=True
+    )
+    autocast: bool = Field(
+        default_factory=lambda: os.environ.get("JOYNEXUS_AUTOCAST", "1").strip().lower(), validate_default=True
+    )
     # Object storage: with a bucket, checkpoints go to s3://<bucket>/<prefix>/checkpoints and MLflow
     # artifacts to s3://<bucket>/<prefix>/mlflow; credentials come from the standard AWS chain.
     s3_bucket: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_S3_BUCKET") or None)
@@ -58,6 +191,43 @@ class Settings(BaseModel):
         ),
         ge=1,
     )
+    # Tenant density (issue 14): Training Model Service tenant slots and Inference Model Service
+    # serving states (one per tenant and version) kept in memory; the least recently used beyond these
+    # page out to a local folder (JOYNEXUS_SPILL_DIR, default <data_dir>/spill) and back on next use.
+    max_resident_tenants: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_MAX_RESIDENT_TENANTS", 256), ge=1, validate_default=True
+    )
+    max_resident_serving: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_MAX_RESIDENT_SERVING", 1024), ge=1, validate_default=True
+    )
+    spill_dir: Path | None = Field(
+        default_factory=lambda: Path(v).resolve() if (v := os.environ.get("JOYNEXUS_SPILL_DIR", "").strip()) else None
+    )
+
+    # Ray resources per role (issue 12): JSON {role: {num_cpus, num_gpus, memory, resources}}, e.g.
+    # '{"inference_service": {"num_gpus": 0.25}, "training_service": {"num_gpus": 0.5}}' to co-locate
+    # roles on one device as the paper does; custom resources place a role on chosen nodes. A role
+    # left out keeps its embedded default (what a 2-core laptop starts with).
+    resources: dict[str, RoleResources] = Field(
+        default_factory=lambda: parse_role_resources(os.environ.get("JOYNEXUS_RESOURCES_JSON") or "{}")
+    )
+    # Inference Model Service replicas (joynexus.scheduling.autoscaler.ScalingPolicy as JSON, e.g.
+    # '{"min_replicas": 1, "max_replicas": 3}'); the default is one replica and no autoscaling.
+    inference_scaling: ScalingPolicy = Field(
+        default_factory=lambda: _scaling_policy(os.environ.get("JOYNEXUS_INFERENCE_SCALING_JSON") or "{}")
+    )
+    # Environment Service workers: >1 spreads sessions over that many worker actors (Ray-scheduled,
+    # so across nodes); 1 is the single Environment Service actor.
+    environment_workers: int = Field(
+        default_factory=lambda: int(os.environ.get("JOYNEXUS_ENVIRONMENT_WORKERS", "1")), ge=1, le=256
+    )
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _check_resources(cls, value: Any) -> Any:
+        if isinstance(value, dict) and all(isinstance(v, RoleResources) for v in value.values()):
+            return value
+        return parse_role_resources(value)
 
     def resolved_database_url(self) -> str:
         from joynexus.core.store import sqlite_url
@@ -68,6 +238,11 @@ class Settings(BaseModel):
         from joynexus.registry import local_tracking_uri
 
         return self.mlflow_tracking_uri or local_tracking_uri(self.data_dir)
+
+    @property
+    def resolved_spill_dir(self) -> Path:
+        """Where the model services page tenants out to: JOYNEXUS_SPILL_DIR or <data_dir>/spill."""
+        return self.spill_dir or self.data_dir / "spill"
 
     @property
     def checkpoint_root(self) -> Path:
@@ -228,14 +403,36 @@ def handle_of(service: Any) -> ServiceHandle:
 def _is_actor_handle(target: Any) -> bool:
     try:
         from ray.actor import ActorHandle
+        from ray.util.client.common import ClientActorHandle
     except ImportError:  # pragma: no cover - ray is a hard dependency
         return False
-    return isinstance(target, ActorHandle)
+    # A driver connected through the Ray Client (ray://head:10001, as a pod outside the cluster)
+    # holds ClientActorHandles: the same calls, a different class.
+    return isinstance(target, ActorHandle | ClientActorHandle)
 
 
 @functools.cache
 def _local_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="service-call")
+
+
+_placement: dict[str, RoleResources] = {}
+_placement_lock = threading.Lock()
+
+
+def configure_placement(resources: dict[str, RoleResources]) -> None:
+    """The deployment's resources per role, for every actor this process creates from now on
+    (`create_service_actors` sets it from `Settings.resources`; the service factories then need no
+    parameter of their own)."""
+    with _placement_lock:
+        _placement.clear()
+        _placement.update(resources)
+
+
+def role_resources(role: str) -> RoleResources:
+    """The configured resources of `role` (an empty spec: the role's defaults)."""
+    with _placement_lock:
+        return _placement.get(role, RoleResources())
 
 
 def named_actor(
@@ -247,6 +444,10 @@ def named_actor(
     num_cpus: float = 0,
     max_concurrency: int = 1,
     max_restarts: int = -1,
+    role: str | None = None,
+    ray_resources: RoleResources | None = None,
+    get_if_exists: bool = True,
+    scheduling_strategy: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Get the deployment's named actor of `cls`, creating it from `args` / `kwargs` if absent
@@ -255,19 +456,27 @@ def named_actor(
 
     A role that dies is restarted in place by Ray (`max_restarts`, -1: always) with the same
     arguments; the Master's Health Manager then restores what it held (paper 4.4). Every actor has
-    a one-thread `health` concurrency group, so heartbeats are answered while it is busy."""
+    a one-thread `health` concurrency group, so heartbeats are answered while it is busy.
+
+    Resources: the configured `RoleResources` of `role` (default: the role the actor name stands
+    for, `ROLE_OF_ACTOR`), or an explicit `ray_resources`, replace `num_cpus` where set and add GPUs,
+    memory and custom resources."""
     import ray
 
+    role = role or ROLE_OF_ACTOR.get(name)
+    if ray_resources is None:
+        ray_resources = role_resources(role) if role else RoleResources()
     return (
         ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)  # not an .options() setting in Ray
         .options(
             name=name,
             namespace=namespace,
-            get_if_exists=True,
-            num_cpus=num_cpus,
+            get_if_exists=get_if_exists,
             max_concurrency=max_concurrency,
             max_restarts=max_restarts,
             lifetime="detached" if detached else None,
+            **ray_resources.ray_options(default_num_cpus=num_cpus),
+            **({"scheduling_strategy": scheduling_strategy} if scheduling_strategy else {}),
         )
         .remote(*args, **kwargs)
     )

@@ -330,12 +330,18 @@ class CheckpointStore:
         return sorted(out)
 
     def load_tenant(
-        self, tenant_id: str, version: int | None = None
+        self, tenant_id: str, version: int | None = None, *, map_location: str | torch.device | None = None
     ) -> tuple[TenantManifest, dict[str, torch.Tensor], dict | None]:
         """Load and verify a checkpoint (``None`` -> LATEST).
 
         Returns ``(manifest, module_state, optimizer_state_or_None)``; the optimizer state is
         in the exact shape ``torch.optim.Optimizer.load_state_dict`` expects.
+
+        Checkpoints are device-independent (safetensors records no device; tensors are written
+        from CPU copies), so one written on a GPU loads on a CPU and back. ``map_location`` puts the
+        module state on that device (None: the CPU). The optimizer state stays on the CPU:
+        ``Optimizer.load_state_dict`` moves each tensor to its parameter's device itself, and keeps
+        ``step`` on the CPU as a fresh non-capturable optimizer does.
         """
         validate_tenant_id(tenant_id)
         if version is None:
@@ -380,6 +386,8 @@ class CheckpointStore:
             module_state, _ = _load_tensors(verified[ACTION_MODULE_FILE], ACTION_MODULE_FILE)
         except PayloadError as exc:
             raise CheckpointError(f"{where}: file {ACTION_MODULE_FILE}: {exc}") from exc
+        if map_location is not None:
+            module_state = {name: tensor.to(map_location) for name, tensor in module_state.items()}
 
         optimizer_state: dict | None = None
         has_t, has_j = OPTIMIZER_TENSORS_FILE in verified, OPTIMIZER_JSON_FILE in verified

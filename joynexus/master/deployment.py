@@ -18,12 +18,20 @@ from joynexus.artifacts import CheckpointStore
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
+from joynexus.models.placement import DevicePlacement
 from joynexus.registry import ExperimentTracker
-from joynexus.runtime import SerializedService, Settings, handle_of, init_ray, service_handle
+from joynexus.runtime import SerializedService, Settings, configure_placement, handle_of, init_ray, service_handle
 from joynexus.scheduling.training_queue import TrainingQueueClient, training_queue_actor
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.services.environment import EnvironmentService, environment_service_actor
+from joynexus.services.environment import (
+    EnvironmentPool,
+    EnvironmentService,
+    LocalEnvironmentWorkers,
+    environment_pool_actor,
+    environment_service_actor,
+)
 from joynexus.services.inference import InferenceModelService, inference_service_actor
+from joynexus.services.inference_replicas import InferenceReplicaSet, LocalReplicas, inference_replica_set_actor
 from joynexus.services.training import BackboneSource, TrainingModelService, training_service_actor
 
 log = logging.getLogger(__name__)
@@ -83,12 +91,15 @@ class Deployment:
             queue=queue,
             num_threads=settings.torch_threads,
             keep_last=settings.checkpoint_keep_last,
+            placement=DevicePlacement.from_settings(settings),
+            max_resident_tenants=settings.max_resident_tenants,
+            spill_dir=settings.resolved_spill_dir,
         )
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
         service = service_handle(TrainingModelService, SerializedService(local_training))
         database_url = settings.resolved_database_url()  # the services meter usage into the store
-        inference = InferenceModelService(source, num_threads=settings.torch_threads, database_url=database_url)
-        environment = EnvironmentService(database_url=database_url)
+        inference = _local_inference(settings, source, database_url)
+        environment = _local_environment(settings, database_url)
         store = ControlPlaneStore(settings.resolved_database_url())
         scheduler = TrainingScheduler(store, release_partition=queue.clear)
         creator = TenantCreator(
@@ -115,6 +126,7 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = _checkpoint_location(settings, in_process=False)  # before Ray starts: see there
     init_ray(settings.ray_address)
+    configure_placement(settings.resources)  # each role's Ray resources, for the actors made below
     queue = training_queue_actor(namespace=settings.ray_namespace, detached=detached)
     source = _backbone_source(settings)
     service = training_service_actor(
@@ -125,22 +137,73 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
         namespace=settings.ray_namespace,
         detached=detached,
         keep_last=settings.checkpoint_keep_last,
+        placement=DevicePlacement.from_settings(settings),  # resolved in the actor's process
+        max_resident_tenants=settings.max_resident_tenants,
+        spill_dir=str(settings.resolved_spill_dir),
     )
-    inference = inference_service_actor(
-        source,
-        num_threads=settings.torch_threads,
-        namespace=settings.ray_namespace,
-        detached=detached,
-        database_url=settings.resolved_database_url(),
-    )
-    environment = environment_service_actor(
-        namespace=settings.ray_namespace, detached=detached, database_url=settings.resolved_database_url()
-    )
+    if settings.inference_scaling.max_replicas > 1:  # replicas behind one front (issue 12)
+        inference = inference_replica_set_actor(
+            source,
+            settings.inference_scaling,
+            namespace=settings.ray_namespace,
+            detached=detached,
+            replica_resources=settings.resources.get("inference_service"),
+            num_threads=settings.torch_threads,
+            database_url=settings.resolved_database_url(),
+            placement=DevicePlacement.from_settings(settings),
+            max_resident_serving=settings.max_resident_serving,
+            spill_dir=str(settings.resolved_spill_dir),
+        )
+    else:
+        inference = inference_service_actor(
+            source,
+            num_threads=settings.torch_threads,
+            namespace=settings.ray_namespace,
+            detached=detached,
+            database_url=settings.resolved_database_url(),
+            placement=DevicePlacement.from_settings(settings),
+            max_resident_serving=settings.max_resident_serving,
+            spill_dir=str(settings.resolved_spill_dir),
+        )
+    if settings.environment_workers > 1:  # sessions spread over worker actors Ray places
+        environment = environment_pool_actor(
+            settings.environment_workers,
+            namespace=settings.ray_namespace,
+            detached=detached,
+            database_url=settings.resolved_database_url(),
+            worker_resources=settings.resources.get("environment_worker"),
+        )
+    else:
+        environment = environment_service_actor(
+            namespace=settings.ray_namespace, detached=detached, database_url=settings.resolved_database_url()
+        )
     # A non-detached actor is destroyed once the handle that created it goes away (handles got by
     # name do not count). Keep every handle for the life of this driver, so a later call in this
     # process reuses the running services instead of catching them in teardown.
     _RESIDENT_ACTORS.extend((queue, service, inference, environment))
     return queue, service, inference, environment
+
+
+def _local_inference(settings: Settings, source: BackboneSource, database_url: str) -> Any:
+    """The Inference Model Service in this process: one, or a replica set of them (issue 12)."""
+    kwargs = {
+        "num_threads": settings.torch_threads,
+        "database_url": database_url,
+        "placement": DevicePlacement.from_settings(settings),
+        "max_resident_serving": settings.max_resident_serving,
+        "spill_dir": settings.resolved_spill_dir,
+    }
+    if settings.inference_scaling.max_replicas > 1:
+        return InferenceReplicaSet(LocalReplicas(source, kwargs), policy=settings.inference_scaling)
+    return InferenceModelService(source, **kwargs)
+
+
+def _local_environment(settings: Settings, database_url: str) -> Any:
+    """The Environment Service in this process: one, or a pool of workers (issue 12)."""
+    if settings.environment_workers > 1:
+        workers = LocalEnvironmentWorkers({"database_url": database_url})
+        return EnvironmentPool(workers, workers=settings.environment_workers)
+    return EnvironmentService(database_url=database_url)
 
 
 def _probe(environment: Any) -> Any:

@@ -159,6 +159,11 @@ class HealthManager:
                 age = None if state.last_ok is None else now - state.last_ok
                 healthy = age is not None and age <= stale and not state.restoring and state.last_error is None
                 detail = state.last_error or ("restoring" if state.restoring else state.last_restore) or "ok"
+                members = _members(state.beat)
+                if members is not None:  # replicas / pool workers behind the role's front
+                    serving, summary = members
+                    healthy = healthy and serving
+                    detail = f"{detail}; {summary}"
                 report[name] = {
                     "healthy": healthy,
                     "incarnation": state.incarnation,
@@ -177,3 +182,21 @@ class HealthManager:
 
     def healthy(self) -> bool:
         return all(entry["healthy"] for entry in self.report().values())
+
+
+def _members(beat: dict[str, Any]) -> tuple[bool, str] | None:
+    """(any member serving, a one-line summary) of the replicas (Inference Model Service replica
+    set) or workers (Environment Service pool) a front reports in its beat; None if it has none.
+    A replica Ray restarted is restored by its set (weights loaded again) before it serves."""
+    replicas = beat.get("replicas")
+    if isinstance(replicas, list):
+        states: dict[str, int] = {}
+        for replica in replicas:
+            states[replica.get("state", "?")] = states.get(replica.get("state", "?"), 0) + 1
+        restarts = sum(int(r.get("restarts", 0)) for r in replicas)
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+        return states.get("active", 0) > 0, f"replicas: {summary or 'none'}; {restarts} replica restarts"
+    workers = beat.get("workers")
+    if isinstance(workers, list):
+        return bool(workers), f"{len(workers)} workers, {beat.get('sessions', 0)} sessions"
+    return None

@@ -410,6 +410,44 @@ class FlowMatchingActionModule(ActionModule):
         u = torch.rand(batch, generator=generator, device=device)
         return (1.0 - u.pow(1.0 / 1.5)) * 0.999
 
+    def draw_loss_noise(
+        self, actions: torch.Tensor, action_is_pad: torch.Tensor | None, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The randomness of one loss, apart from the computation: (x1, x0, t).
+
+        x1 is ``actions`` with padded steps zeroed; x0 and then t are drawn from ``generator``
+        in this order. The batched path (``models.module_batching``) draws through this same
+        method, so a tenant's loss is the same served alone or in a group.
+        """
+        x1 = actions
+        if action_is_pad is not None:
+            # Padded steps would otherwise leak into valid steps through self-attention
+            # over the noisy chunk; zero them so their content cannot matter.
+            x1 = torch.where(action_is_pad.unsqueeze(-1), torch.zeros((), dtype=x1.dtype, device=x1.device), x1)
+        x0 = torch.randn(x1.shape, generator=generator, device=x1.device, dtype=x1.dtype)
+        t = self.sample_time(x1.shape[0], generator, x1.device)
+        return x1, x0, t
+
+    def draw_noise(
+        self,
+        batch: int,
+        generator: torch.Generator | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The starting noise x0 of ``predict`` for ``batch`` samples: (batch, chunk, action_dim).
+
+        A generator on another device than ``device`` (a CPU generator for a CUDA module) draws on
+        its own device and the draw is moved: the same seed gives the same actions on any device.
+        """
+        cfg = self.config
+        shape = (batch, cfg.action_chunk, cfg.action_dim)
+        device = torch.device(device) if device is not None else next(self.parameters()).device
+        if generator is not None and generator.device != device:
+            return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
     def loss(
         self,
         features: BackboneFeatures,
@@ -420,13 +458,7 @@ class FlowMatchingActionModule(ActionModule):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         self._check_inputs(features, state, actions, action_is_pad)
-        x1 = actions
-        if action_is_pad is not None:
-            # Padded steps would otherwise leak into valid steps through self-attention
-            # over the noisy chunk; zero them so their content cannot matter.
-            x1 = torch.where(action_is_pad.unsqueeze(-1), torch.zeros((), dtype=x1.dtype, device=x1.device), x1)
-        x0 = torch.randn(x1.shape, generator=generator, device=x1.device, dtype=x1.dtype)
-        t = self.sample_time(x1.shape[0], generator, x1.device)
+        x1, x0, t = self.draw_loss_noise(actions, action_is_pad, generator)
         tb = t.view(-1, 1, 1)
         x_t = (1.0 - tb) * x0 + tb * x1
         pred = self(x_t, t, features, state)
@@ -446,13 +478,10 @@ class FlowMatchingActionModule(ActionModule):
         steps = num_steps if num_steps is not None else self.config.num_inference_steps
         if steps < 1:
             raise ValueError(f"num_steps: expected >= 1, got {steps}")
-        cfg = self.config
         b = features.batch_size
         with torch.no_grad():
             memory, memory_pad = self._memory(features)  # once, not per step
-            x = torch.randn(
-                (b, cfg.action_chunk, cfg.action_dim), generator=generator, device=state.device, dtype=memory.dtype
-            )
+            x = self.draw_noise(b, generator, device=state.device, dtype=memory.dtype)
             dt = 1.0 / steps
             for i in range(steps):
                 t = torch.full((b,), i * dt, device=x.device)

@@ -36,6 +36,7 @@ import torch
 from peft import LoraConfig
 from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import cast_adapter_dtype
 from torch import nn
 
 __all__ = [
@@ -217,6 +218,9 @@ class BackboneAdapters:
                     stack.enter_context(torch.random.fork_rng(devices=[]))
                     torch.manual_seed(seed)
                 inject_adapter_in_model(config.peft_config(), self.model, adapter_name=name)
+            # peft makes the adapter in its base layer's dtype; on a bfloat16 backbone keep it float32,
+            # as PeftModel does (autocast_adapter_dtype): AdamW steps on bfloat16 weights lose updates.
+            cast_adapter_dtype(self.model, adapter_name=name, autocast_adapter_dtype=True)
             self._names[key] = name
             self._configs[key] = config
             self._trainable[key] = trainable

@@ -13,6 +13,12 @@ fails fails only its own requests.
 in a bounded per-tenant LRU (the latest version is never evicted); a request pins its serving
 state when it is submitted, so eviction never breaks a request already in the queue.
 
+Tenant density (issue 14.5): at most `max_resident_serving` serving states, over all tenants, stay
+in memory; the least recently used beyond it are paged out to a spill folder (each written once,
+when loaded: a serving state never changes) and paged in by the next request for them, pinned
+versions too (`tenant_residency`, `_ServingPager`). A state with a request queued or in a batch is
+never paged out; page-ins happen at submission, so group batching sees resident modules only.
+
 LoRA tenants: a payload carrying adapter tensors (`adapter/...`, config in the manifest's
 `extra["adapter"]`) installs, beside its module, a peft LoRA adapter on the shared backbone, one per
 serving version. A batch mixing tenants with different adapters (and tenants without) is still ONE
@@ -35,10 +41,12 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,8 +57,30 @@ from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogra
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.adapters import LoraAdapterConfig, split_tenant_state
-from joynexus.models.backbone import ResidentBackbone
+from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
+from joynexus.models.module_batching import (
+    StackedParameterCache,
+    architecture_key,
+    gather_inputs,
+    group_log_prob,
+    group_policy_mean,
+    group_policy_std,
+    group_predict,
+    group_value,
+    pad_rows,
+    unpad_actions,
+)
+from joynexus.models.placement import DevicePlacement
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
+from joynexus.services.tenant_residency import (
+    DEFAULT_MAX_RESIDENT_SERVING,
+    ResidencyLimits,
+    TenantResidency,
+    UnknownEntry,
+    pins_until_settled,
+    rebuild_module,
+    tensor_bytes,
+)
 from joynexus.services.training import BackboneSource
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
@@ -61,6 +91,7 @@ INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
 # the same, benchmarks/predict_fairness.py).
 DEFAULT_MAX_CHUNK_SAMPLES = 8
 RECENT_BATCHES = 32  # batch compositions stats() shows, newest last
+_SPARE_MODULES = 4  # modules of paged-out serving states kept per architecture for reuse (_ServingPager)
 RECENT_BATCH_PARTS = 64  # entries listed per recorded batch (a B of thousands would bloat stats())
 
 log = logging.getLogger(__name__)
@@ -316,8 +347,18 @@ class InferenceModelService:
         meter: UsageMeter | None = None,
         database_url: str | None = None,
         max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
+        placement: DevicePlacement | dict[str, Any] | str | None = None,
+        max_resident_serving: int = DEFAULT_MAX_RESIDENT_SERVING,
+        max_resident_serving_bytes: int | None = None,
+        spill_dir: str | Path | None = None,
     ):
-        """`meter` (or `database_url`, from which a Ray actor builds its own) records each request's
+        """`max_resident_serving` / `max_resident_serving_bytes`: how many serving states (one per
+        tenant and version; and bytes of their tensors) stay in memory; the least recently used
+        beyond them are paged out to a folder under `spill_dir` (None: a temporary folder) and paged
+        in on the next request for them. A state with a request queued or in a batch stays.
+        `placement`: the device (and backbone dtype) the backbone and the serving modules live on
+        (None: what JOYNEXUS_DEVICE / JOYNEXUS_DTYPE say); results leave as numpy arrays whatever the device.
+        `meter` (or `database_url`, from which a Ray actor builds its own) records each request's
         device-seconds as inference usage of its tenant; without either nothing is recorded.
         `max_chunk_samples`: a request of more observations (or of more than `max_batch_size`) is
         split into chunks that queue fairly with other tenants' requests; None never splits."""
@@ -333,16 +374,32 @@ class InferenceModelService:
         source = (
             BackboneSource.model_validate(backbone_source) if isinstance(backbone_source, dict) else backbone_source
         )
-        self.backbone: ResidentBackbone = source.build()
+        self.placement = DevicePlacement.of(placement)
+        self.backbone: ResidentBackbone = source.build(self.placement)
+        self.device = self.backbone.device
         self.meter, self._owns_meter = build_meter(meter, database_url)
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_versions = max_versions_per_tenant
         self.max_chunk_samples = max_chunk_samples
         self.queue = TenantFairQueue()
-        self._states: dict[str, OrderedDict[int, ServingState]] = {}
+        # Each tenant's loaded versions, least recently used first (the per-tenant version bound);
+        # the serving states themselves, resident or paged out, are in _serving, by (tenant, version).
+        self._states: dict[str, OrderedDict[int, None]] = {}
         self._lock = threading.RLock()  # guards _states; never held while a batch runs
+        # Lock order: _serving's lock, then _lock or the backbone's adapter lock (its pager takes
+        # them); so _serving is never called with _lock held.
+        self._serving: TenantResidency[tuple[str, int], ServingState] = TenantResidency(
+            _ServingPager(self),
+            ResidencyLimits(
+                max_resident_serving, max_resident_serving_bytes, ("max_resident_serving", "max_resident_serving_bytes")
+            ),
+            spill_dir,
+            name="inference-serving",
+        )
         self._adapter_ids = itertools.count(1)  # one backbone adapter key per serving state
+        # Stacked parameters of same-architecture module groups (batched decode), reused across batches.
+        self._stacked = StackedParameterCache()
         self._stats = {
             "batches": 0,
             "requests": 0,  # callers' requests; a split one counts once, when its first chunk is served
@@ -382,19 +439,23 @@ class InferenceModelService:
         module_tensors, adapter_tensors = split_tenant_state(tensors)
         module = build_action_module(config)
         module.load_state_dict(module_tensors, strict=True)
-        module.eval().requires_grad_(False)
+        module.eval().requires_grad_(False).to(self.device)  # payloads are CPU tensors; serve on our device
         state = ServingState(
             manifest.tenant_id, manifest.policy_version, manifest.schema_signature, module, manifest.digest
         )
         self._install_adapter(state, manifest.extra.get("adapter"), adapter_tensors)
+        tenant_id, version = manifest.tenant_id, manifest.policy_version
+        # Into the residency first, then listed: a listed version always resolves. Resident now; the
+        # least recently used serving states beyond the bound page out.
+        replaced = self._serving.add((tenant_id, version), state)
         with self._lock:
-            versions = self._states.setdefault(manifest.tenant_id, OrderedDict())
-            replaced = versions.get(manifest.policy_version)
-            versions[manifest.policy_version] = state
-            versions.move_to_end(manifest.policy_version)
-            dropped = self._evict(versions)
-            if replaced is not None:
-                dropped.append(replaced)
+            versions = self._states.setdefault(tenant_id, OrderedDict())
+            versions[version] = None
+            versions.move_to_end(version)
+            evicted = self._evict(versions)
+        dropped = [s for s in (self._serving.remove((tenant_id, v)) for v in evicted) if s is not None]
+        if replaced is not None:
+            dropped.append(replaced)
         self._drop_adapters(dropped)  # outside _lock: the worker takes the adapter lock, then _lock
         return {
             "tenant_id": manifest.tenant_id,
@@ -427,16 +488,17 @@ class InferenceModelService:
                 self.backbone.adapters.remove(state.adapter_key)
 
     def _is_current(self, state: ServingState) -> bool:
-        with self._lock:
-            return self._states.get(state.tenant_id, {}).get(state.version) is state
+        """Whether `state` is what its version serves now (not evicted, replaced, or paged out)."""
+        return self._serving.peek((state.tenant_id, state.version)) is state
 
-    def _evict(self, versions: OrderedDict[int, ServingState]) -> list[ServingState]:
+    def _evict(self, versions: OrderedDict[int, None]) -> list[int]:
         """Drop the least recently used versions beyond the bound (never the latest); returns them."""
         latest = max(versions)
         dropped = []
         while len(versions) > self.max_versions:
-            victim = min((v for v in versions if v != latest), key=lambda v: versions[v].last_used)
-            dropped.append(versions.pop(victim))
+            victim = next(v for v in versions if v != latest)  # least recently used first
+            del versions[victim]
+            dropped.append(victim)
         return dropped
 
     def versions(self, tenant_id: str) -> list[int]:
@@ -456,26 +518,38 @@ class InferenceModelService:
         return self.meter.try_flush() if self.meter is not None else True
 
     def remove_tenant(self, tenant_id: str) -> int:
-        """Forget every serving state of the tenant (tenant deletion); returns how many versions."""
+        """Forget every serving state of the tenant (tenant deletion), resident or paged out (its
+        spill files too); returns how many versions."""
         with self._lock:
-            states = list(self._states.pop(tenant_id, {}).values())
-        self._drop_adapters(states)
-        return len(states)
+            versions = list(self._states.pop(tenant_id, {}))
+        states = [s for s in (self._serving.remove((tenant_id, v)) for v in versions) if s is not None]
+        self._drop_adapters(states)  # a paged-out state's adapter left the backbone with its page-out
+        return len(versions)
 
     def _resolve(self, tenant_id: str, version: int | None) -> ServingState:
+        """The serving state a request will use, paged in if it was out; inside `submit` it stays
+        pinned (never paged out) until the request settles."""
         with self._lock:
             versions = self._states.get(tenant_id)
             if not versions:
                 raise UnknownPolicyVersion(tenant_id, version, [])
             key = max(versions) if version is None else version
-            state = versions.get(key)
-            if state is None:
+            if key not in versions:
                 raise UnknownPolicyVersion(tenant_id, version, sorted(versions))
-            state.last_used = time.monotonic()
             versions.move_to_end(key)
-            return state
+        try:
+            state = self._serving.use((tenant_id, key))  # outside _lock (lock order, see __init__)
+        except UnknownEntry:  # evicted or removed since the check
+            raise UnknownPolicyVersion(tenant_id, version, self.versions(tenant_id)) from None
+        state.last_used = time.monotonic()
+        return state
+
+    def residency_stats(self) -> dict[str, Any]:
+        """Serving states in memory and paged out: counts, bytes, hits, page-ins and page-outs."""
+        return self._serving.stats()
 
     # -- requests ---------------------------------------------------------------------------
+    @pins_until_settled("_serving")  # the resolved serving state stays in memory while the request waits
     def submit(
         self,
         tenant_id: str,
@@ -606,16 +680,15 @@ class InferenceModelService:
                 _settle(request.future, exception=InferenceError(f"shared backbone forward failed: {error}"))
             return
         served: list[tuple[InferenceRequest, dict[str, Any]]] = []
-        for request, rows in zip(batch, slices, strict=True):
-            if request.future.done():  # cancelled by its caller
-                continue
-            try:
-                served.append((request, self._decode(request, features.select(rows).trimmed(), images, rows)))
-            except Exception as error:
+        live = [(request, rows) for request, rows in zip(batch, slices, strict=True) if not request.future.done()]
+        for request, outcome in self._decode_batch(live, features, images):
+            if isinstance(outcome, BaseException):
                 split = request.context.split
                 if split is None or not split.future.done():  # a split request fails once
                     self._stats["failed_requests"] += 1
-                _settle(request.future, exception=error)
+                _settle(request.future, exception=outcome)
+            else:
+                served.append((request, outcome))
         # Every member shares the forward, so shares are over the whole batch; failed requests are not charged.
         busy = time.perf_counter() - started
         shares = split_group_seconds(busy, [r.size for r in batch])
@@ -685,23 +758,126 @@ class InferenceModelService:
         except Exception as error:  # metering never fails a served request
             log.warning("inference usage of tenant %r not recorded: %s", request.tenant_id, error)
 
+    def _decode_batch(
+        self, live: list[tuple[InferenceRequest, slice]], features: BackboneFeatures, images: list
+    ) -> list[tuple[InferenceRequest, dict[str, Any] | Exception]]:
+        """Every live request's decode, in batch order. Requests whose modules share an architecture
+        (and mode: sampled or not) are decoded as ONE batched computation over their modules'
+        stacked parameters (`models.module_batching`); kinds without a batched kernel decode one
+        request at a time. A group whose batched decode raises is decoded request by request, so
+        a failing module fails only its own requests."""
+        outcomes: dict[int, dict[str, Any] | Exception] = {}
+        groups: dict[Any, list[tuple[InferenceRequest, slice]]] = {}
+        for request, rows in live:
+            pinned: _Pinned = request.context
+            key = architecture_key(pinned.state.module)
+            if key is None:
+                outcomes[id(request)] = self._decode_alone(request, features, images, rows)
+            else:
+                groups.setdefault((key, pinned.sample), []).append((request, rows))
+        for members in groups.values():
+            try:
+                outcomes.update(self._decode_group(members, features, images))
+            except Exception as error:  # find the failing module: decode its group one request at a time
+                log.debug("batched decode of %d requests fell back to per-request: %s", len(members), error)
+                for request, rows in members:
+                    outcomes[id(request)] = self._decode_alone(request, features, images, rows)
+        return [(request, outcomes[id(request)]) for request, _ in live]
+
+    def _decode_alone(
+        self, request: InferenceRequest, features: BackboneFeatures, images: list, rows: slice
+    ) -> dict[str, Any] | Exception:
+        try:
+            return self._decode(request, features.select(rows).trimmed(), images, rows)
+        except Exception as error:
+            return error
+
+    def _decode_group(
+        self, members: list[tuple[InferenceRequest, slice]], features: BackboneFeatures, images: list
+    ) -> dict[int, dict[str, Any]]:
+        """One batched decode of same-architecture requests (state/action dims and chunks may
+        differ: padded). Rows of one module (several requests of a tenant version) run as one
+        member; noise is drawn per request (per observation when seeded) exactly as `_decode`
+        draws it, so results equal the per-request path."""
+        by_module: dict[int, list[tuple[InferenceRequest, slice]]] = {}
+        for request, rows in members:
+            by_module.setdefault(id(request.context.state.module), []).append((request, rows))
+        # A canonical member order (tenant, version), so a recurring set of tenants hits the cache.
+        order = sorted(by_module.values(), key=lambda reqs: (reqs[0][0].tenant_id, reqs[0][0].context.state.version))
+        modules = [reqs[0][0].context.state.module for reqs in order]
+        device = features.tokens.device
+        states = [
+            torch.stack([_as_tensor(obs.state) for request, _ in reqs for obs in request.observations])
+            for reqs in order
+        ]
+        rows = [[i for _, r in reqs for i in range(r.start, r.stop)] for reqs in order]
+        sample = members[0][0].context.sample
+        cfg = modules[0].config
+        with torch.inference_mode():
+            inputs = gather_inputs(features, rows, states)
+            if not bool(inputs.mask.any(dim=-1).all()):
+                raise ValueError("features.mask: every sample needs at least one real token")
+            params = self._stacked.get(modules)
+            noise = None
+            if sample or cfg.kind == "flow_matching":
+                # Drawn in batch order (unseeded draws come from the global generator, as per request).
+                drawn = {id(request): self._noise(request, device) for request, _ in members}
+                chunk_shape = (max(m.config.action_chunk for m in modules), max(m.config.action_dim for m in modules))
+                noise = pad_rows(
+                    [torch.cat([drawn[id(r)] for r, _ in reqs]) for reqs in order], inputs.rows, chunk_shape
+                )
+            log_probs = None
+            if sample:
+                mean = group_policy_mean(modules, params, inputs)
+                std = group_policy_std(modules, params)
+                actions = mean + std * noise
+                log_probs = group_log_prob(modules, mean, std, actions)
+            else:
+                actions = group_predict(modules, params, inputs, noise)
+            per_member = unpad_actions(modules, inputs, actions)
+            values = group_value(modules, params, inputs) if cfg.value_head else None
+        results: dict[int, dict[str, Any]] = {}
+        for g, reqs in enumerate(order):
+            offset = 0
+            for request, _ in reqs:
+                own = slice(offset, offset + request.size)
+                offset += request.size
+                results[id(request)] = {
+                    "tenant_id": request.tenant_id,
+                    "policy_version": request.context.state.version,
+                    "actions": per_member[g][own].cpu().numpy(),
+                    "values": None if values is None else values[g, own].cpu().numpy(),
+                    "log_probs": None if log_probs is None else log_probs[g, own].cpu().numpy(),
+                    "batch_samples": len(images),
+                }
+        return results
+
+    @staticmethod
+    def _noise(request: InferenceRequest, device: torch.device) -> torch.Tensor:
+        """The request's noise rows, drawn as `_decode` draws them: a sampled request's standard
+        normal per action (CPU generators, then moved), a flow expert's x0 through `draw_noise`."""
+        pinned: _Pinned = request.context
+        module = pinned.state.module
+        cfg = module.config
+        if pinned.sample:
+            shape = (cfg.action_chunk, cfg.action_dim)
+            if pinned.seeds is None:
+                return torch.randn((request.size, *shape)).to(device)
+            draws = [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in pinned.seeds]
+            return torch.stack(draws).to(device)
+        if pinned.seeds is None:
+            return module.draw_noise(request.size, device=device)
+        return torch.cat([module.draw_noise(1, torch.Generator().manual_seed(s), device=device) for s in pinned.seeds])
+
     def _decode(self, request: InferenceRequest, features: Any, images: list, rows: slice) -> dict[str, Any]:
         pinned: _Pinned = request.context
         module = pinned.state.module
-        state = torch.stack([_as_tensor(obs.state) for obs in request.observations])
+        state = torch.stack([_as_tensor(obs.state) for obs in request.observations]).to(features.tokens.device)
         log_probs = None
         with torch.inference_mode():
             if pinned.sample:
                 dist = module.action_distribution(features, state)
-                if pinned.seeds is None:
-                    noise = torch.randn(dist.mean.shape)
-                else:
-                    noise = torch.stack(
-                        [
-                            torch.randn(dist.mean.shape[1:], generator=torch.Generator().manual_seed(s))
-                            for s in pinned.seeds
-                        ]
-                    )
+                noise = self._noise(request, dist.mean.device)
                 actions = dist.mean + dist.stddev * noise
                 log_probs = dist.log_prob(actions).sum(dim=(-1, -2))
             elif pinned.seeds is None:
@@ -719,9 +895,9 @@ class InferenceModelService:
         return {
             "tenant_id": request.tenant_id,
             "policy_version": pinned.state.version,
-            "actions": actions.numpy(),
-            "values": None if values is None else values.numpy(),
-            "log_probs": None if log_probs is None else log_probs.numpy(),
+            "actions": actions.cpu().numpy(),
+            "values": None if values is None else values.cpu().numpy(),
+            "log_probs": None if log_probs is None else log_probs.cpu().numpy(),
             "batch_samples": len(images),
         }
 
@@ -740,7 +916,9 @@ class InferenceModelService:
             "latency_seconds": self._latency.snapshot(),
             "batch_samples": self._batch_hist.snapshot(),
             "rss_bytes": _rss_bytes(),
-            "device_memory_bytes": _device_memory_bytes(),
+            "device_memory_bytes": _device_memory_bytes(self.device),
+            "residency": self._serving.stats(),
+            **self.backbone.placement_info(),
         }
 
     def heartbeat(self) -> dict[str, Any]:
@@ -755,6 +933,7 @@ class InferenceModelService:
             "pid": os.getpid(),
             "tenants": tenants,
             "queue_depth": self.queue.depth(),
+            **self.backbone.placement_info(),
         }
 
     def close(self) -> None:
@@ -767,6 +946,93 @@ class InferenceModelService:
                 self.meter.close()
             else:
                 self.meter.try_flush()
+        self._serving.close()  # the spill folder goes with the service
+
+
+class _ServingPager:
+    """How a serving state leaves memory and comes back (`TenantResidency`'s pager): its module's
+    tensors and its adapter's, with what names the version. A serving state never changes, so it is
+    written once and later page-outs only drop it; a page-in builds a NEW state object (and adapter
+    key), so a request still holding the old one keeps serving from it, and the shared forward
+    treats its adapter as not current (installed for that batch only)."""
+
+    immutable = True
+
+    def __init__(self, service: InferenceModelService) -> None:
+        self._service = service
+        # Modules of paged-out states, per architecture, for the next page-in of the same config to
+        # overwrite in place (a fifth of the cost of building one, most of a page-in otherwise). One
+        # is taken only once the state that held it is gone: until then a request may still serve
+        # from it. A few per config: at most _SPARE_MODULES modules' memory beyond the bound.
+        self._spares: dict[ActionModuleConfig, deque[tuple[weakref.ref[ServingState], ActionModule]]] = {}
+        # Each recycled module's tensors by state-dict name, found once per module (not per page-in).
+        self._tensors_of: weakref.WeakKeyDictionary[ActionModule, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+    def _reuse(self, config: ActionModuleConfig, tensors: dict[str, torch.Tensor]) -> ActionModule | None:
+        """A spare module of this config with `tensors` copied in (exactly its keys and shapes), or None."""
+        spares = self._spares.get(config)
+        for entry in list(spares or ()):
+            holder, module = entry
+            if holder() is not None:  # a request still holds the old state: it may be serving from it
+                continue
+            spares.remove(entry)  # type: ignore[union-attr]
+            own = self._tensors_of.get(module)
+            if own is None:
+                own = self._tensors_of[module] = dict(module.state_dict(keep_vars=True))
+            if own.keys() != tensors.keys() or any(own[k].shape != t.shape for k, t in tensors.items()):
+                return None  # not this module's state after all: build one
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    own[name].copy_(tensor)
+            return module
+        return None
+
+    def nbytes(self, state: ServingState) -> int:
+        adapter = list((state.adapter_state or {}).values())
+        return tensor_bytes([*state.module.parameters(), *state.module.buffers(), *adapter])
+
+    def can_page_out(self, key: tuple[str, int], state: ServingState) -> bool:
+        return True  # requests pin what they need; nothing else holds a state in memory
+
+    def at_rest(self, key: tuple[str, int], state: ServingState) -> None:
+        pass
+
+    def spill(self, key: tuple[str, int], state: ServingState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"module/{k}": v for k, v in state.module.state_dict().items()}
+        tensors.update({f"adapter/{k}": v for k, v in (state.adapter_state or {}).items()})
+        meta = {
+            "tenant_id": state.tenant_id,
+            "version": state.version,
+            "schema_signature": state.schema_signature,
+            "manifest_digest": state.manifest_digest,
+            "module_config": state.module.config.model_dump(mode="json"),
+            "adapter": None if state.adapter is None else state.adapter.model_dump(mode="json"),
+        }
+        return tensors, meta
+
+    def evicted(self, key: tuple[str, int], state: ServingState) -> None:
+        self._service._drop_adapters([state])
+        spares = self._spares.setdefault(state.module.config, deque(maxlen=_SPARE_MODULES))
+        spares.append((weakref.ref(state), state.module))
+
+    def restore(self, key: tuple[str, int], tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> ServingState:
+        module_tensors = {k.removeprefix("module/"): v for k, v in tensors.items() if k.startswith("module/")}
+        adapter_tensors = {k.removeprefix("adapter/"): v for k, v in tensors.items() if k.startswith("adapter/")}
+        config = ActionModuleConfig.model_validate(meta["module_config"])
+        module = self._reuse(config, module_tensors)  # in place: it stays eval, without grad, on our device
+        if module is None:
+            module = rebuild_module(lambda: build_action_module(config), module_tensors, self._service.device)
+            module.eval().requires_grad_(False)
+        state = ServingState(
+            meta["tenant_id"], int(meta["version"]), meta["schema_signature"], module, meta["manifest_digest"]
+        )
+        if meta["adapter"] is not None:
+            service = self._service
+            state.adapter = LoraAdapterConfig.model_validate(meta["adapter"])
+            state.adapter_state = adapter_tensors
+            state.adapter_key = ("serving", state.tenant_id, state.version, next(service._adapter_ids))
+            service.backbone.adapters.add(state.adapter_key, state.adapter, state=adapter_tensors)
+        return state
 
 
 def _rss_bytes() -> int | None:
@@ -778,9 +1044,9 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _device_memory_bytes() -> int | None:
-    """Accelerator memory torch holds allocated in this process (None without CUDA)."""
-    return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else None
+def _device_memory_bytes(device: torch.device) -> int | None:
+    """Accelerator memory torch holds allocated on the service's device (None on the CPU)."""
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
 
 
 def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
@@ -805,10 +1071,14 @@ def inference_service_actor(
     detached: bool = False,
     database_url: str | None = None,
     max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
+    placement: DevicePlacement | None = None,
+    max_resident_serving: int = DEFAULT_MAX_RESIDENT_SERVING,
+    spill_dir: str | None = None,
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Inference Model Service actor. It is a threaded actor: many callers
     block in `predict` at once while its worker thread batches their requests together.
-    `database_url`: the control-plane store the actor meters inference usage into (None: no metering)."""
+    `database_url`: the control-plane store the actor meters inference usage into (None: no metering).
+    `max_resident_serving`, `spill_dir`: the resident bound of serving states and where the rest page out."""
     from joynexus.runtime import named_actor
 
     return named_actor(
@@ -824,4 +1094,7 @@ def inference_service_actor(
         num_threads=num_threads,
         database_url=database_url,
         max_chunk_samples=max_chunk_samples,
+        placement=placement,
+        max_resident_serving=max_resident_serving,
+        spill_dir=spill_dir,
     )

@@ -12,10 +12,16 @@ A tenant may also own a LoRA adapter on the shared backbone (`TenantBackendConfi
 parameters join the tenant's AdamW, its forward runs with autograd through the backbone's text model
 (the base weights stay frozen and shared), and the slot's state dict — the module's tensors plus the
 adapter's under `adapter/` — is what is versioned, checkpointed, exported and loaded for serving.
+
+Tenant density (issue 14.5): at most `max_resident_tenants` slots stay in memory; the least recently
+used beyond it are paged out to a spill folder (module, AdamW state, adapter, counters: exactly) and
+paged back in on next use (`tenant_residency`, `_SlotPager`). A slot a call uses stays pinned until
+that call returns, so a step never runs on a slot that is being paged out.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -38,14 +44,29 @@ from joynexus.artifacts import (
     TenantManifest,
     encode_tenant_payload,
 )
+from joynexus.artifacts.codec import _decode_optimizer_state, _encode_optimizer_state
+from joynexus.core.metering import split_group_seconds
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.adapters import LoraAdapterConfig, join_tenant_state, split_tenant_state
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone, TinyBackboneSpec
+from joynexus.models.module_batching import gather_inputs, group_by_architecture, group_loss, stack_parameters
+from joynexus.models.placement import DevicePlacement, cpu_copy
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import TrainingJob
+from joynexus.services.tenant_residency import (
+    DEFAULT_MAX_RESIDENT_TENANTS,
+    ResidencyLimits,
+    TenantResidency,
+    UnknownEntry,
+    pin_during_calls,
+    rebuild_module,
+    tensor_bytes,
+)
 
 TRAINING_SERVICE_ACTOR_NAME = "joynexus.training_service"
+
+log = logging.getLogger(__name__)
 
 # Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
 SFT_FIELDS = ("images", "state", "action", "action_is_pad", "task", "tenant_id", "schema_signature")
@@ -62,12 +83,13 @@ class BackboneSource(BaseModel):
     path: str | None = None
     seed: int = 0
 
-    def build(self) -> ResidentBackbone:
+    def build(self, placement: DevicePlacement | None = None) -> ResidentBackbone:
+        """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
         if self.path is not None:
-            return ResidentBackbone.from_pretrained(self.path)
+            return ResidentBackbone.from_pretrained(self.path, placement=placement)
         if self.preset is None:
             raise ValueError("BackboneSource needs either `preset` or `path`")
-        return ResidentBackbone.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed)
+        return ResidentBackbone.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)
 
 
 class TenantSlotError(RuntimeError):
@@ -138,16 +160,36 @@ class TrainingModelService:
         queue: Any = None,
         num_threads: int | None = None,
         keep_last: int | None = None,  # checkpoint retention: last K + pinned versions; None keeps all
+        placement: DevicePlacement | dict[str, Any] | str | None = None,
+        max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS,
+        max_resident_tenant_bytes: int | None = None,
+        spill_dir: str | Path | None = None,
     ):
+        """`placement`: the device (and backbone dtype) of everything this service computes with:
+        backbone, tenant modules, adapters, AdamW state, microbatches; None: what JOYNEXUS_DEVICE /
+        JOYNEXUS_DTYPE say ("auto": a GPU this process sees, else the CPU). What leaves is CPU tensors.
+        `max_resident_tenants` / `max_resident_tenant_bytes`: how many tenant slots (and bytes of
+        their tensors) stay in memory; the least recently used beyond them are paged out to a folder
+        under `spill_dir` (None: a temporary folder) and paged back in, exactly, on next use."""
         if num_threads:
             torch.set_num_threads(num_threads)
         source = (
             BackboneSource.model_validate(backbone_source) if isinstance(backbone_source, dict) else backbone_source
         )
-        self.backbone = source.build()
+        self.placement = DevicePlacement.of(placement)
+        self.backbone = source.build(self.placement)
+        self.device = self.backbone.device
         self.checkpoints = CheckpointStore(checkpoint_root, keep_last=keep_last)
         self.queue = TrainingQueueClient(queue) if queue is not None else None
-        self._slots: dict[str, TenantSlot] = {}
+        # Every registered tenant's slot, resident or paged out (a mapping of tenant ids; see _slot).
+        self._slots: TenantResidency[str, TenantSlot] = TenantResidency(
+            _SlotPager(self),
+            ResidencyLimits(
+                max_resident_tenants, max_resident_tenant_bytes, ("max_resident_tenants", "max_resident_tenant_bytes")
+            ),
+            spill_dir,
+            name="training-slots",
+        )
         # Which life of this role is answering: a Ray restart in place builds a new one (empty slots),
         # and the Master's Health Manager restores the tenants when it sees the change.
         self.incarnation = uuid.uuid4().hex[:12]
@@ -161,6 +203,7 @@ class TrainingModelService:
             "started_at": self.started_at,
             "pid": os.getpid(),
             "tenants": sorted(list(self._slots)),
+            **self.backbone.placement_info(),
         }
 
     # -- introspection ----------------------------------------------------------------------
@@ -173,6 +216,7 @@ class TrainingModelService:
             "prefix_key": list(self.backbone.prefix_key),
             "pid": os.getpid(),
             "tenants": sorted(self._slots),
+            **self.backbone.placement_info(),
         }
 
     def capabilities(self) -> BaseModelCapabilities:
@@ -197,15 +241,15 @@ class TrainingModelService:
         }
 
     def tenant_state(self, tenant_id: str) -> dict[str, Any]:
-        """Copies of the slot's parameters and optimizer state (tests check isolation with these)."""
+        """CPU copies of the slot's parameters and optimizer state (tests check isolation with these)."""
         slot = self._slot(tenant_id)
         state = {
             "version": slot.version,
-            "module": {k: v.detach().clone() for k, v in slot.module.state_dict().items()},
-            "optimizer": _clone_optimizer_state(slot.optimizer.state_dict()),
+            "module": cpu_copy(slot.module.state_dict()),
+            "optimizer": cpu_copy(slot.optimizer.state_dict()),
         }
         if slot.adapter is not None:
-            state["adapter"] = self.backbone.adapters.state_dict(tenant_id)
+            state["adapter"] = cpu_copy(self.backbone.adapters.state_dict(tenant_id))
         return state
 
     # -- slots ------------------------------------------------------------------------------
@@ -218,11 +262,13 @@ class TrainingModelService:
                 f"this service holds {self.backbone.model_id!r}"
             )
         if config.tenant_id in self._slots:
-            return {"tenant_id": config.tenant_id, "version": self._slots[config.tenant_id].version, "resumed": False}
+            return {"tenant_id": config.tenant_id, "version": self._slot(config.tenant_id).version, "resumed": False}
         module_config = ActionModuleConfig.model_validate(config.action_module)
         with torch.random.fork_rng():
             torch.manual_seed(config.seed)
             module = build_action_module(module_config)
+        # Drawn on the CPU (the same initial weights on every device), trained in float32 on ours.
+        module = module.to(self.device)
         if config.adapter is None:
             optimizer = torch.optim.AdamW(module.parameters(), lr=config.learning_rate)
             slot = TenantSlot(config=config, module=module, optimizer=optimizer)
@@ -251,12 +297,12 @@ class TrainingModelService:
         # Versions after the restored checkpoint may have been issued (exported, published) before a
         # crash with other weights: continue numbering after every version ever issued.
         slot.issued_version = max(slot.version, self.checkpoints.issued_version(config.tenant_id) or 0)
-        self._slots[config.tenant_id] = slot
+        self._slots.add(config.tenant_id, slot)  # resident; beyond the bound the least recently used slot pages out
         return {"tenant_id": config.tenant_id, "version": slot.version, "resumed": resumed}
 
     def _restore(self, slot: TenantSlot) -> None:
         tenant_id = slot.config.tenant_id
-        manifest, module_state, optimizer_state = self.checkpoints.load_tenant(tenant_id)
+        manifest, module_state, optimizer_state = self.checkpoints.load_tenant(tenant_id, map_location=self.device)
         if manifest.schema_signature != slot.config.schema_signature:
             raise TenantSlotError(
                 f"checkpoint of tenant {tenant_id!r} v{manifest.policy_version} has schema signature "
@@ -310,13 +356,16 @@ class TrainingModelService:
             ) from exc
 
     def remove_tenant(self, tenant_id: str) -> bool:
-        """Drop the tenant's slot (module, adapter, optimizer, pending gradients) from memory; its
-        checkpoints stay (CheckpointStore.delete_tenant removes those). False if it had no slot."""
+        """Drop the tenant's slot (module, adapter, optimizer, pending gradients) from memory, and its
+        paged-out copy from the spill folder; its checkpoints stay (CheckpointStore.delete_tenant
+        removes those). False if it had no slot."""
         self._pending_gradients().pop(tenant_id, None)
-        slot = self._slots.pop(tenant_id, None)
-        if slot is not None and slot.adapter is not None:
-            self.backbone.adapters.remove(tenant_id)
-        return slot is not None
+        if tenant_id not in self._slots:
+            return False
+        self._slots.remove(tenant_id)
+        # A resident adapter tenant's adapter is on the backbone (a paged-out one's left with its page-out).
+        self.backbone.adapters.remove(tenant_id)
+        return True
 
     def _issue_version(self, slot: TenantSlot) -> int:
         """Number a parameter change: the next never-issued version, made durable BEFORE the slot
@@ -328,10 +377,17 @@ class TrainingModelService:
         return version
 
     def _slot(self, tenant_id: str) -> TenantSlot:
-        slot = self._slots.get(tenant_id)
-        if slot is None:
-            raise UnknownTenant(tenant_id)
-        return slot
+        """The tenant's slot, paged in (exactly as it was paged out) if it was not resident, now the
+        most recently used. It stays pinned in memory until the public call that asked for it returns
+        (`pin_during_calls` below the class), so a step never runs on a slot that was paged out."""
+        try:
+            return self._slots.use(tenant_id)
+        except UnknownEntry:
+            raise UnknownTenant(tenant_id) from None
+
+    def residency_stats(self) -> dict[str, Any]:
+        """Tenant slots in memory and paged out: counts, bytes, hits, page-ins and page-outs."""
+        return self._slots.stats()
 
     # -- training ---------------------------------------------------------------------------
     def train_batch(self, tenant_id: str, batch: dict[str, Any]) -> dict[str, Any]:
@@ -418,9 +474,9 @@ class TrainingModelService:
                     if meta.indices not in features_cache:
                         features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
                     features = features_cache[meta.indices]
-                old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32))
-                advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32))
-                returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32))
+                old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32), device=self.device)
+                advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32), device=self.device)
+                returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32), device=self.device)
                 last: dict[str, Any] = {}
 
                 def compute_loss(
@@ -471,6 +527,11 @@ class TrainingModelService:
         non-finite loss or gradients) gets `error` in its result and keeps its slot unchanged,
         while the others still step.
 
+        Tenants whose modules have identical configs compute their losses as ONE batched
+        computation over their stacked parameters (`models.module_batching`, issue 14): the sum of
+        their losses backpropagates into each tenant's own leaves exactly its own gradients, then
+        each clips and steps its own AdamW; results equal per-tenant updates within float tolerance.
+
         Tenants with LoRA adapters share the forward too (a mixed-adapter batch with autograd on):
         each one's gradients are taken from the one graph for its own parameters only, and only
         when every tenant's are taken do their optimizers step (a step changes adapter weights the
@@ -515,30 +576,121 @@ class TrainingModelService:
             [text for batch in prepared for text in batch.instructions],
         )
         encode_seconds = time.perf_counter() - started
+        return self._module_updates(slots, prepared, rows, features, encode_seconds)
 
-        results: list[dict[str, Any]] = []
-        for slot, batch, own_rows in zip(slots, prepared, rows, strict=True):
-            started = time.perf_counter()
-            error: str | None = None
+    def _module_updates(
+        self,
+        slots: list[TenantSlot],
+        prepared: list[_Microbatch],
+        rows: list[slice],
+        features: BackboneFeatures,
+        encode_seconds: float,
+    ) -> list[dict[str, Any]]:
+        """`train_group`'s updates of tenants without an adapter, after the shared forward (on
+        features without a graph). Tenants whose modules share an architecture compute their losses
+        as ONE batched computation (`models.module_batching`), then each takes its own clip and
+        AdamW step; the others update one at a time. Results in the order of `slots`."""
+        results: list[dict[str, Any] | None] = [None] * len(slots)
+        # Identical configs only (no padded dims, unlike inference): a padded group's gradients equal
+        # the per-tenant ones only to float rounding, and AdamW's normalization amplifies rounding in
+        # near-zero gradient entries (~1e-5 after a few steps); grouped training is held to serial
+        # steps at 1e-5 (tests/services/test_group_training.py).
+        for members in group_by_architecture([slot.module for slot in slots], pad_dims=False):
+            outcomes = None
+            if len(members) >= 2:
+                outcomes = self._batched_updates(
+                    [slots[i] for i in members], [prepared[i] for i in members], [rows[i] for i in members], features
+                )
+            if outcomes is None:  # a group of one, or a batched loss that raised: one tenant at a time
+                outcomes = []
+                for i in members:
+                    started = time.perf_counter()
+                    try:
+                        # trimmed(): drop the padding columns other tenants' longer prompts added, so
+                        # the head sees exactly the shapes a forward of its own microbatch would give.
+                        loss = self._update(slots[i], features.select(rows[i]).trimmed(), prepared[i])
+                        self._issue_version(slots[i])  # as train_batch: every parameter change is a new version
+                        outcomes.append((loss, None, time.perf_counter() - started))
+                    except Exception as exc:  # one tenant's failure is its own; the group goes on
+                        outcomes.append((None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started))
+            for i, (loss, error, seconds) in zip(members, outcomes, strict=True):
+                slot = slots[i]
+                result = {
+                    "tenant_id": slot.config.tenant_id,
+                    "loss": loss,
+                    "optimizer_steps": slot.optimizer_steps,
+                    "version": slot.version,
+                    "encode_seconds": encode_seconds,
+                    "module_seconds": seconds,
+                }
+                if error is not None:
+                    result["error"] = error
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    def _batched_updates(
+        self, slots: list[TenantSlot], prepared: list[_Microbatch], rows: list[slice], features: BackboneFeatures
+    ) -> list[tuple[float | None, str | None, float]] | None:
+        """Same-architecture tenants' updates from one batched loss: (loss, error, module seconds)
+        per tenant, or None when the batched computation raised (nothing changed, no gradient left;
+        the caller then updates them one at a time, which names the failing tenant).
+
+        The stacked parameters are `torch.stack`s of each tenant's own leaves and every op is
+        independent along the tenant axis, so backward of the sum of the finite losses gives each
+        tenant exactly its own loss's gradients. A tenant whose loss or gradient norm is not finite
+        gets an error and keeps its slot (no gradient, no step) while the others step."""
+        started = time.perf_counter()
+        modules = [slot.module for slot in slots]
+        for slot in slots:
+            slot.module.train()
+            slot.optimizer.zero_grad(set_to_none=True)
+        try:
+            inputs = gather_inputs(
+                features, [range(r.start, r.stop) for r in rows], [batch.state for batch in prepared]
+            )
+            if not bool(inputs.mask.any(dim=-1).all()):
+                raise ValueError("features.mask: every sample needs at least one real token")
+            losses = group_loss(
+                modules,
+                stack_parameters(modules),
+                inputs,
+                [batch.action for batch in prepared],
+                [batch.action_is_pad for batch in prepared],
+                [_loss_generator(slot) for slot in slots],
+            )
+            finite = torch.isfinite(losses.detach())
+            if bool(finite.any()):
+                losses[finite].sum().backward()
+        except Exception as exc:
+            log.debug("batched loss of %d tenants fell back to per-tenant updates: %s", len(slots), exc)
+            for slot in slots:
+                slot.optimizer.zero_grad(set_to_none=True)
+            return None
+        values = losses.detach().cpu().tolist()
+        finite_flags = finite.cpu().tolist()
+        # The group's module time, shared by rows.
+        shares = split_group_seconds(time.perf_counter() - started, [len(batch) for batch in prepared])
+        outcomes: list[tuple[float | None, str | None, float]] = []
+        for slot, batch, value, ok, share in zip(slots, prepared, values, finite_flags, shares, strict=True):
+            step_started = time.perf_counter()
+            tenant = slot.config.tenant_id
             try:
-                # trimmed(): drop the padding columns other tenants' longer prompts added, so the
-                # head sees exactly the shapes a forward of its own microbatch would give.
-                loss: float | None = self._update(slot, features.select(own_rows).trimmed(), batch)
-                self._issue_version(slot)  # as train_batch: every parameter change is a new version
-            except Exception as exc:  # one tenant's failure is its own; the group goes on
-                loss, error = None, f"{type(exc).__name__}: {exc}"
-            result = {
-                "tenant_id": slot.config.tenant_id,
-                "loss": loss,
-                "optimizer_steps": slot.optimizer_steps,
-                "version": slot.version,
-                "encode_seconds": encode_seconds,
-                "module_seconds": time.perf_counter() - started,
-            }
-            if error is not None:
-                result["error"] = error
-            results.append(result)
-        return results
+                if not ok:
+                    raise TenantSlotError(f"tenant {tenant!r}: non-finite loss {value}")
+                grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters(), 1.0)
+                if not torch.isfinite(grad_norm):
+                    raise TenantSlotError(f"tenant {tenant!r}: non-finite gradient norm {grad_norm.item()}")
+            except Exception as exc:
+                slot.optimizer.zero_grad(set_to_none=True)
+                outcomes.append((None, f"{type(exc).__name__}: {exc}", share + time.perf_counter() - step_started))
+                continue
+            try:
+                self._apply_step(slot, batch, value)
+                self._issue_version(slot)
+                outcomes.append((value, None, share + time.perf_counter() - step_started))
+            except Exception as exc:
+                outcomes.append((None, f"{type(exc).__name__}: {exc}", share + time.perf_counter() - step_started))
+        return outcomes
 
     def _adapter_group_updates(
         self,
@@ -628,6 +780,9 @@ class TrainingModelService:
         images, instructions, state, action, pad = microbatch_to_tensors(data)
         if slot.config.instruction:
             instructions = [text or slot.config.instruction for text in instructions]
+        # The module's tensors on the service's device; camera images stay on the host until the
+        # backbone copies them over, one batch per image size.
+        state, action, pad = state.to(self.device), action.to(self.device), pad.to(self.device)
         return _Microbatch(images, instructions, state, action, pad)
 
     def _step(self, slot: TenantSlot, data: dict[str, Any]) -> float:
@@ -713,11 +868,12 @@ class TrainingModelService:
         return extra
 
     def _state_dict(self, slot: TenantSlot) -> dict[str, torch.Tensor]:
-        """What a version is: the module's tensors, plus the adapter's under `adapter/` if it has one."""
+        """What a version is: the module's tensors, plus the adapter's under `adapter/` if it has one;
+        CPU copies whatever the service's device (exports and checkpoints are device-independent)."""
         module = {k: v.detach().cpu().contiguous() for k, v in slot.module.state_dict().items()}
         if slot.adapter is None:
             return module
-        return join_tenant_state(module, self.backbone.adapters.state_dict(slot.config.tenant_id))
+        return join_tenant_state(module, cpu_copy(self.backbone.adapters.state_dict(slot.config.tenant_id)))
 
     def export_params(self, tenant_id: str) -> bytes:
         """The tenant's payload as safetensors bytes with its manifest: the action module's tensors
@@ -782,7 +938,7 @@ class TrainingModelService:
                 "use 'advantage_weighted' for this module"
             )
         if loss != "default":
-            weights = torch.as_tensor(np.asarray(batch.get("advantages"), dtype=np.float32))
+            weights = torch.as_tensor(np.asarray(batch.get("advantages"), dtype=np.float32), device=self.device)
             if weights.shape != (len(prepared),) or not bool(torch.isfinite(weights).all()):
                 raise ValueError(
                     f"advantages: expected {len(prepared)} finite values (one per sample), "
@@ -917,17 +1073,106 @@ def _check_annotations(data: dict[str, Any], tenant_id: str, signature: str) -> 
             raise TenantSlotError(f"microbatch mixes {name} values {sorted(bad)} into {expected!r}'s update")
 
 
-def _clone_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
-    def clone(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        if isinstance(value, dict):
-            return {k: clone(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [clone(v) for v in value]
-        return value
+class _SlotPager:
+    """How a tenant slot leaves memory and comes back bit-exact (`TenantResidency`'s pager): the
+    module's tensors, the AdamW state (moments, step counts and hyperparameters, in the checkpoint
+    codec's pickle-free form), a LoRA adapter's tensors, the counters and the loss history.
 
-    return clone(state)
+    LoRA adapter slots page out too: their adapter leaves the shared backbone (every routed forward
+    and every adapter add/remove costs more with each adapter on it) and is re-injected with its
+    tensors on page-in; the optimizer is rebuilt over the new parameters in the same order, so its
+    state maps back one to one."""
+
+    immutable = False  # a slot changes with every step: each page-out writes it again
+
+    def __init__(self, service: TrainingModelService) -> None:
+        self._service = service
+
+    def nbytes(self, slot: TenantSlot) -> int:
+        params = slot.parameters()
+        moments = [t for state in slot.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return tensor_bytes([*params, *slot.module.buffers(), *(p.grad for p in params), *moments])
+
+    def can_page_out(self, tenant_id: str, slot: TenantSlot) -> bool:
+        # forward_backward's gradients wait in the parameters for optim_step: mid-step, so stay.
+        return tenant_id not in self._service._pending_gradients()
+
+    def at_rest(self, tenant_id: str, slot: TenantSlot) -> None:
+        # A slot between calls holds no gradients (every step starts by zeroing them): 1/4 less memory.
+        if tenant_id not in self._service._pending_gradients():
+            slot.optimizer.zero_grad(set_to_none=True)
+
+    def spill(self, tenant_id: str, slot: TenantSlot) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"module/{k}": v for k, v in slot.module.state_dict().items()}
+        optimizer_tensors, optimizer_doc = _encode_optimizer_state(slot.optimizer.state_dict())
+        tensors.update({f"optimizer/{k}": v for k, v in optimizer_tensors.items()})
+        if slot.adapter is not None:
+            adapter = self._service.backbone.adapters.state_dict(tenant_id)
+            tensors.update({f"adapter/{k}": v for k, v in adapter.items()})
+        tensors["losses"] = torch.tensor(slot.losses, dtype=torch.float64)  # python floats, exactly
+        meta = {
+            "config": slot.config.model_dump(mode="json"),
+            "optimizer": optimizer_doc,
+            "training": slot.module.training,
+            "version": slot.version,
+            "issued_version": slot.issued_version,
+            "optimizer_steps": slot.optimizer_steps,
+            "jobs_completed": slot.jobs_completed,
+            "samples_trained": slot.samples_trained,
+            "version_created_at": slot.version_created_at,
+        }
+        return tensors, meta
+
+    def evicted(self, tenant_id: str, slot: TenantSlot) -> None:
+        if slot.adapter is not None:
+            self._service.backbone.adapters.remove(tenant_id)
+
+    def restore(self, tenant_id: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> TenantSlot:
+        parts: dict[str, dict[str, torch.Tensor]] = {"module": {}, "optimizer": {}, "adapter": {}}
+        for name, tensor in tensors.items():
+            part, _, key = name.partition("/")
+            if key:
+                parts[part][key] = tensor
+        config = TenantBackendConfig.model_validate(meta["config"])
+        module_config = ActionModuleConfig.model_validate(config.action_module)
+        module = rebuild_module(lambda: build_action_module(module_config), parts["module"], self._service.device)
+        module.train(bool(meta["training"]))
+        adapter, adapter_parameters = None, []
+        if config.adapter is not None:
+            adapter = LoraAdapterConfig.model_validate(config.adapter)
+            adapters = self._service.backbone.adapters
+            adapters.add(tenant_id, adapter, state=parts["adapter"], seed=config.seed, trainable=True)
+            adapter_parameters = adapters.parameters(tenant_id)
+        try:
+            optimizer = torch.optim.AdamW([*module.parameters(), *adapter_parameters], lr=config.learning_rate)
+            # CPU tensors: AdamW moves the moments onto their parameters' device and keeps its step
+            # counts where they were written from (the CPU, unless fused or capturable).
+            optimizer.load_state_dict(_decode_optimizer_state(meta["optimizer"], parts["optimizer"]))
+        except BaseException:
+            if adapter is not None:
+                self._service.backbone.adapters.remove(tenant_id)
+            raise
+        return TenantSlot(
+            config=config,
+            module=module,
+            optimizer=optimizer,
+            version=int(meta["version"]),
+            issued_version=int(meta["issued_version"]),
+            optimizer_steps=int(meta["optimizer_steps"]),
+            jobs_completed=int(meta["jobs_completed"]),
+            samples_trained=int(meta["samples_trained"]),
+            losses=tensors["losses"].tolist(),
+            adapter=adapter,
+            adapter_parameters=adapter_parameters,
+            version_created_at=str(meta["version_created_at"]),
+        )
+
+
+# Every public call pins the slots it uses (through _slot) until it returns: a slot is never paged out
+# in the middle of a step, even when one call (train_group) uses more tenants than the resident bound.
+# Not `save`: it takes tenants one at a time (each saved before the next is used), and pinning all of
+# them would page every tenant in at once. Not `heartbeat`: it uses no slot and must never wait.
+pin_during_calls(TrainingModelService, "_slots", exclude=("heartbeat", "save"))
 
 
 def training_service_actor(
@@ -940,8 +1185,13 @@ def training_service_actor(
     namespace: str | None = None,
     detached: bool = False,
     keep_last: int | None = None,
+    placement: DevicePlacement | None = None,
+    max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS,
+    spill_dir: str | None = None,
 ):  # type: ignore[no-untyped-def]
-    """Get or create the named Training Model Service actor (Ray must be initialized)."""
+    """Get or create the named Training Model Service actor (Ray must be initialized). `placement`
+    is resolved in the actor's process ("auto": a GPU if Ray gave the actor one, else the CPU).
+    `max_resident_tenants`, `spill_dir`: the resident bound of tenant slots and where the rest page out."""
     from joynexus.runtime import named_actor
 
     return named_actor(
@@ -955,4 +1205,7 @@ def training_service_actor(
         detached=detached,
         num_cpus=num_cpus,
         keep_last=keep_last,
+        placement=placement,
+        max_resident_tenants=max_resident_tenants,
+        spill_dir=spill_dir,
     )

@@ -1,0 +1,632 @@
+"""Inference Model Service replicas behind one front (paper 4.5: elastic inference).
+
+`InferenceReplicaSet` has the interface of `InferenceModelService` (submit / predict / load_weights
+/ versions / latest_version / tenants / remove_tenant / flush_usage / stats / heartbeat / close) and
+fronts N replicas of it, each a full service with its own backbone and its own batching queue:
+- routing: each request goes to the active replica with the fewest requests in flight (counted
+  here, no call needed); that replica group-batches it with its other requests. A request whose
+  replica died or closed under it is sent to another replica (a prediction has no side effect).
+- weights: `load_weights` publishes the payload to every replica; the set keeps the last
+  `max_versions_per_tenant` payloads of each tenant, so a new replica, or one Ray restarted in
+  place, gets every published version before it takes traffic. A request without a version is
+  pinned here to the tenant's latest version, which every active replica holds.
+- scaling: `scale_to(n)` within the policy's bounds, and, when the policy is elastic, an
+  autoscaler round every `interval_s` (`joynexus.scheduling.autoscaler`: queue depth per replica,
+  p99 latency, cooldown). Scale-in drains: the replica stops taking requests, its requests in
+  flight finish, then it is stopped.
+
+Replicas are local objects (`LocalReplicas`: tests, one process) or Ray actors (`RayReplicas`);
+in a deployment the set itself is the named actor `joynexus.inference_service` (threaded) and its
+replica actors are its own (not detached): they go when it goes, and a restarted set starts fresh
+ones, which the Master's Health Manager serves again (`publish_weights` of the tenants it held).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from joynexus.runtime import RoleResources, ServiceHandle, named_actor, role_unavailable
+from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals, ScalingPolicy
+from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation
+from joynexus.services.inference import (
+    DEFAULT_MAX_CHUNK_SAMPLES,
+    INFERENCE_SERVICE_ACTOR_NAME,
+    InferenceError,
+    InferenceModelService,
+)
+from joynexus.services.training import BackboneSource
+
+log = logging.getLogger(__name__)
+
+REPLICA_ACTOR_PREFIX = "joynexus.inference_replica"
+MAX_ATTEMPTS = 3  # replicas one request may be sent to (the first one died or closed under it)
+LATENCY_WINDOW_S = 30.0  # p99 over the requests finished this recently
+PROBE_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 600.0  # a new replica builds its backbone before it answers
+
+
+class ReplicaFactory(Protocol):
+    """Makes and stops replicas; picklable, so a Ray actor of the set can hold one."""
+
+    def create(self, name: str) -> Any: ...
+
+    def destroy(self, target: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalReplicas:
+    """Replicas as `InferenceModelService` objects of this process."""
+
+    backbone_source: BackboneSource
+    service_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def create(self, name: str) -> InferenceModelService:
+        return InferenceModelService(self.backbone_source, **self.service_kwargs)
+
+    def destroy(self, target: Any) -> None:
+        target.close()
+
+
+@dataclass(frozen=True)
+class RayReplicas:
+    """Replicas as Ray actors owned by the process that creates them (the set's actor), placed by
+    Ray with the `inference_service` role's resources."""
+
+    backbone_source: BackboneSource
+    namespace: str | None = None
+    resources: RoleResources = field(default_factory=RoleResources)
+    service_kwargs: dict[str, Any] = field(default_factory=dict)
+    scheduling_strategy: str | None = None  # e.g. "SPREAD": one replica per node where they fit
+
+    def create(self, name: str) -> Any:
+        return named_actor(
+            InferenceModelService,
+            name,
+            self.backbone_source,
+            namespace=self.namespace,
+            num_cpus=1,
+            max_concurrency=64,
+            ray_resources=self.resources,
+            get_if_exists=False,
+            scheduling_strategy=self.scheduling_strategy,
+            **self.service_kwargs,
+        )
+
+    def destroy(self, target: Any) -> None:
+        import ray
+
+        ray.kill(target, no_restart=True)
+
+
+@dataclass(eq=False)
+class _Replica:
+    name: str
+    handle: ServiceHandle
+    state: str = "starting"  # starting -> active <-> restoring | unreachable -> draining -> stopped
+    in_flight: int = 0
+    served: int = 0
+    incarnation: str | None = None
+    pid: int | None = None
+    restarts: int = 0
+    created_at: float = field(default_factory=time.time)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "incarnation": self.incarnation,
+            "pid": self.pid,
+            "restarts": self.restarts,
+        }
+
+
+class InferenceReplicaSet:
+    def __init__(
+        self,
+        factory: ReplicaFactory,
+        *,
+        policy: ScalingPolicy | None = None,
+        max_versions_per_tenant: int = 3,
+        autoscale: bool = True,
+    ):
+        """Starts `policy.min_replicas` replicas (each built before this returns) and, with an
+        elastic policy and `autoscale`, the autoscaler; a monitor restores restarted replicas."""
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
+        self.policy = policy or ScalingPolicy()
+        if max_versions_per_tenant < 1:
+            raise ValueError(f"max_versions_per_tenant must be >= 1, got {max_versions_per_tenant}")
+        self.max_versions = max_versions_per_tenant
+        self.factory = factory
+        self.autoscaler = Autoscaler(self.policy)
+        self.autoscale = autoscale and self.policy.elastic
+        self._replicas: list[_Replica] = []
+        self._next_index = 0
+        self._cond = threading.Condition()  # guards _replicas' states and counters; drains wait on it
+        self._publish_lock = threading.RLock()  # one publish / replay at a time: a new replica misses none
+        self._scale_lock = threading.Lock()
+        self._kept: dict[str, OrderedDict[int, bytes]] = {}  # tenant -> version -> payload (for new replicas)
+        self._latencies: deque[tuple[float, float]] = deque(maxlen=4096)  # (finished at, seconds)
+        self._counts = {"requests": 0, "failed_requests": 0, "rerouted_requests": 0, "scale_events": 0}
+        self._events: deque[dict[str, Any]] = deque(maxlen=32)
+        self._last_decision = "none"
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.scale_to(self.policy.min_replicas, reason="start")
+        self._monitor = threading.Thread(target=self._run, name="inference-replicas", daemon=True)
+        self._monitor.start()
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(
+        self,
+        tenant_id: str,
+        observations: list[Observation],
+        *,
+        policy_version: int | None = None,
+        session_id: str | None = None,
+        seeds: list[int] | None = None,
+        sample: bool = False,
+        operation: str = "predict",
+    ) -> Future:
+        """Route a request to a replica; a future of its result (see `InferenceModelService.submit`).
+        Without a version the request is pinned to the tenant's latest published version."""
+        if policy_version is None:
+            policy_version = self.latest_published(tenant_id)
+        request = {
+            "policy_version": policy_version,
+            "session_id": session_id,
+            "seeds": seeds,
+            "sample": sample,
+            "operation": operation,
+        }
+        outer: Future = Future()
+        with self._cond:
+            self._counts["requests"] += 1
+        self._dispatch(outer, tenant_id, list(observations), request, time.monotonic(), MAX_ATTEMPTS, set())
+        return outer
+
+    def predict(
+        self,
+        tenant_id: str,
+        observations: list[Observation] | list[dict[str, Any]],
+        *,
+        policy_version: int | None = None,
+        session_id: str | None = None,
+        seeds: list[int] | None = None,
+        sample: bool = False,
+        timeout_s: float | None = 60.0,
+        operation: str = "predict",
+    ) -> dict[str, Any]:
+        observations = [o if isinstance(o, Observation) else Observation(**o) for o in observations]
+        future = self.submit(
+            tenant_id,
+            observations,
+            policy_version=policy_version,
+            session_id=session_id,
+            seeds=seeds,
+            sample=sample,
+            operation=operation,
+        )
+        return future.result(timeout=timeout_s)
+
+    def _dispatch(
+        self,
+        outer: Future,
+        tenant_id: str,
+        observations: list[Observation],
+        request: dict[str, Any],
+        started: float,
+        attempts: int,
+        tried: set[str],
+    ) -> None:
+        with self._cond:
+            candidates = [r for r in self._replicas if r.state == "active" and r.name not in tried]
+            if not candidates:
+                candidates = [r for r in self._replicas if r.state == "active"]
+            if not candidates:
+                self._counts["failed_requests"] += 1
+                outer.set_exception(InferenceError("no Inference Model Service replica is serving right now"))
+                return
+            replica = min(candidates, key=lambda r: (r.in_flight, r.served))
+            replica.in_flight += 1
+        tried.add(replica.name)
+        try:
+            if replica.handle.is_remote:
+                inner = replica.handle.start(InferenceModelService.predict, tenant_id, observations, **request)
+            else:  # the local service's own queue hands out the future
+                inner = replica.handle.target.submit(tenant_id, observations, **request)
+        except BaseException as error:
+            inner = Future()
+            inner.set_exception(error)
+
+        def done(finished: Future) -> None:
+            with self._cond:
+                replica.in_flight -= 1
+                replica.served += 1
+                self._cond.notify_all()
+            error = _cause(finished.exception())
+            if error is None:
+                with self._cond:
+                    self._latencies.append((time.monotonic(), time.monotonic() - started))
+                _settle(outer, result=finished.result())
+                return
+            if _replica_gone(error) and attempts > 1:
+                log.warning("replica %s failed a request (%s); sending it to another", replica.name, error)
+                with self._cond:
+                    self._counts["rerouted_requests"] += 1
+                self._dispatch(outer, tenant_id, observations, request, started, attempts - 1, tried)
+                return
+            with self._cond:
+                self._counts["failed_requests"] += 1
+            _settle(outer, exception=error)
+
+        inner.add_done_callback(done)
+
+    # -- weights ------------------------------------------------------------------------------
+    def load_weights(self, payload: bytes) -> dict[str, Any]:
+        """Publish a tenant payload to every replica (a refused payload is refused by all alike);
+        kept for replicas that start later or restart."""
+        with self._publish_lock:
+            targets = self._live()
+            if not targets:
+                raise InferenceError("no Inference Model Service replica to load weights into")
+            results = self._on_each(targets, InferenceModelService.load_weights, payload)
+            answer = next((r for r in results.values() if not isinstance(r, BaseException)), None)
+            refused = [e for e in results.values() if isinstance(e, BaseException) and not _replica_gone(e)]
+            if refused or answer is None:
+                raise (refused or list(results.values()))[0]
+            versions = self._kept.setdefault(answer["tenant_id"], OrderedDict())
+            versions[answer["version"]] = payload
+            while len(versions) > self.max_versions:  # the oldest go first; never the latest
+                versions.pop(min(versions))
+        return answer
+
+    def latest_published(self, tenant_id: str) -> int | None:
+        """The tenant's highest published version (every active replica holds it); None if none."""
+        with self._publish_lock:
+            versions = self._kept.get(tenant_id)
+            return max(versions) if versions else None
+
+    def versions(self, tenant_id: str) -> list[int]:
+        """Versions every active replica serves."""
+        served: set[int] | None = None
+        for answer in self._on_each(self._active(), InferenceModelService.versions, tenant_id).values():
+            if isinstance(answer, BaseException):
+                continue
+            served = set(answer) if served is None else served & set(answer)
+        return sorted(served or ())
+
+    def latest_version(self, tenant_id: str) -> int | None:
+        versions = self.versions(tenant_id)
+        return versions[-1] if versions else None
+
+    def tenants(self) -> list[str]:
+        with self._publish_lock:
+            return sorted(self._kept)
+
+    def remove_tenant(self, tenant_id: str) -> int:
+        with self._publish_lock:
+            self._kept.pop(tenant_id, None)
+            results = self._on_each(self._live(), InferenceModelService.remove_tenant, tenant_id)
+        counts = [r for r in results.values() if not isinstance(r, BaseException)]
+        return max(counts, default=0)
+
+    def flush_usage(self) -> bool:
+        results = self._on_each(self._live(), InferenceModelService.flush_usage)
+        return all(r is True for r in results.values())
+
+    # -- scaling ------------------------------------------------------------------------------
+    def scale_to(self, replicas: int, *, reason: str = "operator") -> dict[str, Any]:
+        """Start or drain replicas until `replicas` are active (within the policy's bounds)."""
+        p = self.policy
+        if (
+            isinstance(replicas, bool)
+            or not isinstance(replicas, int)
+            or not p.min_replicas <= replicas <= p.max_replicas
+        ):
+            raise ValueError(
+                f"replicas: {replicas!r} is outside [min_replicas={p.min_replicas}, max_replicas={p.max_replicas}]"
+            )
+        with self._scale_lock:
+            before = len(self._active())
+            while len(self._active()) < replicas:
+                self._add_replica()
+            while len(self._active()) > replicas:
+                self._drain_and_remove(min(self._active(), key=lambda r: (r.in_flight, -r.created_at)))
+            after = len(self._active())
+            if after != before and reason != "start":  # the first replicas are not a scaling event
+                self.autoscaler.note_change(time.monotonic())
+                with self._cond:
+                    self._counts["scale_events"] += 1
+                    self._events.append({"at": time.time(), "from": before, "to": after, "reason": reason})
+                log.info("inference replicas %d -> %d (%s)", before, after, reason)
+        return {"replicas": after, "before": before, "reason": reason}
+
+    def replicas(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return [r.describe() for r in self._replicas]
+
+    def _add_replica(self) -> _Replica:
+        with self._cond:
+            index, self._next_index = self._next_index, self._next_index + 1
+        name = f"{REPLICA_ACTOR_PREFIX}.{self.incarnation}.{index}"
+        replica = _Replica(name, ServiceHandle(self.factory.create(name)))
+        with self._cond:
+            self._replicas.append(replica)  # visible (starting), not routable yet
+        try:
+            beat = replica.handle.probe("heartbeat", STARTUP_TIMEOUT_S)  # waits for its backbone
+            replica.incarnation, replica.pid = beat.get("incarnation"), beat.get("pid")
+            self._restore(replica, "active")
+        except BaseException:
+            self._stop_replica(replica)
+            raise
+        return replica
+
+    def _restore(self, replica: _Replica, state_after: str) -> int:
+        """Load every kept payload into `replica` (version order), then let it take traffic."""
+        with self._publish_lock:
+            payloads = [p for versions in self._kept.values() for _, p in sorted(versions.items())]
+            for payload in payloads:
+                replica.handle.load_weights(payload)
+            with self._cond:
+                replica.state = state_after
+        return len(payloads)
+
+    def _drain_and_remove(self, replica: _Replica) -> None:
+        deadline = time.monotonic() + self.policy.drain_timeout_s
+        with self._cond:
+            replica.state = "draining"  # no new requests from here on
+            while replica.in_flight > 0 and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            left = replica.in_flight
+        if left:  # stopped anyway; its requests are sent to another replica (see _dispatch)
+            log.warning(
+                "replica %s still had %d requests after draining %.0f s",
+                replica.name,
+                left,
+                self.policy.drain_timeout_s,
+            )
+        self._stop_replica(replica)
+
+    def _stop_replica(self, replica: _Replica) -> None:
+        try:
+            self.factory.destroy(replica.handle.target)
+        except Exception as error:  # gone already
+            log.warning("stopping replica %s: %s", replica.name, error)
+        with self._cond:
+            replica.state = "stopped"
+            if replica in self._replicas:
+                self._replicas.remove(replica)
+
+    # -- monitor: restarts in place and the autoscaler ----------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.policy.interval_s):
+            try:
+                self.check_replicas()
+                if self.autoscale:
+                    self.autoscale_round()
+            except Exception:  # the monitor must outlive a bad round
+                log.exception("inference replica round failed")
+
+    def check_replicas(self) -> list[str]:
+        """Probe each replica; one Ray restarted in place (a new incarnation) gets every kept
+        payload back before it takes traffic again; one that does not answer takes none meanwhile."""
+        restored = []
+        with self._cond:
+            watched = [r for r in self._replicas if r.state in ("active", "unreachable", "restoring")]
+        for replica in watched:
+            try:
+                beat = replica.handle.probe("heartbeat", PROBE_TIMEOUT_S)
+            except Exception as error:
+                with self._cond:
+                    if replica.state == "active":
+                        replica.state = "unreachable"
+                log.warning("replica %s does not answer: %s", replica.name, error)
+                continue
+            if beat.get("incarnation") != replica.incarnation:
+                with self._cond:
+                    replica.state, replica.restarts = "restoring", replica.restarts + 1
+                replica.incarnation, replica.pid = beat.get("incarnation"), beat.get("pid")
+                count = self._restore(replica, "active")
+                restored.append(replica.name)
+                log.warning("replica %s restarted in place; %d payloads loaded again", replica.name, count)
+            elif replica.state == "unreachable":
+                with self._cond:
+                    replica.state = "active"
+        return restored
+
+    def signals(self) -> LoadSignals:
+        now = time.monotonic()
+        with self._cond:
+            active = [r for r in self._replicas if r.state == "active"]
+            recent = [s for at, s in self._latencies if now - at <= LATENCY_WINDOW_S]
+            in_flight = sum(r.in_flight for r in active)
+        p99 = float(np.percentile(recent, 99)) if recent else None
+        return LoadSignals(replicas=len(active), in_flight=in_flight, p99_latency_s=p99)
+
+    def autoscale_round(self) -> dict[str, Any]:
+        signals = self.signals()
+        decision = self.autoscaler.decide(signals, time.monotonic())
+        self._last_decision = f"{decision.desired} replicas: {decision.reason}"
+        if decision.changes(signals.replicas):
+            return self.scale_to(decision.desired, reason=f"autoscaler: {decision.reason}")
+        return {"replicas": signals.replicas, "before": signals.replicas, "reason": decision.reason}
+
+    # -- status -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The replicas' stats summed (counters, histograms), plus the set's own view."""
+        per_replica = self._on_each(self._live(), InferenceModelService.stats)
+        answers = [s for s in per_replica.values() if not isinstance(s, BaseException)]
+        total: dict[str, Any] = {}
+        for key in ("batches", "requests", "samples", "failed_requests", "busy_seconds", "split_requests", "chunks"):
+            total[key] = sum(s.get(key, 0) for s in answers)
+        samples = total["samples"]
+        signals = self.signals()
+        with self._cond:
+            counts, events = dict(self._counts), list(self._events)
+        total.update(
+            {
+                "queue_depth": signals.in_flight,
+                "mean_batch_samples": samples / total["batches"] if total["batches"] else 0.0,
+                "max_batch_samples": max((s.get("max_batch_samples", 0) for s in answers), default=0),
+                "tenants": {t: self.versions(t) for t in self.tenants()},
+                "max_chunk_samples": answers[0].get("max_chunk_samples") if answers else None,
+                "latency_seconds": _merge_histograms([s.get("latency_seconds") for s in answers]),
+                "batch_samples": _merge_histograms([s.get("batch_samples") for s in answers]),
+                "rss_bytes": _sum_known([s.get("rss_bytes") for s in answers]),
+                "device_memory_bytes": _sum_known([s.get("device_memory_bytes") for s in answers]),
+                "replicas": self.replicas(),
+                "replica_set": {
+                    **counts,
+                    "policy": self.policy.model_dump(),
+                    "p99_latency_s": signals.p99_latency_s,
+                    "last_decision": self._last_decision,
+                    "scale_events_recent": events,
+                },
+            }
+        )
+        return total
+
+    def heartbeat(self) -> dict[str, Any]:
+        """Cheap: no call to a replica (the monitor probes them). `tenants` are the ones published
+        here, what the Master serves again if this set restarts."""
+        with self._cond:
+            replicas = [r.describe() for r in self._replicas]
+            in_flight = sum(r.in_flight for r in self._replicas)
+        with self._publish_lock:
+            tenants = sorted(self._kept)
+        return {
+            "role": "inference",
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "tenants": tenants,
+            "queue_depth": in_flight,
+            "replicas": replicas,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=10)
+        with self._cond:
+            replicas = list(self._replicas)
+        for replica in replicas:
+            self._stop_replica(replica)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _active(self) -> list[_Replica]:
+        with self._cond:
+            return [r for r in self._replicas if r.state == "active"]
+
+    def _live(self) -> list[_Replica]:
+        """Replicas that hold (or are about to hold) weights: everything not stopped or starting."""
+        with self._cond:
+            return [r for r in self._replicas if r.state in ("active", "restoring", "unreachable", "draining")]
+
+    @staticmethod
+    def _on_each(replicas: list[_Replica], method: Any, *args: Any) -> dict[str, Any]:
+        """Call `method` on every replica at once; {name: result or the exception it raised}."""
+        futures = {r.name: r.handle.start(method, *args) for r in replicas}
+        results: dict[str, Any] = {}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result(timeout=120)
+            except BaseException as error:  # noqa: BLE001 - reported per replica
+                results[name] = _cause(error)
+        return results
+
+
+def _cause(error: BaseException | None) -> BaseException | None:
+    """The service's own exception inside a Ray task error (as a local call would raise it)."""
+    if error is None:
+        return None
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, Exception) else error
+
+
+def _replica_gone(error: BaseException) -> bool:
+    """The replica died, was stopped or closed its queue: the request itself was fine."""
+    return role_unavailable(error) or isinstance(error, InferenceQueueClosed | concurrent.futures.CancelledError)
+
+
+def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # its caller cancelled it
+        pass
+
+
+def _merge_histograms(snapshots: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Sum `BucketHistogram` snapshots with the same bounds (cumulative counts add up)."""
+    present = [s for s in snapshots if s]
+    if not present:
+        return None
+    buckets = [[bound, 0] for bound, _ in present[0]["buckets"]]
+    for snapshot in present:
+        for slot, (_, count) in zip(buckets, snapshot["buckets"], strict=True):
+            slot[1] += count
+    return {"buckets": buckets, "sum": sum(s["sum"] for s in present), "count": sum(s["count"] for s in present)}
+
+
+def _sum_known(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def inference_replica_set_actor(
+    backbone_source: BackboneSource,
+    policy: ScalingPolicy,
+    *,
+    namespace: str | None = None,
+    detached: bool = False,
+    replica_resources: RoleResources | None = None,
+    num_threads: int = 1,
+    database_url: str | None = None,
+    max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
+    **service_options: Any,
+) -> Any:
+    """Get or create the deployment's Inference Model Service as a replica set: the named actor
+    `joynexus.inference_service` (role `inference_router`, threaded: callers block in `predict`
+    while replicas serve), creating its replica actors (role `inference_service`) itself.
+    `service_options` are further `InferenceModelService` arguments every replica gets (placement,
+    residency bounds, spill folder); a placement is resolved in each replica's own process."""
+    service_kwargs: dict[str, Any] = {
+        "num_threads": num_threads,
+        "database_url": database_url,
+        "max_chunk_samples": max_chunk_samples,
+        **service_options,
+    }
+    factory = RayReplicas(
+        backbone_source,
+        namespace=namespace,
+        resources=replica_resources or RoleResources(),
+        service_kwargs=service_kwargs,
+    )
+    return named_actor(
+        InferenceReplicaSet,
+        INFERENCE_SERVICE_ACTOR_NAME,
+        factory,
+        namespace=namespace,
+        detached=detached,
+        num_cpus=0,  # it routes; the replicas compute
+        max_concurrency=256,
+        role="inference_router",
+        policy=policy,
+    )
