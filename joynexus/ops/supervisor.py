@@ -609,7 +609,10 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
         "joynexus.training_service": ("tenants", lambda r: f"{len(r)} tenant slots"),
         "joynexus.inference_service": (
             "stats",
-            lambda r: f"Inference Queue depth: {r['queue_depth']} requests; {len(r['tenants'])} tenants served",
+            lambda r: (
+                f"Inference Queue depth: {r['queue_depth']} requests; {len(r['tenants'])} tenants served"
+                + _replica_summary(r.get("replicas"))
+            ),
         ),
         "joynexus.environment_service": ("sessions", None),
     }
@@ -641,6 +644,16 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     finally:
         ray.shutdown()
     return report
+
+
+def _replica_summary(replicas: list[dict[str, Any]] | None) -> str:
+    """'; replicas: 2 active, 1 draining' for a replica set's stats (nothing for one service)."""
+    if not replicas:
+        return ""
+    states: dict[str, int] = {}
+    for replica in replicas:
+        states[replica["state"]] = states.get(replica["state"], 0) + 1
+    return "; replicas: " + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
 
 
 def _role_health(master: Any, timeout_s: float) -> dict[str, dict[str, Any]]:

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from joynexus.artifacts import decode_tenant_payload
+from joynexus.core.heap import freeze_startup_heap, in_ray_actor_process
 from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogram
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
@@ -105,7 +106,12 @@ class UnknownPolicyVersion(InferenceError, KeyError):
     def __init__(self, tenant_id: str, version: int | None, available: list[int]):
         what = "no serving state" if not available else f"no version {version} (loaded: {available})"
         super().__init__(f"tenant {tenant_id!r} has {what} in this Inference Model Service")
-        self.tenant_id, self.version = tenant_id, version
+        self.tenant_id, self.version, self.available = tenant_id, version, list(available)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its own fields: the default (cls(*args)) fails on the one message argument,
+        # and Ray then hands callers an UnserializableException instead of this error.
+        return (type(self), (self.tenant_id, self.version, self.available))
 
 
 @dataclass
@@ -417,6 +423,8 @@ class InferenceModelService:
         self._batch_hist = BucketHistogram(BATCH_BOUNDS)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
+        if in_ray_actor_process():  # its own process: no full GC pass over the startup heap mid-batch (issue 17)
+            freeze_startup_heap()
         if start_worker:
             self._worker = threading.Thread(target=self._serve_forever, name="inference-worker", daemon=True)
             self._worker.start()

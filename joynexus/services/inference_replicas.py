@@ -5,7 +5,9 @@
 fronts N replicas of it, each a full service with its own backbone and its own batching queue:
 - routing: each request goes to the active replica with the fewest requests in flight (counted
   here, no call needed); that replica group-batches it with its other requests. A request whose
-  replica died or closed under it is sent to another replica (a prediction has no side effect).
+  replica died or closed under it is sent to another replica (a prediction has no side effect), and
+  so is one a replica refused for a version published here (Ray restarted it in place and it took
+  the request before the monitor restored its weights; it takes no traffic until restored).
 - weights: `load_weights` publishes the payload to every replica; the set keeps the last
   `max_versions_per_tenant` payloads of each tenant, so a new replica, or one Ray restarted in
   place, gets every published version before it takes traffic. A request without a version is
@@ -44,6 +46,7 @@ from joynexus.services.inference import (
     INFERENCE_SERVICE_ACTOR_NAME,
     InferenceError,
     InferenceModelService,
+    UnknownPolicyVersion,
 )
 from joynexus.services.training import BackboneSource
 
@@ -263,7 +266,8 @@ class InferenceReplicaSet:
                     self._latencies.append((time.monotonic(), time.monotonic() - started))
                 _settle(outer, result=finished.result())
                 return
-            if _replica_gone(error) and attempts > 1:
+            lost = self._lost_weights(replica, tenant_id, request["policy_version"], error)
+            if (lost or _replica_gone(error)) and attempts > 1:
                 log.warning("replica %s failed a request (%s); sending it to another", replica.name, error)
                 with self._cond:
                     self._counts["rerouted_requests"] += 1
@@ -274,6 +278,22 @@ class InferenceReplicaSet:
             _settle(outer, exception=error)
 
         inner.add_done_callback(done)
+
+    def _lost_weights(self, replica: _Replica, tenant_id: str, version: int | None, error: BaseException) -> bool:
+        """A replica that does not know a version published here lost its weights: Ray restarted it
+        in place and it took this request before the monitor saw the new incarnation (a call sent
+        while an actor restarts may run in its new process). It takes no traffic until the monitor
+        has restored it."""
+        if not isinstance(error, UnknownPolicyVersion) or version is None:
+            return False
+        # Read without _publish_lock: this runs in a future's callback, whose thread may be the one
+        # a publisher holding that lock waits on (a dict lookup is atomic under the GIL).
+        if version not in self._kept.get(tenant_id, {}):
+            return False  # never published (or no longer kept): the caller's error
+        with self._cond:
+            if replica.state == "active":
+                replica.state = "unreachable"
+        return True
 
     # -- weights ------------------------------------------------------------------------------
     def load_weights(self, payload: bytes) -> dict[str, Any]:
@@ -354,6 +374,18 @@ class InferenceReplicaSet:
                     self._events.append({"at": time.time(), "from": before, "to": after, "reason": reason})
                 log.info("inference replicas %d -> %d (%s)", before, after, reason)
         return {"replicas": after, "before": before, "reason": reason}
+
+    def set_autoscale(self, enabled: bool) -> bool:
+        """Pause (False) or resume (True) the autoscaler, e.g. while an operator holds a size with
+        `scale_to`; only an elastic policy can autoscale. Returns whether it now runs."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled: expected true or false, got {enabled!r}")
+        if enabled and not self.policy.elastic:
+            raise ValueError(
+                f"enabled: the policy is a fixed size (min_replicas = max_replicas = {self.policy.max_replicas})"
+            )
+        self.autoscale = enabled
+        return self.autoscale
 
     def replicas(self) -> list[dict[str, Any]]:
         with self._cond:
@@ -492,6 +524,7 @@ class InferenceReplicaSet:
                 "replica_set": {
                     **counts,
                     "policy": self.policy.model_dump(),
+                    "autoscale": self.autoscale,
                     "p99_latency_s": signals.p99_latency_s,
                     "last_decision": self._last_decision,
                     "scale_events_recent": events,
@@ -506,8 +539,7 @@ class InferenceReplicaSet:
         with self._cond:
             replicas = [r.describe() for r in self._replicas]
             in_flight = sum(r.in_flight for r in self._replicas)
-        with self._publish_lock:
-            tenants = sorted(self._kept)
+        tenants = sorted(self._kept.copy())  # not under _publish_lock: a restore holds it for seconds
         return {
             "role": "inference",
             "incarnation": self.incarnation,

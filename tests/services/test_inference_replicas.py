@@ -218,3 +218,61 @@ def test_the_autoscaler_scales_out_under_load_and_back_in_when_idle(payloads):
         assert replicas.stats()["replica_set"]["scale_events"] >= 2
     finally:
         replicas.close()
+
+
+def test_a_replica_that_lost_its_weights_hands_requests_on_until_it_is_restored(payloads):
+    """Ray queues calls to a restarting replica: one can reach the fresh process before the
+    monitor sees the new incarnation. The set reroutes it and takes the replica out until restored."""
+    replicas = replica_set(ScalingPolicy(min_replicas=2, max_replicas=2, interval_s=60))
+    try:
+        replicas.load_weights(payloads[("alpha", 0)])
+        victim, other = replicas._active()
+        old = victim.handle.target
+        victim.handle = ServiceHandle(InferenceModelService(BackboneSource(preset="tiny"), num_threads=1))
+        old.close()
+        victim.in_flight = -10  # route the next requests to the victim first (fewest in flight)
+        rng = np.random.default_rng(2)
+        results = [replicas.predict("alpha", [observation(rng)], policy_version=0) for _ in range(3)]
+        assert [r["policy_version"] for r in results] == [0, 0, 0]
+        victim.in_flight += 10  # back to its true count (none in flight)
+        assert victim.in_flight == 0 and victim.state == "unreachable" and other.state == "active"
+        counts = replicas.stats()["replica_set"]
+        assert counts["failed_requests"] == 0 and counts["rerouted_requests"] == 1
+        assert replicas.check_replicas() == [victim.name]  # new incarnation: weights loaded, active again
+        assert victim.state == "active" and victim.handle.versions("alpha") == [0]
+        # A version never published is still the caller's error, not a lost replica.
+        with pytest.raises(UnknownPolicyVersion):
+            replicas.predict("alpha", [observation(rng)], policy_version=5)
+        assert victim.state == other.state == "active"
+    finally:
+        replicas.close()
+
+
+def test_the_autoscaler_can_be_paused_and_resumed_only_for_an_elastic_policy(payloads):
+    fixed = replica_set(ScalingPolicy(min_replicas=1, max_replicas=1))
+    try:
+        assert fixed.set_autoscale(False) is False
+        with pytest.raises(ValueError, match="enabled: the policy is a fixed size"):
+            fixed.set_autoscale(True)
+        with pytest.raises(ValueError, match="enabled: expected true or false"):
+            fixed.set_autoscale("yes")
+    finally:
+        fixed.close()
+    elastic = replica_set(ScalingPolicy(min_replicas=1, max_replicas=2))
+    try:
+        assert elastic.set_autoscale(False) is False and elastic.stats()["replica_set"]["autoscale"] is False
+        assert elastic.set_autoscale(True) is True
+    finally:
+        elastic.close()
+
+
+def test_an_unknown_version_error_survives_pickling_as_itself():
+    """Ray pickles a service's exception to its caller: the set (lost weights) and the API (404)
+    recognize it only as UnknownPolicyVersion with its fields, not as Ray's UnserializableException."""
+    import pickle
+
+    error = pickle.loads(pickle.dumps(UnknownPolicyVersion("alpha", 3, [1, 2])))
+    assert isinstance(error, UnknownPolicyVersion)
+    assert (error.tenant_id, error.version, error.available) == ("alpha", 3, [1, 2])
+    assert str(error) == str(UnknownPolicyVersion("alpha", 3, [1, 2]))
+    assert "tenant 'alpha' has no version 3 (loaded: [1, 2])" in str(error)
