@@ -15,7 +15,11 @@ Per point (robots x mode), over the measurement window after a warm-up:
   nothing),
 - p50 / p99 latency: request round trip seen by the robot (observation sent -> chunk received),
 - mean physical batch: samples per shared backbone forward, from the Inference Model Service's
-  stats() (and requests per forward).
+  stats() (and requests per forward),
+- gc max: the longest garbage-collector pause in the server's process (and in the robots' one)
+  during the window: a full collection stalls the event loop and every thread at once, so it lands
+  in the latency of every request in flight (issue 17: the server freezes its startup heap, see
+  `joynexus.core.heap`; JOYNEXUS_GC_FREEZE=0 turns that off to compare).
 "grouped" is the service's default (max batch B, max wait T); "ungrouped" sets max batch 1, so
 every request gets its own backbone forward. Ratios grouped / ungrouped are printed side by side.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import json
 import multiprocessing
 import sys
@@ -63,6 +68,31 @@ def tenant_spec(name: str, schema: dict[str, Any], chunk: int) -> dict[str, Any]
     }
 
 
+class GcPauses:
+    """Garbage-collector pauses of this process, timestamped (gc.callbacks), to cut out a window."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []  # (wall time at the end, seconds, generation)
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((time.time(), time.perf_counter() - self._started, info["generation"]))
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        inside = [(seconds, generation) for at, seconds, generation in self.pauses if t0 <= at <= t1]
+        return {
+            "gc_max_ms": max((seconds for seconds, _ in inside), default=0.0) * 1000.0,
+            "gc_full": sum(1 for _, generation in inside if generation == 2),
+        }
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 # -- the robots' process -------------------------------------------------------------------------
 def run_robots(
     url: str, robots: list[dict[str, Any]], hz: float, threshold: int, warmup_s: float, seconds: float
@@ -83,6 +113,7 @@ def run_robots(
     ]
     for client in clients:
         client.start(wait_s=60)
+    pauses = GcPauses()
     executed = [0] * len(clients)
     ticks = 0
     period = 1.0 / hz
@@ -114,6 +145,7 @@ def run_robots(
             next_tick = time.monotonic()  # behind: tick again at once, no burst
     for client in clients:
         client.close()
+    pauses.stop()
     elapsed = window["t1"] - window["t0"]
     latencies: list[float] = []
     requests = errors = 0
@@ -130,6 +162,7 @@ def run_robots(
         "p99_ms": float(np.percentile(latencies, 99)) if latencies else float("nan"),
         "requests_per_s": requests / elapsed,
         "errors": errors,
+        "robots_gc_max_ms": pauses.window(window["t0"], window["t1"])["gc_max_ms"],
     }
 
 
@@ -220,6 +253,7 @@ def main() -> None:
         grouped_batch, grouped_wait_ms = service.max_batch_size, service.max_wait_s * 1000
         tenants = create_tenants(url, args.tenants, args.chunk)
         poller = StatsPoller(service)
+        pauses = GcPauses()
         results: list[dict[str, Any]] = []
         context = multiprocessing.get_context("spawn")
         print(
@@ -241,6 +275,7 @@ def main() -> None:
                             "robots": n,
                             "mode": mode,
                             **measured,
+                            **pauses.window(measured["t0"], measured["t1"]),
                             "mean_batch_samples": counts["samples"] / max(counts["batches"], 1),
                             "requests_per_batch": counts["requests"] / max(counts["batches"], 1),
                             "forwards_per_s": counts["batches"] / (measured["t1"] - measured["t0"]),
@@ -251,12 +286,14 @@ def main() -> None:
                             f"(min {row['min_control_hz']:4.1f}), "
                             f"p50 {row['p50_ms']:7.1f} ms, p99 {row['p99_ms']:7.1f} ms, "
                             f"batch {row['mean_batch_samples']:5.2f} samples, {row['requests_per_s']:6.1f} req/s, "
-                            f"errors {row['errors']}",
+                            f"errors {row['errors']}, gc max {row['gc_max_ms']:.0f} ms "
+                            f"({row['gc_full']} full; robots {row['robots_gc_max_ms']:.0f} ms)",
                             flush=True,
                         )
         finally:
             service.max_batch_size = grouped_batch
             poller.stop()
+            pauses.stop()
             server.should_exit = True
             thread.join(timeout=30)
             services.close()

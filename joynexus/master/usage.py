@@ -81,7 +81,9 @@ class UsageLedger:
 
     # -- quotas -------------------------------------------------------------------------------
     def quota(self, tenant_id: str) -> Quota:
-        with self.store.transaction() as session:
+        # A pure read (every predict's admission check asks): no write lock, so concurrent requests
+        # and the usage meter's flushes never queue behind each other here (issue 17).
+        with self.store.read() as session:
             record = session.get(TenantQuotaRecord, tenant_id)
             seconds = record.max_device_seconds if record is not None else None
             queued = record.max_queued_workloads if record is not None else None
@@ -98,7 +100,7 @@ class UsageLedger:
 
     def max_storage_bytes(self, tenant_id: str) -> int | None:
         """The tenant's storage quota in checkpoint bytes (its own, else the default); None: none."""
-        with self.store.transaction() as session:
+        with self.store.read() as session:
             record = session.get(TenantQuotaRecord, tenant_id)
             storage = record.max_storage_bytes if record is not None else None
         return storage if storage is not None else self.default_max_storage_bytes
@@ -213,7 +215,7 @@ class UsageLedger:
             .where(UsageRecord.tenant_id == tenant_id)
             .group_by(UsageRecord.category)
         )
-        with self.store.transaction() as session:
+        with self.store.read() as session:
             for category, seconds, samples, steps in session.execute(query):
                 totals.setdefault(category, {"device_seconds": 0.0, "samples": 0, "env_steps": 0})
                 totals[category] = {
@@ -229,7 +231,7 @@ class UsageLedger:
             TrainingJobRecord.tenant_id == tenant_id, TrainingJobRecord.state == "completed"
         )
         seconds, samples = 0.0, 0
-        with self.store.transaction() as session:
+        with self.store.read() as session:
             for (result,) in session.execute(query):
                 if isinstance(result, dict):
                     seconds += float(result.get("seconds") or 0.0)
