@@ -3,15 +3,19 @@
 SQLite by default (one file under the data directory), any SQLAlchemy URL in production
 (PostgreSQL is tested). Every writer transaction takes the database write lock up front on SQLite
 (`BEGIN IMMEDIATE`), so two processes never both read-then-write the same rows; on PostgreSQL the
-scheduler relies on row locks and compare-and-set updates instead.
+scheduler relies on row locks and compare-and-set updates instead. The scheduler's hot path runs
+`Prepared` statements (compiled once per dialect) on `ControlPlaneStore.fast()`, a pooled DBAPI
+connection, without SQLAlchemy's per-execute machinery.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -29,8 +33,8 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.engine import Connection, Dialect, Engine
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 SEQUENCE_NAMES = ("created_seq", "ready_seq")
@@ -221,7 +225,10 @@ class ControlPlaneStore:
             self.engine: Engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
             _make_sqlite_transactions_immediate(self.engine)
         else:
-            self.engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+            # No pool_pre_ping: it costs a round trip per checkout; connections idle for a while are
+            # pinged at checkout instead (_ping_idle_connections), the hot path's are not.
+            self.engine = create_engine(url, pool_size=5, max_overflow=5)
+            _ping_idle_connections(self.engine)
         Base.metadata.create_all(self.engine)
         add_missing_columns(self.engine)
         add_missing_indexes(self.engine)
@@ -251,6 +258,50 @@ class ControlPlaneStore:
             yield conn
 
     @contextmanager
+    def fast(self, *, single_statement: bool = False) -> Iterator[FastConnection]:
+        """The scheduler's hot path: a pooled DBAPI connection running `Prepared` statements without
+        SQLAlchemy's per-execute machinery, in one write transaction (SQLite: `BEGIN IMMEDIATE`;
+        commits on exit, rolls back on an exception). `single_statement=True` promises that each
+        statement is atomic on its own (a compare-and-set UPDATE, read-only checks after it): on
+        PostgreSQL it then runs in autocommit, saving the BEGIN and COMMIT round trips. DBAPI
+        errors surface as SQLAlchemy's exceptions; a lost connection is invalidated."""
+        fairy = self.engine.raw_connection()
+        dbapi_connection = fairy.driver_connection
+        autocommit = single_statement and not self.is_sqlite
+        fast = FastConnection(dbapi_connection, self.engine.dialect)
+        try:
+            if autocommit:
+                dbapi_connection.autocommit = True
+            elif self.is_sqlite:
+                dbapi_connection.execute("BEGIN IMMEDIATE")
+            yield fast
+            if not autocommit:
+                dbapi_connection.commit()
+        except BaseException as error:
+            self._fast_failed(fairy, fast, error, autocommit)
+            raise
+        finally:
+            if autocommit and not dbapi_connection.closed:
+                dbapi_connection.autocommit = False
+            fairy.close()
+
+    def _fast_failed(self, fairy: Any, fast: FastConnection, error: BaseException, autocommit: bool) -> None:
+        dialect = self.engine.dialect
+        dbapi_error = dialect.loaded_dbapi.Error
+        if isinstance(error, dbapi_error) and dialect.is_disconnect(error, fairy.dbapi_connection, None):
+            fairy.invalidate(error)  # the pool drops it instead of handing out a dead connection
+            raise DBAPIError.instance(
+                fast.last_sql, None, error, dbapi_error, connection_invalidated=True, dialect=dialect
+            ) from error
+        if not autocommit:
+            try:
+                fairy.driver_connection.rollback()
+            except dbapi_error:
+                fairy.invalidate()
+        if isinstance(error, dbapi_error):
+            raise DBAPIError.instance(fast.last_sql, None, error, dbapi_error, dialect=dialect) from error
+
+    @contextmanager
     def read(self) -> Iterator[Session]:
         """A transaction for pure reads: on SQLite a deferred `BEGIN` (a WAL snapshot that takes no
         write lock, so readers neither wait for nor block writers). Never write through it."""
@@ -260,13 +311,116 @@ class ControlPlaneStore:
     def dispose(self) -> None:
         self.engine.dispose()
 
-    def next_sequence(self, conn: Connection | Session, name: str) -> int:
+    def next_sequence(self, conn: Connection | Session | FastConnection, name: str) -> int:
         """Allocate the next value of a named counter inside the caller's transaction: one
         UPDATE ... RETURNING, whose row lock serializes allocations until commit."""
-        value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
+        if isinstance(conn, FastConnection):
+            row = conn.first(NEXT_SEQUENCE, {"b_name": name})
+            value = None if row is None else row[0]
+        else:
+            value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
         if value is None:
             raise KeyError(f"unknown sequence {name!r}; known: {SEQUENCE_NAMES}")
         return value
+
+
+class Prepared:
+    """A Core statement compiled once per dialect into its SQL text, the order and processors of
+    its parameters and the result processors of its columns, so executing it is one DBAPI call
+    (no compile-cache lookup, expanding-IN processing, execution context or Row objects).
+    Parameters are passed by bind name; rows come back as tuples in the statement's column order."""
+
+    __slots__ = ("statement", "_by_dialect")
+
+    def __init__(self, statement: Any):
+        self.statement = statement
+        self._by_dialect: dict[tuple, _CompiledStatement] = {}
+
+    def for_dialect(self, dialect: Dialect) -> _CompiledStatement:
+        # What the compiled text and processors depend on (not id(dialect): ids of disposed
+        # engines' dialects are reused, e.g. by a PostgreSQL store after a SQLite one).
+        key = (type(dialect), dialect.paramstyle, dialect.server_version_info)
+        compiled = self._by_dialect.get(key)
+        if compiled is None:
+            compiled = self._by_dialect[key] = _CompiledStatement(self.statement, dialect)
+        return compiled
+
+
+class _CompiledStatement:
+    __slots__ = ("sql", "positional", "binds", "names", "result_processors")
+
+    def __init__(self, statement: Any, dialect: Dialect):
+        compiled = statement.compile(dialect=dialect)
+        # Binds without a value are the caller's; the rest (IN lists of constant states...) are fixed.
+        caller = {name for name, bind in compiled.binds.items() if bind.required}
+        expanded = compiled.construct_expanded_state(dict.fromkeys(caller))
+        self.sql = expanded.statement
+        self.positional = bool(compiled.positional)
+        base_of = {name: base for base, names in (expanded.parameter_expansion or {}).items() for name in names}
+        order = expanded.positiontup if self.positional else list(expanded.parameters)
+        # (name, is the caller's, processor or None, fixed value already processed)
+        self.binds: list[tuple[str, bool, Callable[[Any], Any] | None, Any]] = []
+        for name in order:
+            processor = compiled._bind_processors.get(base_of.get(name, name))
+            if name in caller:
+                self.binds.append((name, True, processor, None))
+            else:
+                value = expanded.parameters[name]
+                self.binds.append((name, False, None, processor(value) if processor else value))
+        self.names = [name for name, *_ in self.binds]
+        processors = [entry.type._cached_result_processor(dialect, None) for entry in compiled._result_columns]
+        self.result_processors = list(enumerate(processors)) if any(processors) else []
+
+    def parameters(self, params: Mapping[str, Any]) -> Any:
+        values = [
+            (processor(params[name]) if processor else params[name]) if caller else fixed
+            for name, caller, processor, fixed in self.binds
+        ]
+        return values if self.positional else dict(zip(self.names, values, strict=True))
+
+    def process_row(self, row: Any) -> tuple:
+        if not self.result_processors:
+            return tuple(row)
+        out = list(row)
+        for index, processor in self.result_processors:
+            if processor is not None:
+                out[index] = processor(out[index])
+        return tuple(out)
+
+
+class FastConnection:
+    """A DBAPI connection of `ControlPlaneStore.fast()`: runs `Prepared` statements."""
+
+    __slots__ = ("dbapi_connection", "dialect", "last_sql")
+
+    def __init__(self, dbapi_connection: Any, dialect: Dialect):
+        self.dbapi_connection = dbapi_connection
+        self.dialect = dialect
+        self.last_sql: str | None = None
+
+    def first(self, prepared: Prepared, params: Mapping[str, Any]) -> tuple | None:
+        """The first row (processed) or None, of a statement that returns rows (a SELECT or a
+        DML statement with RETURNING); the rest of the rows are discarded."""
+        compiled = prepared.for_dialect(self.dialect)
+        self.last_sql = compiled.sql
+        cursor = self.dbapi_connection.cursor()
+        try:
+            cursor.execute(compiled.sql, compiled.parameters(params))
+            row = cursor.fetchone()  # not `description` first: psycopg builds column objects for it
+        finally:
+            cursor.close()
+        return None if row is None else compiled.process_row(row)
+
+    def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> int:
+        """Run a statement without a result; returns its rowcount."""
+        compiled = prepared.for_dialect(self.dialect)
+        self.last_sql = compiled.sql
+        cursor = self.dbapi_connection.cursor()
+        try:
+            cursor.execute(compiled.sql, compiled.parameters(params))
+            return cursor.rowcount
+        finally:
+            cursor.close()
 
 
 _SEQUENCES = SequenceRecord.__table__
@@ -276,6 +430,7 @@ _NEXT_SEQUENCE = (
     .values(value=_SEQUENCES.c.value + 1)
     .returning(_SEQUENCES.c.value)
 )  # built once: the scheduler allocates on every reserve and ready
+NEXT_SEQUENCE = Prepared(_NEXT_SEQUENCE)
 
 
 def add_missing_columns(engine: Engine) -> list[str]:
@@ -359,3 +514,31 @@ def _make_sqlite_transactions_immediate(engine: Engine) -> None:
     def _begin(connection) -> None:  # type: ignore[no-untyped-def]
         # Pure reads (ControlPlaneStore.read) take a snapshot without the write lock.
         connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
+
+
+# A pooled connection unused for this long is pinged at checkout; a busy pool's connections are not.
+PING_IDLE_AFTER_S = 2.0
+_CHECKED_IN_AT = "joynexus_checked_in_at"
+
+
+def _ping_idle_connections(engine: Engine) -> None:
+    """`pool_pre_ping` without its round trip on every checkout: SQLAlchemy's documented pool
+    `checkout` recipe (raising DisconnectionError makes the pool retry with a fresh connection),
+    applied only to connections idle for PING_IDLE_AFTER_S, which is when a server restart or an
+    idle timeout may have closed them."""
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(_dbapi_connection, record) -> None:  # type: ignore[no-untyped-def]
+        record.info[_CHECKED_IN_AT] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_connection, record, _proxy) -> None:  # type: ignore[no-untyped-def]
+        checked_in = record.info.get(_CHECKED_IN_AT)
+        if checked_in is None or time.monotonic() - checked_in < PING_IDLE_AFTER_S:
+            return  # new (just connected) or recently used
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            if engine.dialect.is_disconnect(error, dbapi_connection, None):
+                raise DisconnectionError(f"pooled connection is gone: {error}") from error
+            raise

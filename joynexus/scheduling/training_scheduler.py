@@ -7,6 +7,12 @@ the actor's lease order (highest priority first, FIFO by `ready_seq` within a pr
 Leasing is a compare-and-set: pick the best candidate, then `UPDATE ... WHERE state = <expected>`
 and accept only if exactly one row changed; a loser retries with the next candidate. That is safe
 across processes on SQLite (writers serialized by BEGIN IMMEDIATE) and PostgreSQL (row locks).
+
+The hot calls (reserve, mark, lease_*, complete / fail / drop) run statements compiled once per
+dialect straight on the DBAPI connection (`ControlPlaneStore.fast`); on PostgreSQL each of mark,
+lease and complete is ONE autocommit statement (ready_seq drawn in the same UPDATE), and reserve is
+one transaction of three statements: a reserve -> ready -> lease -> complete cycle takes 8 round trips
+(it took 21, 4 of them pool pre-pings).
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Row, and_, bindparam, case, func, insert, literal, select, update
-from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from joynexus.core.store import (
     ControlPlaneStore,
+    FastConnection,
+    Prepared,
+    SequenceRecord,
     TrainingJobRecord,
     TrainingPolicyRecord,
     utcnow,
@@ -127,6 +135,32 @@ class TrainingJob:
     def from_row(cls, row: Row) -> TrainingJob:
         """From a Core row of the training_jobs table (a SELECT or an UPDATE ... RETURNING)."""
         return cls.from_mapping(row._mapping)
+
+    @classmethod
+    def from_tuple(cls, row: tuple) -> TrainingJob:
+        """From a `Prepared` row holding every column of the training_jobs table in table order."""
+        return cls(
+            job_id=row[_J_JOB_ID],
+            policy_key=row[_J_POLICY_KEY],
+            tenant_id=row[_J_TENANT_ID],
+            task_type=row[_J_TASK_TYPE],
+            partition_id=row[_J_PARTITION_ID],
+            sample_count=row[_J_SAMPLE_COUNT],
+            domain=row[_J_DOMAIN],
+            metadata=dict(row[_J_METADATA] or {}),
+            priority=row[_J_PRIORITY],
+            created_seq=row[_J_CREATED_SEQ],
+            ready_seq=row[_J_READY_SEQ],
+            behavior_policy_version=row[_J_BEHAVIOR_POLICY_VERSION],
+            max_policy_staleness=row[_J_MAX_POLICY_STALENESS],
+            producer_role=row[_J_PRODUCER_ROLE],
+            consumer_role=row[_J_CONSUMER_ROLE],
+            state=row[_J_STATE],
+            lease_owner=row[_J_LEASE_OWNER],
+            terminal_reason=row[_J_TERMINAL_REASON],
+            result=dict(row[_J_RESULT]) if row[_J_RESULT] is not None else None,
+            attempts=row[_J_ATTEMPTS] or 0,
+        )
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> TrainingJob:
@@ -235,18 +269,22 @@ class TrainingScheduler:
         if sample_count < 1:
             raise ValueError(f"sample_count must be >= 1, got {sample_count}")
         key = policy_key(tenant_id, task_type)
-        with self.store.connection() as conn:
+        with self.store.fast() as conn:
             # The write that serializes concurrent reservations of this policy (its row lock on
             # PostgreSQL; SQLite holds the write lock since BEGIN IMMEDIATE), returning the policy.
-            policy = conn.execute(_RESERVE_POLICY, {"key": key}).first()
+            # The count is a statement of its own: on PostgreSQL (READ COMMITTED) it then sees the
+            # jobs of a reservation that held the lock before us, which a statement started before
+            # the lock wait would not.
+            policy = conn.first(_RESERVE_POLICY, {"key": key})
             if policy is None:
                 raise SchedulerError(f"no training policy {key!r}: create the tenant first")
+            priority, max_in_flight, completion_target, max_policy_staleness = policy
             # Counted on the (policy_key, state) index: in flight always, completed only under a target.
-            counted = _COUNT_IN_FLIGHT if policy.completion_target is None else _COUNT_IN_FLIGHT_COMPLETED
-            in_flight, completed = conn.execute(counted, {"key": key}).one()
-            if in_flight >= policy.max_in_flight:
+            counted = _COUNT_IN_FLIGHT if completion_target is None else _COUNT_IN_FLIGHT_COMPLETED
+            in_flight, completed = conn.first(counted, {"key": key}) or (0, 0)
+            if in_flight >= max_in_flight:
                 return None
-            if policy.completion_target is not None and completed + in_flight >= policy.completion_target:
+            if completion_target is not None and completed + in_flight >= completion_target:
                 return None
             job_id = uuid.uuid4().hex
             now = utcnow()
@@ -259,11 +297,11 @@ class TrainingScheduler:
                 sample_count=sample_count,
                 domain=domain,
                 metadata=dict(metadata or {}),
-                priority=policy.priority,
-                created_seq=self.store.next_sequence(conn, "created_seq"),
+                priority=priority,
+                created_seq=None,
                 ready_seq=None,
                 behavior_policy_version=behavior_policy_version,
-                max_policy_staleness=policy.max_policy_staleness,
+                max_policy_staleness=max_policy_staleness,
                 producer_role=producer_role,
                 consumer_role=consumer_role,
                 state=RESERVED,
@@ -273,29 +311,42 @@ class TrainingScheduler:
                 result=None,
                 created_at=now,
                 updated_at=now,
+                ready_at=None,
+                leased_at=None,
+                finished_at=None,
             )
-            conn.execute(_INSERT_JOB, values)
+            if self.store.is_sqlite:
+                values["created_seq"] = self.store.next_sequence(conn, "created_seq")
+                conn.execute(_INSERT_JOB, values)
+            else:  # the counter bumped in the INSERT itself (a data-modifying CTE): one round trip less
+                (values["created_seq"],) = conn.first(_INSERT_JOB_NEXT_CREATED_SEQ, values)
             return TrainingJob.from_mapping(values)
 
     def mark(self, job_id: str, state: str, *, owner: str | None = None) -> TrainingJob:
         """Producer / stage transition (reserved → ready | needs_*; computing_* → next). A stage
         passes its `owner` so a job re-queued or re-leased meanwhile raises LeaseLost."""
         sources = [current for current, targets in _MARK_TRANSITIONS.items() if state in targets]
-        with self.store.connection() as conn:
-            now = utcnow()
+        now = utcnow()
+        values: dict[str, Any] = dict(state=state, lease_owner=None, updated_at=now)
+        # On PostgreSQL, ready_seq comes from the sequence in the same UPDATE (a data-modifying CTE):
+        # one autocommit statement. A refused transition still consumed a number: gaps keep the order.
+        ready_from_cte = state == READY and not self.store.is_sqlite
+        with self.store.fast(single_statement=state != READY or ready_from_cte) as conn:
+            if state == READY:
+                values["ready_at"] = now
+                if not ready_from_cte:  # SQLite holds the write lock: allocate, then move (a refusal rolls back)
+                    values["ready_seq"] = self.store.next_sequence(conn, "ready_seq")
             row = self._transition(
                 conn,
                 job_id,
                 state,
                 owner,
                 sources=sources,
-                values=dict(state=state, lease_owner=None, updated_at=now),
+                values=values,
                 permitted=lambda current: state in _MARK_TRANSITIONS.get(current, frozenset()),
+                ready_seq_from_sequence=ready_from_cte,
             )
-            if state == READY:
-                seq = self.store.next_sequence(conn, "ready_seq")
-                row = conn.execute(_SET_READY_SEQ, {"b_job_id": job_id, "seq": seq, "at": now}).one()
-            return TrainingJob.from_row(row)
+            return TrainingJob.from_tuple(row)
 
     def lease_stage(
         self, *, state: str, leased_state: str, consumer_role: str = "actor", domain: str = "vla", owner: str = ""
@@ -462,7 +513,7 @@ class TrainingScheduler:
 
     @staticmethod
     def _transition(
-        conn: Connection,
+        conn: FastConnection,
         job_id: str,
         requested: str,
         owner: str | None,
@@ -470,7 +521,8 @@ class TrainingScheduler:
         sources: Iterable[str] | None,
         values: dict[str, Any],
         permitted: Callable[[str], bool],
-    ) -> Row:
+        ready_seq_from_sequence: bool = False,
+    ) -> tuple:
         """One compare-and-set UPDATE ... RETURNING: the job moves only from a state in `sources`
         (None: any nonterminal one) and, with an `owner`, only while that owner holds its lease.
         When nothing matched, the row is read (locked) to raise the same error as a read-check-write
@@ -479,15 +531,17 @@ class TrainingScheduler:
             None if sources is None else tuple(sorted(sources)),
             None if owner is None else bool(owner),
             tuple(values),
+            ready_seq_from_sequence,
         )
         params = {"b_job_id": job_id, "owner": owner, **{f"v_{name}": value for name, value in values.items()}}
         for _attempt in range(8):
-            row = conn.execute(statement, params).first()
+            row = conn.first(statement, params)
             if row is not None:
                 return row
-            current = conn.execute(_LOCK_JOB, {"b_job_id": job_id}).first()
-            if current is None:
+            found = conn.first(_LOCK_JOB, {"b_job_id": job_id})
+            if found is None:
                 raise UnknownJob(job_id)
+            current = _JobState(*found)
             TrainingScheduler._check_owner(current, owner, requested)
             if not permitted(current.state):
                 raise InvalidTransition(job_id, current.state, requested)
@@ -499,15 +553,19 @@ class TrainingScheduler:
     ) -> TrainingJob | None:
         """`order`: column names, "-name" for descending. The candidate is picked and taken in one
         UPDATE whose WHERE repeats `state = <expected>` (the compare-and-set)."""
-        candidate, take = _lease_statements(state, leased_state, order)
-        params: dict[str, Any] = {"b_consumer_role": consumer_role, "domains": domains, "owner": owner or None}
+        if not domains:
+            return None  # no domain to lease from
+        candidate, take = _lease_statements(state, leased_state, order, len(domains))
+        params: dict[str, Any] = {"b_consumer_role": consumer_role, "owner": owner or None}
+        params.update((f"domain_{i}", domain) for i, domain in enumerate(domains))
         for _attempt in range(32):
-            with self.store.connection() as conn:
+            # One compare-and-set UPDATE (autocommit on PostgreSQL); the pick is read-only.
+            with self.store.fast(single_statement=True) as conn:
                 params["now"] = utcnow()
-                row = conn.execute(take, params).first()
+                row = conn.first(take, params)
                 if row is not None:
-                    return TrainingJob.from_row(row)
-                if conn.execute(candidate, params).first() is None:
+                    return TrainingJob.from_tuple(row)
+                if conn.first(candidate, params) is None:
                     return None
             # Another process took it between our pick and our UPDATE: try the next candidate.
         raise SchedulerError("could not lease a job after 32 contended attempts")
@@ -522,7 +580,7 @@ class TrainingScheduler:
         from_states: set[str] | None,
         owner: str | None = None,
     ) -> TrainingJob:
-        with self.store.connection() as conn:
+        with self.store.fast(single_statement=True) as conn:
             now = utcnow()
             row = self._transition(
                 conn,
@@ -535,7 +593,7 @@ class TrainingScheduler:
                     current not in TERMINAL_STATES and (from_states is None or current in from_states)
                 ),
             )
-            job = TrainingJob.from_row(row)
+            job = TrainingJob.from_tuple(row)
         # After the state is durable: a crash between the two leaves a terminal job whose partition
         # can be cleared again (clear is idempotent), never a live job without data.
         self._release(job.partition_id)
@@ -562,7 +620,7 @@ class TrainingScheduler:
         attempts = job.attempts + 1
         if attempts > max_attempts:
             return self.fail(job_id, f"{reason}; retries exhausted ({attempts} > {max_attempts})", owner=owner)
-        with self.store.connection() as conn:
+        with self.store.fast(single_statement=True) as conn:
             row = self._transition(
                 conn,
                 job_id,
@@ -575,12 +633,27 @@ class TrainingScheduler:
                 ),
                 permitted=lambda current: current == job.state,
             )  # fmt: skip
-            return TrainingJob.from_row(row)
+            return TrainingJob.from_tuple(row)
 
 
-# -- prebuilt statements (built once, so each call skips construction and cache-key generation) -----
+# -- prebuilt statements (compiled once per dialect: each call is one DBAPI execute) ----------------
 _SELECT_JOB = select(_JOBS).where(_JOBS.c.job_id == bindparam("b_job_id"))
-_RESERVE_POLICY = (
+# Positions of the columns in a row of every column of training_jobs (RETURNING *_JOBS.c).
+_J_JOB_ID, _J_POLICY_KEY, _J_TENANT_ID, _J_TASK_TYPE, _J_PARTITION_ID, _J_SAMPLE_COUNT, _J_DOMAIN = (
+    [c.name for c in _JOBS.c].index(name)
+    for name in ("job_id", "policy_key", "tenant_id", "task_type", "partition_id", "sample_count", "domain")
+)
+_J_METADATA, _J_PRIORITY, _J_CREATED_SEQ, _J_READY_SEQ, _J_BEHAVIOR_POLICY_VERSION, _J_MAX_POLICY_STALENESS = (
+    [c.name for c in _JOBS.c].index(name)
+    for name in (
+        "metadata", "priority", "created_seq", "ready_seq", "behavior_policy_version", "max_policy_staleness"
+    )
+)  # fmt: skip
+_J_PRODUCER_ROLE, _J_CONSUMER_ROLE, _J_STATE, _J_LEASE_OWNER, _J_TERMINAL_REASON, _J_RESULT, _J_ATTEMPTS = (
+    [c.name for c in _JOBS.c].index(name)
+    for name in ("producer_role", "consumer_role", "state", "lease_owner", "terminal_reason", "result", "attempts")
+)
+_RESERVE_POLICY = Prepared(
     update(_POLICIES)
     .where(_POLICIES.c.policy_key == bindparam("key"))
     .values(reservations=_POLICIES.c.reservations + 1)
@@ -592,31 +665,67 @@ _RESERVE_POLICY = (
     )
 )
 _IN_FLIGHT = func.coalesce(func.sum(case((_JOBS.c.state.in_(NONTERMINAL_STATES), 1), else_=0)), 0)
-_COUNT_IN_FLIGHT = select(_IN_FLIGHT, literal(0)).where(
-    _JOBS.c.policy_key == bindparam("key"), _JOBS.c.state.in_(NONTERMINAL_STATES)
+_COUNT_IN_FLIGHT = Prepared(
+    select(_IN_FLIGHT, literal(0)).where(_JOBS.c.policy_key == bindparam("key"), _JOBS.c.state.in_(NONTERMINAL_STATES))
 )
-_COUNT_IN_FLIGHT_COMPLETED = select(
-    _IN_FLIGHT, func.coalesce(func.sum(case((_JOBS.c.state == COMPLETED, 1), else_=0)), 0)
-).where(_JOBS.c.policy_key == bindparam("key"), _JOBS.c.state.in_((*NONTERMINAL_STATES, COMPLETED)))
-_INSERT_JOB = insert(_JOBS)
-_SET_READY_SEQ = (
-    update(_JOBS)
-    .where(_JOBS.c.job_id == bindparam("b_job_id"))
-    .values(ready_seq=bindparam("seq"), ready_at=bindparam("at"))
-    .returning(*_JOBS.c)
+_COUNT_IN_FLIGHT_COMPLETED = Prepared(
+    select(_IN_FLIGHT, func.coalesce(func.sum(case((_JOBS.c.state == COMPLETED, 1), else_=0)), 0)).where(
+        _JOBS.c.policy_key == bindparam("key"), _JOBS.c.state.in_((*NONTERMINAL_STATES, COMPLETED))
+    )
 )
-_LOCK_JOB = (
+# Every column named, so the compiled INSERT binds each one by its column name.
+_INSERT_JOB = Prepared(insert(_JOBS).values({c.name: bindparam(c.name, type_=c.type) for c in _JOBS.c}))
+_SEQUENCES = SequenceRecord.__table__
+_NEXT_CREATED_SEQ = (
+    update(_SEQUENCES)
+    .where(_SEQUENCES.c.name == "created_seq")
+    .values(value=_SEQUENCES.c.value + 1)
+    .returning(_SEQUENCES.c.value)
+    .cte("next_created_seq")
+)
+_INSERT_JOB_NEXT_CREATED_SEQ = Prepared(  # PostgreSQL only
+    insert(_JOBS)
+    .values(
+        {
+            c.name: select(_NEXT_CREATED_SEQ.c.value).scalar_subquery()
+            if c.name == "created_seq"
+            else bindparam(c.name, type_=c.type)
+            for c in _JOBS.c
+        }
+    )
+    .add_cte(_NEXT_CREATED_SEQ)
+    .returning(_JOBS.c.created_seq)
+)
+_LOCK_JOB = Prepared(
     select(_JOBS.c.job_id, _JOBS.c.state, _JOBS.c.lease_owner)
     .where(_JOBS.c.job_id == bindparam("b_job_id"))
     .with_for_update()
 )
+
+
+@dataclass(frozen=True)
+class _JobState:
+    """What `_transition` reads of a job whose compare-and-set matched nothing."""
+
+    job_id: str
+    state: str
+    lease_owner: str | None
+
+
 _STATEMENTS: dict[tuple, Any] = {}
 
 
-def _transition_statement(sources: tuple[str, ...] | None, named_owner: bool | None, columns: tuple[str, ...]) -> Any:
+def _transition_statement(
+    sources: tuple[str, ...] | None,
+    named_owner: bool | None,
+    columns: tuple[str, ...],
+    ready_seq_from_sequence: bool = False,
+) -> Prepared:
     """The compare-and-set UPDATE of `_transition`, per shape: from `sources` (None: any nonterminal
-    state), with no owner check (None), an owner "" (lease_owner IS NULL) or a named owner."""
-    key = ("transition", sources, named_owner, columns)
+    state), with no owner check (None), an owner "" (lease_owner IS NULL) or a named owner. With
+    `ready_seq_from_sequence` (PostgreSQL only) it also sets ready_seq from the `ready_seq` counter,
+    bumped by a data-modifying CTE of the same statement (its row lock held until commit)."""
+    key = ("transition", sources, named_owner, columns, ready_seq_from_sequence)
     statement = _STATEMENTS.get(key)
     if statement is None:
         guard = [_JOBS.c.job_id == bindparam("b_job_id")]
@@ -624,22 +733,31 @@ def _transition_statement(sources: tuple[str, ...] | None, named_owner: bool | N
         if named_owner is not None:
             guard.append(_JOBS.c.state.in_(list(LEASED_STATES)))
             guard.append(_JOBS.c.lease_owner == bindparam("owner") if named_owner else _JOBS.c.lease_owner.is_(None))
-        statement = (
-            update(_JOBS)
-            .where(and_(*guard))
-            .values({name: bindparam(f"v_{name}") for name in columns})
-            .returning(*_JOBS.c)
-        )
-        _STATEMENTS[key] = statement
+        values: dict[str, Any] = {name: bindparam(f"v_{name}") for name in columns}
+        core = update(_JOBS).where(and_(*guard))
+        if ready_seq_from_sequence:
+            bumped = (
+                update(_SEQUENCES)
+                .where(_SEQUENCES.c.name == "ready_seq")
+                .values(value=_SEQUENCES.c.value + 1)
+                .returning(_SEQUENCES.c.value)
+                .cte("next_ready_seq")
+            )
+            values["ready_seq"] = select(bumped.c.value).scalar_subquery()
+            core = core.add_cte(bumped)
+        statement = _STATEMENTS[key] = Prepared(core.values(values).returning(*_JOBS.c))
     return statement
 
 
-def _lease_statements(state: str, leased_state: str, order: tuple[str, ...]) -> tuple[Any, Any]:
+def _lease_statements(state: str, leased_state: str, order: tuple[str, ...], n_domains: int) -> tuple[Any, Any]:
     """(pick the head candidate, take it): the take is one UPDATE whose WHERE picks the head and
-    repeats `state = <expected>` (the compare-and-set). `order`: column names, "-name" descending."""
-    key = ("lease", state, leased_state, order)
+    repeats `state = <expected>` (the compare-and-set). `order`: column names, "-name" descending.
+    The domains are binds `domain_0` .. `domain_<n-1>` (one statement per count of domains)."""
+    key = ("lease", state, leased_state, order, n_domains)
     statements = _STATEMENTS.get(key)
     if statements is None:
+        if n_domains < 1:
+            raise SchedulerError("lease: domains must name at least one domain")
         head = _JOBS.alias("head")
         ordering = [head.c[name[1:]].desc() if name.startswith("-") else head.c[name].asc() for name in order]
         candidate = (
@@ -647,7 +765,7 @@ def _lease_statements(state: str, leased_state: str, order: tuple[str, ...]) -> 
             .where(
                 head.c.state == state,
                 head.c.consumer_role == bindparam("b_consumer_role"),
-                head.c.domain.in_(bindparam("domains", expanding=True)),
+                head.c.domain.in_([bindparam(f"domain_{i}") for i in range(n_domains)]),
             )
             .order_by(*ordering)
             .limit(1)
@@ -663,5 +781,5 @@ def _lease_statements(state: str, leased_state: str, order: tuple[str, ...]) -> 
             )
             .returning(*_JOBS.c)
         )
-        statements = _STATEMENTS[key] = (candidate, take)
+        statements = _STATEMENTS[key] = (Prepared(candidate), Prepared(take))
     return statements
