@@ -1,6 +1,16 @@
 """Mixed SFT + RL workload, isolated vs together on JoyNexus (the paper's section 5.1: Fig. 9, Table 1).
 
-  .venv/bin/python benchmarks/mixed_workload.py [--quick] [--out var/benchmarks] [--repeats 2]
+  .venv/bin/python benchmarks/mixed_workload.py [--quick] [--mode ray|inprocess] [--profile]
+                                                [--out var/benchmarks] [--repeats 2]
+
+Deployments (`--mode`): `ray` (default) — the real deployment: the Training Queue, the Training /
+Inference Model and Environment Services and the Master Service are Ray actors, each its own process
+(`joynexus.connect.ray_cluster`, a fresh namespace and data dir per run, its actors killed after), so
+training, inference, simulators and the Master's loops use the cores in parallel; `inprocess` — every
+service a local object of this one process (all of them share one interpreter and its GIL).
+`--profile`: py-spy samples the Master's process during the (first) together run; the actor-loop
+thread's wall time is printed by category (train_job, weight sync, MLflow, store transactions, idle)
+in seconds and ms per job.
 
 Tenants (the paper's mix, small): three RL tenants with different rollout cadences — PushT-reach
 with 4 envs x 16 steps, PushT-reach with 2 envs x 24 steps, PushT with 4 envs x 12 steps of
@@ -11,8 +21,8 @@ work is the same both ways) — and one SFT tenant on a synthetic LeRobot datase
 checkpoint per job adds a durable write per job to the one actor loop, the same both ways).
 
 1. Measured on this machine, side by side in one run:
-   - isolated: each tenant alone on its own fresh in-process deployment (Training / Inference Model
-     and Environment Services, Master Service), one after another;
+   - isolated: each tenant alone on its own fresh deployment (Training / Inference Model and
+     Environment Services, Master Service), one after another;
    - together: every tenant's workload submitted at once on ONE deployment (group batching on: the
      Inference Model Service batches every tenant's requests into shared forwards).
    The same specs and job counts both ways; the work done (jobs, samples trained, inference samples,
@@ -36,7 +46,9 @@ checkpoint per job adds a durable write per job to the one actor loop, the same 
      below 1 when busy seconds stretch under contention (a CPU shared by threads and processes), so the
      together utilisation is also given work-normalised: the isolated busy seconds of the same work
      over the together wall;
-   - CPU: seconds of this process and its simulator workers over the window, and cores used = CPU / wall
+   - CPU: seconds of the deployment's processes over the window (in process: this process and its
+     simulator workers; Ray: each actor's process with the simulator workers it reaped, and the
+     driver, printed per process; Ray's own raylet/GCS are not counted), and cores used = CPU / wall
      (this machine's "device" is its CPU, shared with whatever else runs: the load average is printed).
 2. Trace-driven simulation of the paper's 8-GPU node, replaying this machine's service times:
    - the trace: each RL tenant's PPO update seconds (its isolated run's `train_job` seconds, one
@@ -66,15 +78,17 @@ checkpoint per job adds a durable write per job to the one actor loop, the same 
    - deterministic: every random draw (which recorded sample a step or update takes) comes from a
      numpy generator seeded by (--seed, tenant), the same draws in both modes.
 Printed beside the paper's figures: 1.39x efficiency, training 20.8% -> 41.3%, inference 28.1% -> 37.5%.
-JSON with every figure and the trace: <out>/mixed_workload.json.
+JSON with every figure and the trace: <out>/mixed_workload_<mode>.json.
 
-Only light modules are imported at the top: the Environment Service spawns its simulator workers,
-and a spawned process imports this script's module again (torch there cost ~5 s per env session).
+Only light modules are imported at the top: in process, the Environment Service spawns its simulator
+workers from this process, and a spawned process imports this script's module again (torch there
+cost ~5 s per env session). On Ray the workers are spawned by the Environment Service's actor.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import os
@@ -82,7 +96,9 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,8 +214,10 @@ class RunMeasure:
     infer_batches: int
     infer_samples: int
     tenants: dict[str, TenantWork]
-    cpu_s: float  # CPU seconds of this process and its simulator workers while the workloads ran
+    cpu_s: float  # CPU seconds of the deployment's processes and their simulator workers while the workloads ran
     load_average: tuple[float, float]  # the machine's 1-minute load average at submit and at the end
+    cpu_by_process: dict[str, float] = field(default_factory=dict)  # per process (Ray: per actor, driver)
+    mode: str = "ray"
 
     @property
     def cores_used(self) -> float:
@@ -219,32 +237,133 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def run_deployment(
-    label: str, specs: list[dict[str, Any]], data_dir: Path, timeout_s: float, keep: Any = None
-) -> RunMeasure:
-    """Create the tenants on a fresh in-process deployment, submit every workload at once, wait,
-    and read the figures. `keep(cluster)`, if given, runs on the live deployment before it closes
-    (the trace calibration uses the together deployment)."""
-    from joynexus.connect import in_process
+MODES = ("ray", "inprocess")
+# The Ray deployment's named actors, by the role the CPU breakdown names them.
+RAY_ACTORS = {
+    "master": "joynexus.master",
+    "training": "joynexus.training_service",
+    "inference": "joynexus.inference_service",
+    "environment": "joynexus.environment_service",
+    "training_queue": "joynexus.training_queue",
+}
+
+
+@dataclass
+class OpenDeployment:
+    """A fresh deployment as the benchmark drives it: the client's Cluster, a Training Scheduler
+    over the deployment's store (read-only use: job states and results), and where CPU is counted."""
+
+    mode: str
+    cluster: Any
+    scheduler: Any
+    pids: dict[str, int]  # role -> process id (in process: this one)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far per process, children reaped by it included (simulator workers)."""
+        if self.mode == "inprocess":
+            return {"benchmark process": _cpu_seconds()}
+        import psutil
+
+        cpu = {"driver": _cpu_seconds()}
+        for role, pid in self.pids.items():
+            t = psutil.Process(pid).cpu_times()
+            cpu[role] = t.user + t.system + t.children_user + t.children_system
+        return cpu
+
+    def inference_batching(self) -> tuple[int, float]:
+        """(B, T) of the Inference Model Service: its attributes, read in its own process on Ray."""
+        from joynexus.runtime import handle_of
+
+        handle = handle_of(self.cluster.inference)
+        if not handle.is_remote:
+            return int(self.cluster.inference.max_batch_size), float(self.cluster.inference.max_wait_s)
+        import ray
+
+        b, t = ray.get(handle.target.__ray_call__.remote(lambda service: (service.max_batch_size, service.max_wait_s)))
+        return int(b), float(t)
+
+
+@contextlib.contextmanager
+def open_deployment(mode: str, data_dir: Path) -> Iterator[OpenDeployment]:
+    """A fresh deployment in `data_dir`, closed after. `ray`: the services and the Master Service as
+    Ray actors (each its own process) in a namespace of their own, killed after; `inprocess`: every
+    service a local object of this process."""
     from joynexus.runtime import Settings
 
-    cluster = in_process(Settings(data_dir=data_dir, torch_threads=1))
+    if mode == "inprocess":
+        from joynexus.connect import in_process
+
+        cluster = in_process(Settings(data_dir=data_dir, torch_threads=1))
+        try:
+            yield OpenDeployment(mode, cluster, cluster.master.deployment.scheduler, {"benchmark": os.getpid()})
+        finally:
+            cluster.close()
+        return
+    if mode != "ray":
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    import ray
+
+    from joynexus.connect import ray_cluster
+    from joynexus.core.store import ControlPlaneStore
+    from joynexus.ops.supervisor import remove_service_actors
+    from joynexus.scheduling.training_scheduler import TrainingScheduler
+
+    settings = Settings(data_dir=data_dir, torch_threads=1, ray_namespace=f"mixed-{uuid.uuid4().hex[:8]}")
+    store = None
     try:
+        cluster = ray_cluster(settings)
+        pids = {
+            role: int(ray.get(ray.get_actor(name, namespace=settings.ray_namespace).__ray_call__.remote(
+                lambda _actor: os.getpid()), timeout=60))
+            for role, name in RAY_ACTORS.items()
+        }  # fmt: skip
+        # The Master holds the store's writer; the driver only reads job rows (SQLite WAL: readers
+        # never block the writer).
+        store = ControlPlaneStore(settings.resolved_database_url())
+        yield OpenDeployment(mode, cluster, TrainingScheduler(store), pids)
+    finally:
+        if store is not None:
+            store.dispose()
+        remove_service_actors(settings.ray_namespace)  # the Master first, then the services
+
+
+def run_deployment(
+    label: str,
+    specs: list[dict[str, Any]],
+    data_dir: Path,
+    timeout_s: float,
+    keep: Any = None,
+    mode: str = "ray",
+    profile: Path | None = None,
+) -> RunMeasure:
+    """Create the tenants on a fresh deployment (`mode`), submit every workload at once, wait, and
+    read the figures. `keep(deployment)`, if given, runs on the live deployment before it closes
+    (the trace calibration uses the together deployment). `profile`: py-spy samples of the Master's
+    process over the window, written there (collapsed stacks)."""
+    with open_deployment(mode, data_dir) as deployment:
+        cluster = deployment.cluster
         master = cluster.master
         tenants = [master.create_tenant(spec) for spec in specs]
         jobs = {spec["tenant"]: spec["scheduling"]["completion_target"] for spec in specs}
+        sampler = None if profile is None else start_profile(deployment.pids.get("master", os.getpid()), profile)
         load_start = os.getloadavg()[0]
-        cpu_start = _cpu_seconds()
+        cpu_start = deployment.cpu_seconds()
         started = time.time()  # event times are wall-clock (time.time) in the store
         submitted = [master.submit_workload(t.tenant_id, jobs=jobs[t.tenant_id]) for t in tenants]
-        for status in submitted:
-            final = cluster.wait_workload(status.workload_id, timeout_s)
-            if final.state != "completed":
-                raise RuntimeError(f"{label}: workload {final.workload_id} of {final.tenant_id} {final.state}: "
-                                   f"{final.error}")  # fmt: skip
-        # The producers closed their sessions as their workloads ended: the workers are reaped, so
-        # their CPU time is in the children's counters.
-        cpu = _cpu_seconds() - cpu_start
+        try:
+            for status in submitted:
+                final = cluster.wait_workload(status.workload_id, timeout_s)
+                if final.state != "completed":
+                    raise RuntimeError(f"{label}: workload {final.workload_id} of {final.tenant_id} {final.state}: "
+                                       f"{final.error}")  # fmt: skip
+            # The producers closed their sessions as their workloads ended: the workers are reaped,
+            # so their CPU time is in their parent's children counters (py-spy, a child of this
+            # process too, is reaped only after this).
+            cpu_end = deployment.cpu_seconds()
+        finally:
+            if sampler is not None:
+                stop_profile(sampler)
+        cpu_by_process = {k: cpu_end[k] - cpu_start[k] for k in cpu_end}
         completions = [
             event["time"]
             for status in submitted
@@ -253,7 +372,7 @@ def run_deployment(
         ]
         wall = max(completions) - started
         stats = cluster.inference.stats()
-        scheduler = master.deployment.scheduler
+        scheduler = deployment.scheduler
         works: dict[str, TenantWork] = {}
         for tenant in tenants:
             tid = tenant.tenant_id
@@ -280,14 +399,14 @@ def run_deployment(
             infer_batches=int(stats["batches"]),
             infer_samples=int(stats["samples"]),
             tenants=works,
-            cpu_s=cpu,
+            cpu_s=sum(cpu_by_process.values()),
             load_average=(load_start, os.getloadavg()[0]),
+            cpu_by_process=cpu_by_process,
+            mode=mode,
         )
         if keep is not None:
-            keep(cluster)
+            keep(deployment)
         return measure
-    finally:
-        cluster.close()
 
 
 # -- the trace: service times recorded on this machine ----------------------------------------------
@@ -358,7 +477,7 @@ def fit_affine(points: list[tuple[int, float]]) -> tuple[float, float, float]:
     return float(max(a, 0.0)), float(max(c, 0.0)), 1.0 - residual / total
 
 
-def measure_batch_model(cluster: Any, tenant_id: str, repeats: int) -> dict[str, Any]:
+def measure_batch_model(cluster: Any, tenant_id: str, repeats: int, max_batch: int) -> dict[str, Any]:
     """Shared-forward time of b single-observation requests (the rollout pattern), read as the
     Inference Model Service's busy-seconds delta of a round that formed exactly one batch."""
     from joynexus.scheduling.inference_queue import Observation
@@ -366,7 +485,7 @@ def measure_batch_model(cluster: Any, tenant_id: str, repeats: int) -> dict[str,
 
     rng = np.random.default_rng(0)
     config = cluster.master.get_tenant(tenant_id).backend_config
-    sizes = [b for b in (1, 2, 4, 6, 8, 12, 16, 24, 32) if b <= cluster.inference.max_batch_size]
+    sizes = [b for b in (1, 2, 4, 6, 8, 12, 16, 24, 32) if b <= max_batch]
     samples: dict[int, list[float]] = {b: [] for b in sizes}
     for round_index in range(repeats + 1):  # round 0 warms up and is not kept
         for b in sizes:
@@ -424,13 +543,14 @@ def measure_env_steps(cluster: Any, tenant_id: str, rollouts: int) -> list[float
 
 
 def record_trace(
-    cluster: Any, isolated: dict[str, RunMeasure], batch_repeats: int, env_rollouts: int
+    deployment: OpenDeployment, isolated: dict[str, RunMeasure], batch_repeats: int, env_rollouts: int
 ) -> tuple[NodeTrace, dict[str, Any]]:
     """The node trace from the isolated runs (update seconds, the SFT pace) and dedicated
     calibrations on the live together deployment (batch model, simulator steps, weight sync)."""
+    cluster = deployment.cluster
     stats = cluster.inference.stats()
-    max_batch, max_wait = int(cluster.inference.max_batch_size), float(cluster.inference.max_wait_s)
-    model = measure_batch_model(cluster, RL_TENANTS[0].tenant, batch_repeats)
+    max_batch, max_wait = deployment.inference_batching()
+    model = measure_batch_model(cluster, RL_TENANTS[0].tenant, batch_repeats, max_batch)
     rl = []
     for t in RL_TENANTS:
         syncs = []
@@ -835,6 +955,11 @@ def measured_summary(pairs: list[Pair]) -> dict[str, Any]:
         "training_busy_s": {"isolated": total(iso_runs, "train_busy_s"), "together": total(tog_runs, "train_busy_s")},
         "inference_busy_s": {"isolated": total(iso_runs, "infer_busy_s"), "together": total(tog_runs, "infer_busy_s")},
         "cpu_s": {"isolated": total(iso_runs, "cpu_s"), "together": total(tog_runs, "cpu_s")},
+        # Per process (Ray: each actor with the simulator workers it reaped, and the driver).
+        "cpu_by_process_s": {
+            "isolated": _sum_by_key(r.cpu_by_process for r in iso_runs),
+            "together": _sum_by_key(r.cpu_by_process for r in tog_runs),
+        },
         "cores_used": {
             "isolated": total(iso_runs, "cpu_s") / iso_wall,
             "together": total(tog_runs, "cpu_s") / tog_wall,
@@ -870,6 +995,110 @@ def measured_summary(pairs: list[Pair]) -> dict[str, Any]:
     }
 
 
+# -- where the actor loop's time goes (py-spy samples of the Master's process) ----------------------------
+PROFILE_RATE_HZ = 100
+# (category, what a sample's stack contains), first match wins: the bookkeeping after a job first
+# (it runs inside `_on_outcome`), then the loop's own calls. "train_job" and "policy_version" are
+# told apart by the line of ActorLoop.step they are called from (a Ray call's frame is the handle's).
+ACTOR_LOOP_CATEGORIES = (
+    ("weight sync (export_params + load_weights)", "_publish_weights"),
+    ("MLflow logging", "ExperimentTracker."),
+    ("events (store transaction)", "_emit_many"),
+    ("workload progress row (store transaction)", "_persist_progress"),
+    ("other outcome bookkeeping", "_on_outcome"),
+    ("complete (store transaction)", "TrainingScheduler.complete"),
+    ("lease_next (store transaction)", "TrainingScheduler.lease_next"),
+    ("waiting for a ready job (idle)", "TrainingScheduler.wait_for_ready"),
+)
+
+
+def start_profile(pid: int, out: Path) -> Any:
+    """py-spy sampling `pid` (every thread, idle ones too, without pausing it) until stop_profile."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    command = [exe, "record", "--pid", str(pid), "--rate", str(PROFILE_RATE_HZ), "--idle", "--threads",
+               "--nonblocking", "--format", "raw", "--output", str(out)]  # fmt: skip
+    sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # attached before the window opens
+    if sampler.poll() is not None:
+        raise RuntimeError(f"--profile: py-spy exited at once: {sampler.stderr.read() if sampler.stderr else ''}")
+    return sampler
+
+
+def stop_profile(sampler: Any) -> None:
+    import signal
+
+    sampler.send_signal(signal.SIGINT)  # py-spy writes its samples on Ctrl-C
+    sampler.wait(timeout=60)
+
+
+def _step_call_lines() -> dict[int, str]:
+    """Lines of ActorLoop.step that call the Training Model Service, read from this tree's source."""
+    source = Path(__file__).resolve().parents[1] / "joynexus" / "services" / "actor_loop.py"
+    lines: dict[int, str] = {}
+    for number, line in enumerate(source.read_text().splitlines(), start=1):
+        if "self.service.train_job(" in line:
+            lines[number] = "train_job (the Training Model Service training)"
+        elif "self.service.policy_version(" in line:
+            lines[number] = "policy_version call"
+    return lines
+
+
+def actor_loop_breakdown(profile: Path, jobs: int) -> dict[str, Any]:
+    """The actor-loop thread's wall time by category, from py-spy's collapsed stacks: seconds and
+    milliseconds per completed job. Samples are taken at PROFILE_RATE_HZ, idle ones included."""
+    import re
+
+    step_line = re.compile(r"ActorLoop\.step \([^)]*actor_loop\.py:(\d+)\)")
+    call_lines = _step_call_lines()
+    samples: dict[str, int] = {}
+    total = 0
+    for line in profile.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        thread = stack.split(";", 1)[0]  # "thread (tid): name"
+        if not count_text.isdigit() or not (thread.endswith(": actor_loop") or "ActorLoop." in stack):
+            continue
+        count = int(count_text)
+        total += count
+        category = next((name for name, marker in ACTOR_LOOP_CATEGORIES if marker in stack), None)
+        if category is None:
+            lines = [int(n) for n in step_line.findall(stack)]
+            category = next((call_lines[n] for n in lines if n in call_lines), "other (the loop itself)")
+        samples[category] = samples.get(category, 0) + count
+    if total == 0:
+        raise RuntimeError(f"--profile: no actor-loop samples in {profile}")
+    seconds = {k: v / PROFILE_RATE_HZ for k, v in sorted(samples.items(), key=lambda kv: -kv[1])}
+    return {
+        "profile": str(profile),
+        "rate_hz": PROFILE_RATE_HZ,
+        "actor_loop_seconds": total / PROFILE_RATE_HZ,
+        "completed_jobs": jobs,
+        "seconds": seconds,
+        "share": {k: v / (total / PROFILE_RATE_HZ) for k, v in seconds.items()},
+        "ms_per_job": {k: 1000 * v / max(1, jobs) for k, v in seconds.items()},
+    }
+
+
+def print_breakdown(breakdown: dict[str, Any], together: RunMeasure) -> None:
+    print(f"\nwhere the actor loop's time goes ({together.mode}, together run, py-spy at {breakdown['rate_hz']} Hz, "
+          f"{breakdown['actor_loop_seconds']:.1f} s sampled, {breakdown['completed_jobs']} jobs):")  # fmt: skip
+    for name, secs in breakdown["seconds"].items():
+        share, per_job = _pct(breakdown["share"][name]), breakdown["ms_per_job"][name]
+        print(f"  {name:<48}{secs:8.2f} s {share:>7} {per_job:8.1f} ms/job")
+    cpu = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(together.cpu_by_process.items(), key=lambda kv: -kv[1]))
+    print(f"  CPU by process over the window: {cpu}")
+
+
+def _sum_by_key(dicts: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def print_measured(pairs: list[Pair], summary: dict[str, Any]) -> None:
     print("\n1. measured on this machine (one deployment = the machine; isolated runs one after another)")
     print(f"{'run':<30}{'wall s':>8}{'train busy':>11}{'infer busy':>11}{'train util':>11}{'infer util':>11}"
@@ -897,6 +1126,9 @@ def print_measured(pairs: list[Pair], summary: dict[str, Any]) -> None:
     print(f"device-busy ratio (isolated / together, training + inference busy): {s['device_busy_ratio']:.2f}x")
     print(f"CPU: isolated {s['cpu_s']['isolated']:.1f} s ({cores['isolated']:.2f} cores on average), together "
           f"{s['cpu_s']['together']:.1f} s ({cores['together']:.2f} cores) of {os.cpu_count()}")  # fmt: skip
+    for side in ("isolated", "together"):
+        by_process = sorted(s["cpu_by_process_s"][side].items(), key=lambda kv: -kv[1])
+        print(f"  {side} CPU by process: " + ", ".join(f"{k} {v:.1f} s" for k, v in by_process))
     # sum(wall_iso) / wall_tog = (CPU_iso / cores_iso) / (CPU_tog / cores_tog): which factor moved.
     cpu_ratio = s["cpu_s"]["isolated"] / s["cpu_s"]["together"]
     print(f"  efficiency = CPU-seconds ratio {cpu_ratio:.2f} x cores-used ratio "
@@ -950,11 +1182,19 @@ def print_trace(trace: NodeTrace, calibration: dict[str, Any]) -> None:
 
 # -- the command -------------------------------------------------------------------------------------------
 def measure_pair(
-    specs: list[dict[str, Any]], work_dir: Path, timeout_s: float, *, together_first: bool, calibrate: Any = None
+    specs: list[dict[str, Any]],
+    work_dir: Path,
+    timeout_s: float,
+    *,
+    together_first: bool,
+    calibrate: Any = None,
+    mode: str = "ray",
+    profile: Path | None = None,
 ) -> Pair:
-    """One isolated sequence and one together run, on fresh deployments; the order alternates
-    between repeats (A B, B A, ...) so a drift of the machine's load hits both sides alike.
-    `calibrate(cluster, isolated)` runs on the live together deployment (it needs the isolated runs)."""
+    """One isolated sequence and one together run, on fresh deployments of `mode`; the order
+    alternates between repeats (A B, B A, ...) so a drift of the machine's load hits both sides alike.
+    `calibrate(deployment, isolated)` runs on the live together deployment (it needs the isolated
+    runs); `profile`: py-spy samples of the Master's process during the together run."""
     isolated: dict[str, RunMeasure] = {}
     together: RunMeasure | None = None
 
@@ -962,14 +1202,16 @@ def measure_pair(
         for spec in specs:
             tid = spec["tenant"]
             with tempfile.TemporaryDirectory(prefix=f"iso-{tid}-", dir=work_dir) as tmp:
-                isolated[tid] = run_deployment(f"isolated {tid}", [spec], Path(tmp), timeout_s)
+                isolated[tid] = run_deployment(f"isolated {tid}", [spec], Path(tmp), timeout_s, mode=mode)
             print(f"  isolated {tid}: {isolated[tid].wall_s:.2f} s", flush=True)
 
     def run_together() -> None:
         nonlocal together
-        keep = None if calibrate is None else (lambda cluster: calibrate(cluster, isolated))
+        keep = None if calibrate is None else (lambda deployment: calibrate(deployment, isolated))
         with tempfile.TemporaryDirectory(prefix="together-", dir=work_dir) as tmp:
-            together = run_deployment("together (JoyNexus)", specs, Path(tmp), timeout_s, keep=keep)
+            together = run_deployment(
+                "together (JoyNexus)", specs, Path(tmp), timeout_s, keep=keep, mode=mode, profile=profile
+            )
         print(f"  together: {together.wall_s:.2f} s", flush=True)
 
     for run in (run_together, run_isolated) if together_first else (run_isolated, run_together):
@@ -997,6 +1239,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--isolated-layout", default="1-1-2", help="standalone GPUs per tenant (paper: 1-1-2)")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="ray",
+        help="ray: the services and the Master as Ray actors, each its own process (default); "
+        "inprocess: every service a local object of this one process",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the Master's process with py-spy during the first together run and print where the "
+        "actor loop's time per job goes",
+    )
     args = parser.parse_args()  # fmt: skip
     for name in ("rl_jobs", "sft_jobs", "sim_jobs", "repeats"):
         value = getattr(args, name)
@@ -1013,16 +1268,17 @@ def main() -> int:
     repeats = args.repeats or (1 if args.quick else 2)
     sim_jobs = args.sim_jobs or (50 if args.quick else 200)
 
-    print(f"mixed SFT + RL: {len(RL_TENANTS)} RL tenants x {rl_jobs} PPO updates, 1 SFT tenant x {sft_jobs} jobs, "
-          f"{repeats} isolated/together pair(s); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
-          flush=True)  # fmt: skip
+    print(f"mixed SFT + RL ({args.mode} deployments): {len(RL_TENANTS)} RL tenants x {rl_jobs} PPO updates, "
+          f"1 SFT tenant x {sft_jobs} jobs, {repeats} isolated/together pair(s); load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     recorded: dict[str, Any] = {}
+    profile_path = args.out / f"mixed_workload_master_{args.mode}.pyspy.txt" if args.profile else None
 
-    def calibrate(cluster: Any, isolated: dict[str, RunMeasure]) -> None:
+    def calibrate(deployment: OpenDeployment, isolated: dict[str, RunMeasure]) -> None:
         recorded["isolated"] = dict(isolated)
         recorded["trace"], recorded["calibration"] = record_trace(
-            cluster, isolated, batch_repeats=3 if args.quick else 5, env_rollouts=1 if args.quick else 2
+            deployment, isolated, batch_repeats=3 if args.quick else 5, env_rollouts=1 if args.quick else 2
         )
 
     pairs: list[Pair] = []
@@ -1033,9 +1289,20 @@ def main() -> int:
         for k in range(repeats):
             # The trace is recorded in the first repeat, where the isolated runs come first.
             pairs.append(measure_pair(specs, Path(tmp), args.timeout, together_first=k % 2 == 1,
-                                      calibrate=calibrate if k == 0 else None))  # fmt: skip
+                                      calibrate=calibrate if k == 0 else None, mode=args.mode,
+                                      profile=profile_path if k == 0 else None))  # fmt: skip
+    if args.mode == "ray":
+        import ray
+
+        ray.shutdown()
     summary = measured_summary(pairs)
     print_measured(pairs, summary)
+    breakdown = None
+    if profile_path is not None:
+        together = pairs[0][1]
+        jobs_done = sum(w.completed_jobs for w in together.tenants.values())
+        breakdown = actor_loop_breakdown(profile_path, jobs_done)
+        print_breakdown(breakdown, together)
 
     trace: NodeTrace = recorded["trace"]
     with_overhead = trace.with_overheads(host_overheads(trace, recorded["isolated"], args.seed))
@@ -1052,7 +1319,8 @@ def main() -> int:
     print(f"\ngoal >= 1.5x: measured {measured_eff:.2f}x ({verdict(measured_eff)}); simulated node "
           + ", ".join(f"{c.replay} {c.efficiency:.2f}x ({verdict(c.efficiency)})" for c in comparisons))  # fmt: skip
     result = {
-        "config": {"rl_tenants": [asdict(t) for t in RL_TENANTS], "rl_jobs": rl_jobs, "sft_jobs": sft_jobs,
+        "config": {"mode": args.mode, "rl_tenants": [asdict(t) for t in RL_TENANTS], "rl_jobs": rl_jobs,
+                   "sft_jobs": sft_jobs,
                    "repeats": repeats, "sim_jobs": sim_jobs, "seed": args.seed,
                    "checkpoint_every": args.checkpoint_every, "isolated_layout": str(isolated_layout),
                    "cpu_count": os.cpu_count()},
@@ -1063,8 +1331,9 @@ def main() -> int:
         "calibration": recorded["calibration"],
         "node": [c.summary() for c in comparisons],
         "goal_1_5x": {"measured": measured_eff >= 1.5, **{c.replay: c.efficiency >= 1.5 for c in comparisons}},
+        "actor_loop_profile": breakdown,
     }  # fmt: skip
-    path = args.out / "mixed_workload.json"
+    path = args.out / f"mixed_workload_{args.mode}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"all figures: {path}")
     return 0

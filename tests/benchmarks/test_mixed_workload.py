@@ -109,3 +109,50 @@ def test_a_trace_without_samples_or_with_negative_times_is_refused(mw):
         mw.RLTrace("t", 0, 8, (0.01,), (0.1,), 0.0)
     with pytest.raises(ValueError, match=r"sft\.interval_s: must be >= 0"):
         mw.SFTTrace((0.1,), -1.0)
+
+
+def _stack(*frames: str, thread: str = "actor_loop") -> str:
+    base = ["Thread._bootstrap (threading.py:1002)", "ActorLoop.run (joynexus/services/actor_loop.py:141)"]
+    return ";".join([f"thread (7): {thread}", *base, *frames])
+
+
+def test_actor_loop_breakdown_sorts_py_spy_samples_by_category(mw, tmp_path):
+    lines = {label: number for number, label in mw._step_call_lines().items()}
+    train = next(n for label, n in lines.items() if label.startswith("train_job"))
+    version = next(n for label, n in lines.items() if label.startswith("policy_version"))
+    step = "ActorLoop.step (/x/joynexus/services/actor_loop.py:{})"
+    outcome = "WorkloadManager._on_outcome (joynexus/master/workloads.py:950)"
+    raw = "\n".join([
+        f"{_stack(step.format(train), 'remote_call (joynexus/runtime.py:330)')} 300",
+        f"{_stack(step.format(version), 'remote_call (joynexus/runtime.py:330)')} 20",
+        f"{_stack(step.format(99), outcome, 'WorkloadManager._publish_weights (w.py:1)', 'remote_call (r.py:1)')} 40",
+        f"{_stack(step.format(99), outcome, 'ExperimentTracker.log_metrics (registry.py:184)')} 60",
+        f"{_stack(step.format(99), outcome, 'WorkloadManager._emit_many (w.py:2)')} 30",
+        f"{_stack(step.format(99), 'TrainingScheduler.wait_for_ready (s.py:3)')} 50",
+        "thread (8): rollout-producer-a;Thread._bootstrap (threading.py:1002);produce (w.py:9) 999",  # not the loop
+        "garbage line without a count",
+    ])  # fmt: skip
+    profile = tmp_path / "master.pyspy.txt"
+    profile.write_text(raw)
+    out = mw.actor_loop_breakdown(profile, jobs=4)
+    rate = mw.PROFILE_RATE_HZ
+    assert out["actor_loop_seconds"] == pytest.approx(500 / rate)
+    assert out["seconds"] == pytest.approx({
+        "train_job (the Training Model Service training)": 300 / rate,
+        "MLflow logging": 60 / rate,
+        "waiting for a ready job (idle)": 50 / rate,
+        "weight sync (export_params + load_weights)": 40 / rate,
+        "events (store transaction)": 30 / rate,
+        "policy_version call": 20 / rate,
+    })  # fmt: skip
+    assert out["ms_per_job"]["MLflow logging"] == pytest.approx(1000 * 60 / rate / 4)
+    assert sum(out["share"].values()) == pytest.approx(1.0)
+    empty = tmp_path / "empty.txt"
+    empty.write_text(raw.splitlines()[6])
+    with pytest.raises(RuntimeError, match="no actor-loop samples"):
+        mw.actor_loop_breakdown(empty, jobs=1)
+
+
+def test_an_unknown_deployment_mode_is_refused(mw, tmp_path):
+    with pytest.raises(ValueError, match="mode: expected one of"), mw.open_deployment("threads", tmp_path):
+        pass
