@@ -190,6 +190,14 @@ class ExperimentTracker:
         for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk)
 
+    def log_metric_points(self, run_id: str, points: list[tuple[str, float, int]]) -> None:
+        """Log (key, value, step) points of any keys in as few batch calls as MLflow allows: each
+        call is a store transaction, so a job's metrics go in one call, not one per kind."""
+        ts = int(time.time() * 1000)
+        items = [Metric(str(key), float(value), ts, int(step)) for key, value, step in points]
+        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=chunk)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """Terminate a run; ``status`` is one of FINISHED, FAILED, KILLED."""
         if status not in _END_STATUSES:

@@ -949,22 +949,22 @@ class WorkloadManager:
                 finish = (WORKLOAD_FAILED, f"{active.failed_jobs} training jobs failed; last: {active.failures[-1]}")
         if outcome.state == COMPLETED and outcome.metrics is not None:
             steps = [(first + i + 1, loss) for i, loss in enumerate(losses)]
-            self.dep.tracker.log_metric_series(active.run_id, "train/loss", steps)
             self._emit_many(workload_id, [("step", {"step": step, "loss": loss}) for step, loss in steps])
-            self.dep.tracker.log_metrics(
-                active.run_id,
-                {"policy_version": active.version, "jobs_completed": active.completed_jobs},
-                step=active.optimizer_steps,
-            )
+            # One MLflow batch per job (each batch is a store transaction on the actor loop's time).
+            points = [("train/loss", loss, step) for step, loss in steps]
+            points += [
+                ("policy_version", active.version, active.optimizer_steps),
+                ("jobs_completed", active.completed_jobs, active.optimizer_steps),
+            ]
             if outcome.job.task_type == "rl":
                 self._publish_weights(active.tenant.tenant_id)  # later rollouts act with the update
                 rollout = active.producer.stats.drain() if active.producer is not None else {}
                 rl_metrics = {**outcome.metrics.get("rl_stats", {})}
                 if rollout.get("episodes"):
                     rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})
-                if rl_metrics:
-                    self.dep.tracker.log_metrics(active.run_id, rl_metrics, step=active.optimizer_steps)
+                points += [(key, value, active.optimizer_steps) for key, value in rl_metrics.items()]
                 self._emit(workload_id, "rl_update", version=active.version, **rl_metrics)
+            self.dep.tracker.log_metric_points(active.run_id, points)
             self._emit(
                 workload_id, "job_completed", job_id=outcome.job.job_id, version=active.version,
                 completed_jobs=active.completed_jobs, target_jobs=active.target_jobs,
