@@ -7,6 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 TINY_MODEL_ID = "joynexus/tiny-smolvlm"
 
 
@@ -85,3 +88,38 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0, p
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(poll_s)
+
+
+def random_microbatch(
+    config: Any, rows: int, seed: int, texts: tuple[str, ...] = ("pick up the cube",)
+) -> dict[str, Any]:
+    """A `train_batch` microbatch of random data in a compiled tenant config's shapes, annotated
+    with its tenant and schema; sample i's instruction is texts[(seed + i) % len(texts)]."""
+    rng = np.random.default_rng(seed)
+    h, w = config.image_size
+    return {
+        "images": rng.random((rows, len(config.cameras), 3, h, w), dtype=np.float32),
+        "state": rng.standard_normal((rows, config.state_dim)).astype(np.float32),
+        "action": rng.uniform(-1, 1, (rows, config.action_chunk, config.action_dim)).astype(np.float32),
+        "action_is_pad": np.zeros((rows, config.action_chunk), dtype=bool),
+        "task": [texts[(seed + i) % len(texts)] for i in range(rows)],
+        "tenant_id": [config.tenant_id] * rows,
+        "schema_signature": [config.schema_signature] * rows,
+    }
+
+
+def assert_state_close(a: Any, b: Any, atol: float, where: str = "") -> None:
+    """Recursive comparison of tenant_state() values; atol=0 means bit-identical."""
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype, where
+        assert torch.allclose(a, b, rtol=0, atol=atol), f"{where}: max |diff| {(a - b).abs().max().item():.3g}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_state_close(a[key], b[key], atol, f"{where}/{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_close(x, y, atol, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -788,16 +788,23 @@ class ResidentBackbone:
         with torch.no_grad():
             image_states = self._image_states(pixels, slot_mask)
         with torch.enable_grad():
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=self._text_attention_mask(attention_mask),
-                image_hidden_states=image_states,
-                use_cache=False,
-                return_dict=True,
-            )
-            mask = attention_mask.bool()
-            tokens = out.last_hidden_state.float() * mask.unsqueeze(-1)
-            pooled = tokens.sum(dim=1) / mask.sum(dim=1, keepdim=True)
+            return self._text_forward(input_ids, attention_mask, image_states)
+
+    def _text_forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_states: torch.Tensor | None
+    ) -> BackboneFeatures:
+        """The text model over the prompt with the image states merged in; float32 features,
+        padding zeroed, mean-pooled over real tokens (both encode paths)."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self._text_attention_mask(attention_mask),
+            image_hidden_states=image_states,
+            use_cache=False,
+            return_dict=True,
+        )
+        mask = attention_mask.bool()
+        tokens = out.last_hidden_state.float() * mask.unsqueeze(-1)
+        pooled = tokens.sum(dim=1) / mask.sum(dim=1, keepdim=True)
         return BackboneFeatures(tokens=tokens, mask=mask, pooled=pooled)
 
     def _encode_inference(
@@ -808,17 +815,10 @@ class ResidentBackbone:
             # not by pixel values); the flattened order matches the order of the image
             # tokens, which is what Idefics3's inputs_merger expects.
             image_states = self._image_states(pixels, slot_mask)
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=self._text_attention_mask(attention_mask),
-                image_hidden_states=image_states,
-                use_cache=False,
-                return_dict=True,
-            )
-            mask = attention_mask.bool()
-            tokens = out.last_hidden_state.float() * mask.unsqueeze(-1)
-            pooled = tokens.sum(dim=1) / mask.sum(dim=1, keepdim=True)
+            features = self._text_forward(input_ids, attention_mask, image_states)
         # Tensors made under inference_mode can never be saved for backward, so a
         # tenant's head would fail on `Linear(features.tokens)`. Cloning outside the
         # context turns them into ordinary (still grad-free) tensors.
-        return BackboneFeatures(tokens=tokens.clone(), mask=mask.clone(), pooled=pooled.clone())
+        return BackboneFeatures(
+            tokens=features.tokens.clone(), mask=features.mask.clone(), pooled=features.pooled.clone()
+        )

@@ -614,18 +614,7 @@ class TrainingModelService:
                     except Exception as exc:  # one tenant's failure is its own; the group goes on
                         outcomes.append((None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started))
             for i, (loss, error, seconds) in zip(members, outcomes, strict=True):
-                slot = slots[i]
-                result = {
-                    "tenant_id": slot.config.tenant_id,
-                    "loss": loss,
-                    "optimizer_steps": slot.optimizer_steps,
-                    "version": slot.version,
-                    "encode_seconds": encode_seconds,
-                    "module_seconds": seconds,
-                }
-                if error is not None:
-                    result["error"] = error
-                results[i] = result
+                results[i] = _group_result(slots[i], loss, encode_seconds, seconds, error)
         return [r for r in results if r is not None]
 
     def _batched_updates(
@@ -707,17 +696,7 @@ class TrainingModelService:
         waiting: list[tuple[int, float, float]] = []  # (index, loss, module seconds so far)
 
         def result(slot: TenantSlot, loss: float | None, seconds: float, error: str | None) -> dict[str, Any]:
-            out = {
-                "tenant_id": slot.config.tenant_id,
-                "loss": loss,
-                "optimizer_steps": slot.optimizer_steps,
-                "version": slot.version,
-                "encode_seconds": encode_seconds,
-                "module_seconds": seconds,
-            }
-            if error is not None:
-                out["error"] = error
-            return out
+            return _group_result(slot, loss, encode_seconds, seconds, error)
 
         for index, (slot, batch, own_rows) in enumerate(zip(slots, prepared, rows, strict=True)):
             started = time.perf_counter()
@@ -1037,6 +1016,23 @@ class TrainingModelService:
     # =======================================================================================
     # End of the lower-layer composition primitives.
     # =======================================================================================
+
+
+def _group_result(
+    slot: TenantSlot, loss: float | None, encode_seconds: float, module_seconds: float, error: str | None
+) -> dict[str, Any]:
+    """One tenant's entry in `train_group`'s results (an `error` only when its update failed)."""
+    out = {
+        "tenant_id": slot.config.tenant_id,
+        "loss": loss,
+        "optimizer_steps": slot.optimizer_steps,
+        "version": slot.version,
+        "encode_seconds": encode_seconds,
+        "module_seconds": module_seconds,
+    }
+    if error is not None:
+        out["error"] = error
+    return out
 
 
 def _manifest_dict(manifest: TenantManifest) -> dict[str, Any]:

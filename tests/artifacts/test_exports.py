@@ -13,7 +13,6 @@ from typing import Any
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load as st_load  # noqa: E402
@@ -32,24 +31,14 @@ from joynexus.artifacts.exports import (  # noqa: E402
 from joynexus.models.action_modules import build_action_module  # noqa: E402
 from joynexus.models.backbone import ResidentBackbone  # noqa: E402
 from joynexus.services.training import BackboneSource, TrainingModelService  # noqa: E402
-from tests.helpers import compiled_config  # noqa: E402
+from tests.helpers import compiled_config, random_microbatch  # noqa: E402
 
 LORA = {"kind": "lora", "rank": 4, "alpha": 8.0, "target_modules": ["k_proj", "q_proj", "up_proj"], "dropout": 0.0}
 TEXTS = ["pick up the cube", "push the t-shaped block into the goal region", ""]
 
 
 def _batch(config: Any, rows: int, seed: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    h, w = config.image_size
-    return {
-        "images": rng.random((rows, len(config.cameras), 3, h, w), dtype=np.float32),
-        "state": rng.standard_normal((rows, config.state_dim)).astype(np.float32),
-        "action": rng.uniform(-1, 1, (rows, config.action_chunk, config.action_dim)).astype(np.float32),
-        "action_is_pad": np.zeros((rows, config.action_chunk), dtype=bool),
-        "task": [TEXTS[(seed + i) % len(TEXTS)] for i in range(rows)],
-        "tenant_id": [config.tenant_id] * rows,
-        "schema_signature": [config.schema_signature] * rows,
-    }
+    return random_microbatch(config, rows, seed, tuple(TEXTS))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference import InferenceModelService
 from joynexus.services.training import BackboneSource, TrainingModelService
 from joynexus.spec import SpecError, parse_workload_spec
-from tests.helpers import TINY_MODEL_ID, sft_spec
+from tests.helpers import TINY_MODEL_ID, random_microbatch, sft_spec
+from tests.helpers import assert_state_close as _close
 
 ATOL = 1e-5
 # tenant -> (observation shape, module kind, adapter or None): two adapters of different ranks and
@@ -68,34 +69,7 @@ def _config(name: str, caps: BaseModelCapabilities, seed: int) -> Any:
 
 
 def _batch(config: Any, rows: int, seed: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    h, w = config.image_size
-    return {
-        "images": rng.random((rows, len(config.cameras), 3, h, w), dtype=np.float32),
-        "state": rng.standard_normal((rows, config.state_dim)).astype(np.float32),
-        "action": rng.uniform(-1, 1, (rows, config.action_chunk, config.action_dim)).astype(np.float32),
-        "action_is_pad": np.zeros((rows, config.action_chunk), dtype=bool),
-        "task": [TASKS[(seed + i) % len(TASKS)] for i in range(rows)],
-        "tenant_id": [config.tenant_id] * rows,
-        "schema_signature": [config.schema_signature] * rows,
-    }
-
-
-def _close(a: Any, b: Any, atol: float, where: str = "") -> None:
-    """Recursive comparison of tenant_state() values; atol=0 means bit-identical."""
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype, where
-        assert torch.allclose(a, b, rtol=0, atol=atol), f"{where}: max |diff| {(a - b).abs().max().item():.3g}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _close(a[key], b[key], atol, f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _close(x, y, atol, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    return random_microbatch(config, rows, seed, tuple(TASKS))
 
 
 def _base_weights(backbone: ResidentBackbone) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from joynexus.runtime import Settings
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference import InferenceModelService
 from joynexus.services.training import BackboneSource, TrainingModelService
-from tests.helpers import compiled_config
+from tests.helpers import compiled_config, random_microbatch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine: the cuda <-> cpu paths need one")
@@ -46,17 +46,7 @@ def _config(service: TrainingModelService, name: str, module: str = "oft_mlp") -
 
 
 def _batch(config: Any, rows: int = 4, seed: int = 0) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    h, w = config.image_size
-    return {
-        "images": rng.random((rows, len(config.cameras), 3, h, w), dtype=np.float32),
-        "state": rng.standard_normal((rows, config.state_dim)).astype(np.float32),
-        "action": rng.uniform(-1, 1, (rows, config.action_chunk, config.action_dim)).astype(np.float32),
-        "action_is_pad": np.zeros((rows, config.action_chunk), dtype=bool),
-        "task": ["pick up the cube"] * rows,
-        "tenant_id": [config.tenant_id] * rows,
-        "schema_signature": [config.schema_signature] * rows,
-    }
+    return random_microbatch(config, rows, seed)
 
 
 def _observations(config: Any, rows: int = 3) -> list[Observation]:

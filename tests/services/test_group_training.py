@@ -12,6 +12,7 @@ import torch
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.services.sft_producer import SFTProducer
 from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService, UnknownTenant
+from tests.helpers import assert_state_close as _assert_close
 
 # tenant -> (schema/dataset of conftest's TENANT_SHAPES, action-module kind): 2 schemas x 2 kinds.
 GROUP = {
@@ -66,23 +67,6 @@ def _with_tasks(data: dict[str, Any], offset: int) -> dict[str, Any]:
 
 def _batches(group, step: int, names=tuple(GROUP)) -> list[tuple[str, dict[str, Any]]]:
     return [(name, group["data"][name][step]) for name in names]
-
-
-def _assert_close(a: Any, b: Any, atol: float, where: str = "") -> None:
-    """Recursive comparison of tenant_state() values; atol=0 means bit-identical."""
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype, where
-        assert torch.allclose(a, b, rtol=0, atol=atol), f"{where}: max |diff| {(a - b).abs().max().item():.3g}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_close(a[key], b[key], atol, f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_close(x, y, atol, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _count_encodes(monkeypatch, service: TrainingModelService) -> list[int]:

@@ -26,7 +26,7 @@ from joynexus.services.inference import InferenceModelService
 from joynexus.services.tenant_residency import ResidencyLimits, TenantResidency, UnknownEntry
 from joynexus.services.training import BackboneSource, TrainingModelService, UnknownTenant
 from joynexus.spec import parse_workload_spec
-from tests.helpers import TINY_MODEL_ID, sft_spec
+from tests.helpers import TINY_MODEL_ID, random_microbatch, sft_spec
 
 TASKS = ("pick up the cube", "", "open the top drawer")
 # tenant -> (module kind, LoRA adapter or None): both module kinds, and an adapter tenant.
@@ -231,17 +231,7 @@ def _config(name: str, caps: BaseModelCapabilities, seed: int) -> Any:
 
 
 def _batch(config: Any, rows: int, seed: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    h, w = config.image_size
-    return {
-        "images": rng.random((rows, len(config.cameras), 3, h, w), dtype=np.float32),
-        "state": rng.standard_normal((rows, config.state_dim)).astype(np.float32),
-        "action": rng.uniform(-1, 1, (rows, config.action_chunk, config.action_dim)).astype(np.float32),
-        "action_is_pad": np.zeros((rows, config.action_chunk), dtype=bool),
-        "task": [TASKS[(seed + i) % len(TASKS)] for i in range(rows)],
-        "tenant_id": [config.tenant_id] * rows,
-        "schema_signature": [config.schema_signature] * rows,
-    }
+    return random_microbatch(config, rows, seed, tuple(TASKS))
 
 
 def _equal(a: Any, b: Any, where: str = "") -> None:
