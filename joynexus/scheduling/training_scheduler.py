@@ -164,29 +164,8 @@ class TrainingJob:
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> TrainingJob:
-        """From the table's column values by column name."""
-        return cls(
-            job_id=m["job_id"],
-            policy_key=m["policy_key"],
-            tenant_id=m["tenant_id"],
-            task_type=m["task_type"],
-            partition_id=m["partition_id"],
-            sample_count=m["sample_count"],
-            domain=m["domain"],
-            metadata=dict(m["metadata"] or {}),
-            priority=m["priority"],
-            created_seq=m["created_seq"],
-            ready_seq=m["ready_seq"],
-            behavior_policy_version=m["behavior_policy_version"],
-            max_policy_staleness=m["max_policy_staleness"],
-            producer_role=m["producer_role"],
-            consumer_role=m["consumer_role"],
-            state=m["state"],
-            lease_owner=m["lease_owner"],
-            terminal_reason=m["terminal_reason"],
-            result=dict(m["result"]) if m["result"] is not None else None,
-            attempts=m["attempts"] or 0,
-        )
+        """From the table's column values by column name (the same conversion as `from_tuple`)."""
+        return cls.from_tuple(tuple(m[column.name] for column in _JOBS.c))
 
 
 def policy_key(tenant_id: str, task_type: str) -> str:
