@@ -690,32 +690,38 @@ class TrainingModelService:
         encode_seconds: float,
     ) -> list[dict[str, Any]]:
         """`train_group`'s updates after a shared forward that carries adapter gradients. Tenants
-        without an adapter step at once on detached features (their module is not in the graph);
-        adapter tenants first all take their gradients, then all step."""
+        without an adapter update on detached features (their module is not in the graph) through
+        `_module_updates`, batched like any group; adapter tenants first all take their gradients,
+        then all step."""
         results: list[dict[str, Any] | None] = [None] * len(slots)
+        plain = [i for i, slot in enumerate(slots) if slot.adapter is None]
+        if plain:
+            updated = self._module_updates(
+                [slots[i] for i in plain],
+                [prepared[i] for i in plain],
+                [rows[i] for i in plain],
+                features.detach(),
+                encode_seconds,
+            )
+            for i, out in zip(plain, updated, strict=True):
+                results[i] = out
         waiting: list[tuple[int, float, float]] = []  # (index, loss, module seconds so far)
-
-        def result(slot: TenantSlot, loss: float | None, seconds: float, error: str | None) -> dict[str, Any]:
-            return _group_result(slot, loss, encode_seconds, seconds, error)
-
         for index, (slot, batch, own_rows) in enumerate(zip(slots, prepared, rows, strict=True)):
+            if slot.adapter is None:
+                continue
             started = time.perf_counter()
-            own = features.select(own_rows).trimmed()
             try:
-                if slot.adapter is None:
-                    loss = self._update(slot, own.detach(), batch)
-                    self._issue_version(slot)
-                    results[index] = result(slot, loss, time.perf_counter() - started, None)
-                else:
-                    waiting.append((index, self._gradients(slot, own, batch), time.perf_counter() - started))
+                own = features.select(own_rows).trimmed()
+                waiting.append((index, self._gradients(slot, own, batch), time.perf_counter() - started))
             except Exception as exc:
-                results[index] = result(slot, None, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+                error = f"{type(exc).__name__}: {exc}"
+                results[index] = _group_result(slot, None, encode_seconds, time.perf_counter() - started, error)
         for index, loss, seconds in waiting:
             slot = slots[index]
             started = time.perf_counter()
             self._apply_step(slot, prepared[index], loss)
             self._issue_version(slot)
-            results[index] = result(slot, loss, seconds + time.perf_counter() - started, None)
+            results[index] = _group_result(slot, loss, encode_seconds, seconds + time.perf_counter() - started, None)
         return [r for r in results if r is not None]
 
     def _gradients(self, slot: TenantSlot, features: BackboneFeatures, batch: _Microbatch) -> float:
