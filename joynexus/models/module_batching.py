@@ -21,10 +21,13 @@ architecture run as ONE computation over their parameters stacked along a leadin
   tenants x batch 1 (oft_mlp), vmap 1.66 ms vs bmm 1.05 ms vs per-tenant 2.61 ms (vmap adds a
   batching-rule dispatch per op and falls back to a loop for CPU flash attention); the same
   kernels run on CUDA. The module classes stay the per-tenant reference; tests hold the two equal
-  within float tolerance. What the flow expert's Euler loop does not change is computed once per
-  group: cross-attention keys/values of the backbone tokens, the state token, the masks, the time
-  embedding's share of the first MLP layer for every step; `action_in`, the LayerNorm affines and
-  the step size dt are folded into the linear layers they feed.
+  within float tolerance. What the flow expert's Euler loop does not change is computed once:
+  from the parameters alone (`_Kernel.derived`: the LayerNorm affines, `action_in` and the time
+  embedding's share of the first MLP layer for every step folded into the layers they feed; cached
+  with the inference stacks), per group call the cross-attention keys/values of the backbone
+  tokens, the state token and the masks; past the last self-attention the state token is dropped
+  (nothing kept depends on it). Attention over these few tokens is matmul + softmax over
+  G*B*H small matrices (faster than CPU SDPA here), the additive mask in the same `baddbmm`.
 * Rows: members have different row counts; each member's rows are padded to the group's largest
   count by repeating its first row (G, B_max, ...), and padding rows are dropped from outputs and
   excluded from losses. Padding (not a per-row weight gather) keeps every op a plain batched
@@ -82,6 +85,10 @@ __all__ = [
 ]
 
 StackedParameters = dict[str, torch.Tensor]
+
+# Prefix of the tensors a kernel derives from the stacked parameters alone (`_Kernel.derived`:
+# folded affines, per-step constants). No parameter name has it; cached with the inference stacks.
+_DERIVED = "~derived."
 
 
 def architecture_key(module: ActionModule) -> Hashable | None:
@@ -266,7 +273,7 @@ class StackedParameterCache:
                 self.hits += 1
                 return entry.params
         with torch.no_grad():
-            params = {name: value.detach() for name, value in stack_parameters(modules).items()}
+            params = _with_derived(modules, {name: value.detach() for name, value in stack_parameters(modules).items()})
         with self._lock:
             self.misses += 1
             self._entries[key] = _CacheEntry([weakref.ref(m) for m in modules], versions, params)
@@ -470,30 +477,55 @@ def _fold_norm(
     return gamma.unsqueeze(-1) * weight_t, folded_bias
 
 
+def _self_attention(
+    qkv: torch.Tensor, attend_mask: torch.Tensor | None, out_w: torch.Tensor, out_b: torch.Tensor, heads: int
+) -> torch.Tensor:
+    """nn.MultiheadAttention's self-attention from its packed projection `qkv` (G, B, L, 3E):
+    matmul -> (+ mask) -> softmax -> matmul over (G*B*H) small matrices, measured faster than
+    CPU SDPA at these sizes (a few tokens per row); `attend_mask` from `_head_mask`."""
+    g, b, length, three_e = qkv.shape
+    e = three_e // 3
+    hd = e // heads
+    # (G, B, L, 3, H, hd) -> three (G*B*H, L, hd) views/copies.
+    parts = qkv.view(g * b, length, 3, heads, hd).permute(2, 0, 3, 1, 4).reshape(3, g * b * heads, length, hd)
+    q, k, v = parts[0] * hd**-0.5, parts[1], parts[2]
+    if attend_mask is None:
+        scores = torch.bmm(q, k.transpose(1, 2))
+    else:
+        scores = torch.baddbmm(attend_mask, q, k.transpose(1, 2))
+    out = torch.bmm(scores.softmax(dim=-1), v).view(g * b, heads, length, hd)
+    return _linear(_merge_heads(out, g), out_w, out_b)
+
+
 def _attention(
     q: torch.Tensor,
-    keys: torch.Tensor | None,
-    values: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     attend_mask: torch.Tensor | None,
     out_w: torch.Tensor,
     out_b: torch.Tensor,
     heads: int,
 ) -> torch.Tensor:
-    """nn.MultiheadAttention from projected inputs: `q` (G, B, L, E), or (G, B, L, 3E) holding
-    q, k, v (self-attention: keys/values None); keys/values already split into heads."""
+    """nn.MultiheadAttention's cross-attention from projected queries `q` (G, B, L, E) and
+    `_cross_key_values`' prepared keys (transposed, pre-scaled) and values: matmul -> (+ mask) ->
+    softmax -> matmul, measured faster than CPU SDPA at these sizes (a few queries, tens of keys,
+    G*B*H small matrices); `attend_mask` from `_head_mask` (None: no padded key)."""
     g = q.shape[0]
-    if keys is None:
-        q, k, v = (_heads(part, heads) for part in q.split(q.shape[-1] // 3, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask)
-    else:
-        # Cross-attention to the backbone tokens from `_cross_key_values`' prepared keys (transposed,
-        # pre-scaled): matmul -> + mask -> softmax -> matmul, measured faster than CPU SDPA at these
-        # sizes (a few queries, tens of keys, G*B*H small matrices).
-        scores = torch.matmul(_heads(q, heads), keys)
-        if attend_mask is not None:
-            scores = scores + attend_mask
-        out = torch.matmul(scores.softmax(dim=-1), values)
+    gb, h, hd, length = keys.shape
+    q3 = _heads(q, heads).reshape(gb * h, -1, hd)
+    k3 = keys.view(gb * h, hd, length)
+    scores = torch.bmm(q3, k3) if attend_mask is None else torch.baddbmm(attend_mask, q3, k3)
+    out = torch.bmm(scores.softmax(dim=-1), values.view(gb * h, length, hd)).view(gb, h, -1, hd)
     return _linear(_merge_heads(out, g), out_w, out_b)
+
+
+def _head_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """(G, B, L) real-token mask -> an additive (G*B*H, 1, L) mask (0 / -inf), one row per
+    attention head: what `baddbmm` adds to the scores in the same op."""
+    g, b, length = mask.shape
+    additive = torch.zeros((g * b, 1, 1, length), dtype=dtype, device=mask.device)
+    additive.masked_fill_(~mask.reshape(g * b, 1, 1, length), float("-inf"))
+    return additive.expand(-1, heads, -1, -1).reshape(g * b * heads, 1, length)
 
 
 def _attend_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -545,6 +577,10 @@ class _Kernel(abc.ABC):
 
     def policy_mean(self, p: StackedParameters, cfg: ActionModuleConfig, x: GroupInputs) -> torch.Tensor:
         raise NotImplementedError(f"kind {cfg.kind!r} has no tractable action density")
+
+    def derived(self, p: StackedParameters, cfg: ActionModuleConfig) -> StackedParameters:
+        """Tensors computed from the parameters alone, keyed under `_DERIVED` (none by default)."""
+        return {}
 
 
 class _OFTKernel(_Kernel):
@@ -600,70 +636,96 @@ class _OFTKernel(_Kernel):
 
 class _FlowKernel(_Kernel):
     """`FlowMatchingActionModule` over stacked parameters. What is fixed over the Euler loop is
-    computed once per group: each block's cross-attention keys/values of the backbone tokens, the
-    state token, the attention mask, and the time embedding's part of the action/time MLP for
-    every step; `action_in` is folded into that MLP's first layer (both are linear). Per step the
-    loop runs only what depends on x_t."""
+    computed once: from the parameters alone (`derived`, cached with the inference stacks) each
+    pre-norm LayerNorm's affine folded into the projection it feeds, `action_in` folded into the
+    action/time MLP's first layer, and the time embedding's share of that layer for every Euler
+    step; per group call, each block's cross-attention keys/values of the backbone tokens, the state
+    token and the attention masks. Per step the loop runs only what depends on x_t."""
 
-    def _constants(
-        self, p: StackedParameters, cfg: ActionModuleConfig, x: GroupInputs, dims: _GroupDims
-    ) -> dict[str, Any]:
-        heads, w = cfg.preset.heads, cfg.preset.width
-        memory = _linear(
-            _layer_norm(x.tokens, p["memory_norm.weight"], p["memory_norm.bias"]),
-            p["memory_proj.weight"],
-            p["memory_proj.bias"],
-        )
+    def derived(self, p: StackedParameters, cfg: ActionModuleConfig) -> StackedParameters:
+        w, e = cfg.preset.width, cfg.preset.width
         first = p["action_time_mlp.0.weight"]  # (G, 2w, w): rows [:w] see action_in's output, [w:] the time
-        position = p["position"]  # (G, 1, n_tokens, w)
-        state_token = None
-        if cfg.state_dim > 0:
-            state_token = _linear(x.state, p["state_in.weight"], p["state_in.bias"]).unsqueeze(2) + position[:, :, :1]
-            position = position[:, :, 1:]
-        token_mask = None
-        if len(set(dims.chunks)) > 1:  # a member's chunk tokens past its own chunk are hidden
-            lead = 1 if cfg.state_dim > 0 else 0
-            real = torch.arange(lead + dims.chunk, device=memory.device).view(1, -1) < (
-                torch.tensor(dims.chunks, device=memory.device).view(-1, 1) + lead
-            )
-            token_mask = _attend_mask(real.unsqueeze(1).expand(-1, x.rows, -1), memory.dtype)
-        e = w
-        blocks = []
+        out: StackedParameters = {}
         for i in range(cfg.preset.depth):
             block = f"blocks.{i}."
             sa_w, sa_b = p[block + "self_attn.in_proj_weight"], p[block + "self_attn.in_proj_bias"]
             ca_w, ca_b = p[block + "multihead_attn.in_proj_weight"], p[block + "multihead_attn.in_proj_bias"]
             # Each pre-norm LayerNorm's affine folded into the projection it feeds (both are linear):
             # per step a block runs 3 plain normalizations instead of 3 normalize-scale-shifts.
+            folds = {
+                "qkv": _fold_norm(p, block + "norm1.", sa_w, sa_b),
+                "q": _fold_norm(p, block + "norm2.", ca_w[:, :, :e], ca_b[:, :e]),
+                "ff1": _fold_norm(p, block + "norm3.", p[block + "linear1.weight"], p[block + "linear1.bias"]),
+            }
+            for name, (weight, bias) in folds.items():
+                out[f"{_DERIVED}{block}{name}.weight"], out[f"{_DERIVED}{block}{name}.bias"] = weight, bias
+        out[_DERIVED + "out.weight"], out[_DERIVED + "out.bias"] = _fold_norm(
+            p, "out_norm.", p["velocity_out.weight"], p["velocity_out.bias"]
+        )
+        # action_in folded into the first layer: (x W_in + b_in) W_a = x (W_in W_a) + b_in W_a.
+        out[_DERIVED + "action.weight"] = torch.bmm(p["action_in.weight"], first[:, :w])
+        out[_DERIVED + "action.bias"] = torch.bmm(p["action_in.bias"].unsqueeze(1), first[:, :w])  # (G, 1, w)
+        # Every Euler step's time as the module makes it (torch.full(i * dt)), through the time
+        # embedding's part of the first layer: (G, steps, w).
+        steps = cfg.num_inference_steps
+        times = torch.tensor([i / steps for i in range(steps)], device=first.device).expand(first.shape[0], -1)
+        out[_DERIVED + "step_bias"] = self._time_bias(p, out, times, w)
+        return out
+
+    def _constants(
+        self, p: StackedParameters, cfg: ActionModuleConfig, x: GroupInputs, dims: _GroupDims
+    ) -> dict[str, Any]:
+        heads = cfg.preset.heads
+        memory = _linear(
+            _layer_norm(x.tokens, p["memory_norm.weight"], p["memory_norm.bias"]),
+            p["memory_proj.weight"],
+            p["memory_proj.bias"],
+        )
+        position = p["position"]  # (G, 1, n_tokens, w)
+        state_token = None
+        if cfg.state_dim > 0:
+            state_token = _linear(x.state, p["state_in.weight"], p["state_in.bias"]).unsqueeze(2) + position[:, :, :1]
+            position = position[:, :, 1:]
+        lead = 1 if cfg.state_dim > 0 else 0
+        token_mask = None
+        if len(set(dims.chunks)) > 1:  # a member's chunk tokens past its own chunk are hidden
+            real = torch.arange(lead + dims.chunk, device=memory.device).view(1, -1) < (
+                torch.tensor(dims.chunks, device=memory.device).view(-1, 1) + lead
+            )
+            token_mask = _head_mask(real.unsqueeze(1).expand(-1, x.rows, -1), heads, memory.dtype)
+        blocks = []
+        for i in range(cfg.preset.depth):
+            block = f"blocks.{i}."
+            ca = block + "multihead_attn."
             blocks.append(
                 {
-                    "qkv": _fold_norm(p, block + "norm1.", sa_w, sa_b),
-                    "q": _fold_norm(p, block + "norm2.", ca_w[:, :, :e], ca_b[:, :e]),
-                    "ff1": _fold_norm(p, block + "norm3.", p[block + "linear1.weight"], p[block + "linear1.bias"]),
-                    "kv": _cross_key_values(p, block + "multihead_attn.", memory, heads),
+                    "qkv": (p[f"{_DERIVED}{block}qkv.weight"], p[f"{_DERIVED}{block}qkv.bias"]),
+                    "q": (p[f"{_DERIVED}{block}q.weight"], p[f"{_DERIVED}{block}q.bias"]),
+                    "ff1": (p[f"{_DERIVED}{block}ff1.weight"], p[f"{_DERIVED}{block}ff1.bias"]),
+                    "kv": _cross_key_values(p, ca, memory, heads),
                     "sa_out": (p[block + "self_attn.out_proj.weight"], p[block + "self_attn.out_proj.bias"]),
-                    "ca_out": (p[block + "multihead_attn.out_proj.weight"], p[block + "multihead_attn.out_proj.bias"]),
+                    "ca_out": (p[ca + "out_proj.weight"], p[ca + "out_proj.bias"]),
                     "ff2": (p[block + "linear2.weight"], p[block + "linear2.bias"]),
                 }
             )
         return {
             "blocks": blocks,
-            "out": _fold_norm(p, "out_norm.", p["velocity_out.weight"], p["velocity_out.bias"]),
-            "mask": _attend_mask(x.mask, memory.dtype),
+            "out": (p[_DERIVED + "out.weight"], p[_DERIVED + "out.bias"]),
+            # Backbone padding positions, per head row; None when the group has none (no add at all).
+            "mask": None if bool(x.mask.all()) else _head_mask(x.mask, heads, memory.dtype),
             "token_mask": token_mask,
-            # action_in folded into the first layer: (x W_in + b_in) W_a = x (W_in W_a) + b_in W_a.
-            "action_w": torch.bmm(p["action_in.weight"], first[:, :w]),
-            "action_b": torch.bmm(p["action_in.bias"].unsqueeze(1), first[:, :w]),  # (G, 1, w)
-            "time_w": first[:, w:],
+            "action_w": p[_DERIVED + "action.weight"],
             "state_token": state_token,
             "position": position,
+            "lead": lead,
         }
 
-    def _time_bias(self, p: StackedParameters, c: dict[str, Any], t: torch.Tensor, width: int) -> torch.Tensor:
+    def _time_bias(self, p: StackedParameters, folded: StackedParameters, t: torch.Tensor, width: int) -> torch.Tensor:
         """The time embedding's contribution to the first MLP layer, + its bias and action_in's:
         t (G, N) -> (G, N, w)."""
         emb = _timestep_embedding(t, width)
-        return torch.baddbmm(p["action_time_mlp.0.bias"].unsqueeze(1) + c["action_b"], emb, c["time_w"])
+        bias = p["action_time_mlp.0.bias"].unsqueeze(1) + folded[_DERIVED + "action.bias"]
+        return torch.baddbmm(bias, emb, p["action_time_mlp.0.weight"][:, width:])
 
     def velocity(
         self,
@@ -681,10 +743,15 @@ class _FlowKernel(_Kernel):
         if c["state_token"] is not None:
             tokens = torch.cat([c["state_token"], tokens], dim=2)
         hidden = tokens
-        for blk in c["blocks"]:
+        last = len(c["blocks"]) - 1
+        for i, blk in enumerate(c["blocks"]):
             # nn.TransformerDecoderLayer, norm_first=True, dropout 0, gelu (norm affines folded).
             qkv = _linear(_normalize(hidden), *blk["qkv"])
-            hidden = hidden + _attention(qkv, None, None, c["token_mask"], *blk["sa_out"], heads)
+            hidden = hidden + _self_attention(qkv, c["token_mask"], *blk["sa_out"], heads)
+            if i == last and c["lead"]:
+                # Past the last self-attention the state token feeds nothing that is kept (every
+                # later op is per token, and its output is dropped): compute only the chunk tokens.
+                hidden = hidden[:, :, c["lead"] :]
             q = _linear(_normalize(hidden), *blk["q"])
             hidden = hidden + _attention(q, *blk["kv"], c["mask"], *blk["ca_out"], heads)
             inner = F.gelu(_linear(_normalize(hidden), *blk["ff1"]))
@@ -705,9 +772,7 @@ class _FlowKernel(_Kernel):
         c = self._constants(p, cfg, x, dims)
         steps = cfg.num_inference_steps
         dt = 1.0 / steps
-        # Every step's time at once, as the module makes them (torch.full(i * dt)): (G, steps, w).
-        times = torch.tensor([i * dt for i in range(steps)], device=noise.device).expand(x.groups, -1)
-        time_bias = self._time_bias(p, c, times, cfg.preset.width)
+        time_bias = p[_DERIVED + "step_bias"]  # (G, steps, w)
         out_w, out_b = c["out"]
         c["out"] = (out_w * dt, out_b * dt)  # the Euler step's dt folded into the velocity head
         out = noise
@@ -731,7 +796,7 @@ class _FlowKernel(_Kernel):
         tb = t.view(*t.shape, 1, 1)
         x_t = (1.0 - tb) * x0 + tb * x1
         c = self._constants(p, cfg, x, dims)
-        pred = self.velocity(p, cfg, c, x_t, self._time_bias(p, c, t, cfg.preset.width).unsqueeze(2))
+        pred = self.velocity(p, cfg, c, x_t, self._time_bias(p, p, t, cfg.preset.width).unsqueeze(2))
         own = dims.action_mask(pred.device)
         return _masked_means((pred - (x1 - x0)).pow(2), action_is_pad, x.valid, own)
 
@@ -752,6 +817,15 @@ def _kernel(modules: Sequence[ActionModule]) -> tuple[_Kernel, ActionModuleConfi
     return _KERNELS[type(modules[0])], cfg, dims
 
 
+def _with_derived(modules: Sequence[ActionModule], params: StackedParameters) -> StackedParameters:
+    """`params` plus its kernel's derived tensors, unless it carries them already (a cached stack)."""
+    if any(name.startswith(_DERIVED) for name in params):
+        return params
+    kernel, cfg, _ = _kernel(modules)
+    derived = kernel.derived(params, cfg)
+    return {**params, **derived} if derived else params
+
+
 # ------------------------------------------------------------------------------ entry points
 def group_predict(
     modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs, noise: torch.Tensor | None = None
@@ -761,7 +835,7 @@ def group_predict(
     expert's x0 per row, drawn by the caller with each module's `draw_noise`, zero-padded."""
     kernel, cfg, dims = _kernel(modules)
     with torch.no_grad():
-        return kernel.predict(params, cfg, inputs, noise, dims)
+        return kernel.predict(_with_derived(modules, params), cfg, inputs, noise, dims)
 
 
 def group_policy_mean(modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs) -> torch.Tensor:
@@ -847,4 +921,5 @@ def group_loss(
     padded_actions = pad_rows(list(actions), inputs.rows, (dims.chunk, dims.action)).to(device)
     # Steps past a member's own chunk count as padded: excluded from its loss.
     padded_pad = pad_rows(pads, inputs.rows, (dims.chunk,), value=True).to(device)
+    params = _with_derived(modules, params)  # with grad on: gradients flow through the folds too
     return kernel.loss(params, cfg, inputs, padded_actions, padded_pad, noise, dims)  # type: ignore[arg-type]

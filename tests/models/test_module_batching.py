@@ -20,7 +20,7 @@ from joynexus.models.backbone import BackboneFeatures
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference import InferenceModelService
 from joynexus.services.training import BackboneSource, TrainingModelService
-from tests.helpers import compiled_config
+from tests.helpers import assert_trained_state_close, compiled_config
 
 ATOL = 1e-5
 KINDS = ["oft_mlp", "flow_matching"]
@@ -121,6 +121,33 @@ def test_batched_predict_and_value_equal_each_module_alone(kind, value_head):
         torch.testing.assert_close(actions[g], expected, atol=ATOL, rtol=1e-4)
         if value_head:
             torch.testing.assert_close(values[g], module.value(own, state), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("state_dim,size", [(0, "tiny"), (3, "small")], ids=["no-state", "deeper"])
+def test_batched_flow_expert_without_a_state_token_or_deeper_equals_each_module_alone(state_dim, size):
+    """The flow kernel's state-token handling (none: no token to drop) and more blocks, from
+    parameters stacked without the cache (the kernel derives its folded constants itself)."""
+    modules = []
+    for seed, chunk in enumerate([3, 5]):
+        torch.manual_seed(seed)
+        cfg = _config("flow_matching", state_dim=state_dim, action_chunk=chunk, size=size, value_head=False)
+        modules.append(build_action_module(cfg).eval())
+    features = _features(3, 9, seed=4)
+    rows = [[0, 1], [2]]
+    states = [torch.randn(len(r), state_dim) for r in rows]
+    inputs = mb.gather_inputs(features, rows, states)
+    noise = mb.pad_rows(
+        [
+            m.draw_noise(len(r), torch.Generator().manual_seed(g))
+            for g, (m, r) in enumerate(zip(modules, rows, strict=True))
+        ],
+        inputs.rows,
+        _chunk_shape(modules),
+    )
+    actions = mb.unpad_actions(modules, inputs, mb.group_predict(modules, mb.stack_parameters(modules), inputs, noise))
+    for g, (module, own_rows, state) in enumerate(zip(modules, rows, states, strict=True)):
+        expected = module.predict(features.select(own_rows).trimmed(), state, torch.Generator().manual_seed(g))
+        torch.testing.assert_close(actions[g], expected, atol=ATOL, rtol=1e-4)
 
 
 def test_batched_gaussian_policy_equals_each_modules_distribution():
@@ -352,14 +379,9 @@ def test_grouped_training_batches_same_architecture_tenants_equal_to_serial_step
     # Training batches identical configs only: oft A, oft B, flow A; flow B alone runs per tenant.
     assert sorted(sizes) == [2, 2, 2, 2, 3, 3]
     for name in TENANTS:
-        want, got = serial.tenant_state(name), grouped.tenant_state(name)
-        for key, value in want["module"].items():
-            # AdamW divides by sqrt(v): a gradient that is 0 up to rounding (attention key biases:
-            # softmax ignores a shift shared by all keys) moves by up to lr in either path, also
-            # without module batching (a shared forward pads prompts). Everything else: tight.
-            atol = 1e-3 if key.endswith("in_proj_bias") else 5e-5
-            torch.testing.assert_close(got["module"][key], value, atol=atol, rtol=0, msg=f"{name}/{key}")
-        assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
+        # Rounding-level gradients (attention key biases) move by up to lr a step in either path.
+        steps = len(trainers["data"])
+        assert_trained_state_close(serial.tenant_state(name), grouped.tenant_state(name), 1e-3, steps, where=name)
 
 
 def test_a_poisoned_tenant_in_a_batched_group_is_isolated(trainers, monkeypatch):
