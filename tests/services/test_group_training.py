@@ -13,6 +13,7 @@ from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.services.sft_producer import SFTProducer
 from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService, UnknownTenant
 from tests.helpers import assert_state_close as _assert_close
+from tests.helpers import assert_trained_state_close
 
 # tenant -> (schema/dataset of conftest's TENANT_SHAPES, action-module kind): 2 schemas x 2 kinds.
 GROUP = {
@@ -100,7 +101,8 @@ def test_grouped_training_equals_serial_training_per_tenant(group):
             assert result["encode_seconds"] >= 0 and result["module_seconds"] >= 0
     for name in GROUP:
         state = grouped.tenant_state(name)
-        _assert_close(serial.tenant_state(name), state, ATOL, name)
+        lr = group["configs"][name].learning_rate
+        assert_trained_state_close(serial.tenant_state(name), state, lr, STEPS, where=name)
         assert any(not torch.equal(initial[name]["module"][k], v) for k, v in state["module"].items()), name
         assert grouped.tenant_status(name)["samples_trained"] == STEPS * ROWS[name]
 
@@ -184,7 +186,8 @@ def test_a_failing_tenant_keeps_its_slot_while_the_others_step(group, monkeypatc
             continue
         assert "error" not in by_tenant[name] and by_tenant[name]["version"] == 1
         serial.train_batch(name, data)
-        _assert_close(serial.tenant_state(name), grouped.tenant_state(name), ATOL, name)
+        lr = group["configs"][name].learning_rate
+        assert_trained_state_close(serial.tenant_state(name), grouped.tenant_state(name), lr, 1, where=name)
 
     # Once the fault is gone, the tenant trains again from its untouched slot.
     remove_fault()
