@@ -1,21 +1,28 @@
 """Tenant density (issue 14.5): bounded resident tenants with LRU paging to disk, in one run.
 
   .venv/bin/python benchmarks/density.py [--resident 1000] [--registered 10000] [--serving-registered 10000]
-                                         [--samples 200] [--module-size tiny] [--out var/benchmarks]
+                                         [--samples 200] [--max-active 64] [--module-size tiny]
+                                         [--out var/benchmarks]
 
 Tiny backbone, the smallest action module (`oft_mlp`, size "tiny": per-tenant Python objects weigh
 the most against its tensors), state-only tenants (no camera: the cheapest backbone forward, so a
 page-in weighs the most against it). One torch thread.
 
-1. Memory per extra tenant, Training Model Service (bound = --resident). Tenants are added and each
-   trained one step (so its AdamW moments exist). Between 10% and 100% of the bound, the growth per
-   tenant is measured two ways and divided by one tenant's module + optimizer bytes (parameters,
-   exp_avg, exp_avg_sq, step counts): (a) tracked tensor bytes, what the residency counts (every
-   tensor a resident slot holds: parameters, buffers, gradients, optimizer state); (b) process RSS
-   (psutil), which adds Python objects and allocator overhead. Goal: <= 1.1x.
+1. Memory per extra tenant, Training Model Service (resident bound = --resident). Tenants are added
+   and each trained one step (so its AdamW moments exist). Between 10% and 100% of the bound, the
+   growth per tenant is measured two ways and divided by one tenant's module + optimizer bytes
+   (parameters, exp_avg, exp_avg_sq, step counts): (a) tracked tensor bytes, what the residency
+   counts (every tensor a resident slot holds: parameters, buffers, gradients, optimizer state);
+   (b) process RSS (psutil), which adds Python objects and allocator overhead. Run twice, each in a
+   fresh process (so neither reuses memory the other freed): with the default active bound
+   (--max-active: all but that many resident slots packed into flat tensors) -- the headline, goal
+   <= 1.1x -- and with every resident slot active (module and AdamW as live objects), for comparison.
+   Then a packed tenant's first train_batch (materialized from its flat tensors, and the least
+   recently used active slot packed when the call returns) vs an active tenant's, interleaved.
 2. Registered tenants: tenants are added up to --registered while --resident stay in memory (the
    least recently used are paged out to the spill folder): RSS growth per paged-out tenant (the
-   bookkeeping left in memory) and spill bytes per tenant; then a paged-out tenant's first
+   bookkeeping left in memory, less what the resident tier shrinks by: the tenants left resident are
+   the new, untrained ones, without AdamW state) and spill bytes per tenant; then a paged-out tenant's first
    train_batch vs a resident tenant's (page-in, plus the page-out, a file write, of the least
    recently used: a training slot changes with every step, so every page-out writes it).
 3. Inference Model Service with --serving-registered serving states (payloads in the format
@@ -31,8 +38,10 @@ Every figure is a ratio of two things measured side by side in this run.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -53,6 +62,7 @@ from joynexus.master.tenant_creator import SpecCompiler  # noqa: E402
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module  # noqa: E402
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference import InferenceModelService  # noqa: E402
+from joynexus.services.slot_packing import DEFAULT_MAX_ACTIVE_TENANTS  # noqa: E402
 from joynexus.services.training import BackboneSource, TrainingModelService  # noqa: E402
 from joynexus.spec import WorkloadSpec  # noqa: E402
 
@@ -120,8 +130,34 @@ def summary(samples: list[float]) -> dict[str, float]:
     }
 
 
+def interleaved(
+    service: TrainingModelService, rng: np.random.Generator, by_id: dict[str, Any], measured: list[Any]
+) -> tuple[list[float], list[float]]:
+    """First train_batch seconds of each `measured` tenant and, beside it, of the most recently used
+    tenant (the reference: resident and active, and it stays so), alternating which goes first.
+    Returns (reference seconds, measured seconds)."""
+    reference_samples, measured_samples = [], []
+    for k, config in enumerate(measured):
+        reference = by_id[service._slots.resident_keys()[-1]]
+        jobs = [("reference", reference), ("measured", config)]
+        for kind, job in jobs if k % 2 else reversed(jobs):
+            data = batch(job, 4, rng)
+            started = time.perf_counter()
+            service.train_batch(job.tenant_id, data)
+            (reference_samples if kind == "reference" else measured_samples).append(time.perf_counter() - started)
+    return reference_samples, measured_samples
+
+
 # ------------------------------------------------------------------------------ training service
-def training_density(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def in_fresh_process(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a new interpreter: its RSS growth is its own, not memory another run freed."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(function, *args).result()
+
+
+def training_density(args: argparse.Namespace, tmp: Path, max_active: int, memory_only: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)
     service = TrainingModelService(
         BackboneSource(preset="tiny"),
         tmp / "checkpoints",
@@ -129,6 +165,7 @@ def training_density(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         placement="cpu",
         max_resident_tenants=args.resident,
         spill_dir=tmp / "spill",
+        max_active_tenants=max_active,
     )
     base = tenant_config(service.capabilities(), args.module_size)
     rng = np.random.default_rng(0)
@@ -154,6 +191,8 @@ def training_density(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     one = module_plus_optimizer_bytes(service, configs[-1].tenant_id)
     memory = {
         "resident_tenants": service.residency_stats()["resident"],
+        "max_active_tenants": max_active,
+        "active_tenants": len(service._active),
         "module_plus_optimizer_bytes": one,
         "tracked_bytes_per_tenant": (tracked1 - tracked0) / extra,
         "rss_bytes_per_tenant": (rss1 - rss0) / extra,
@@ -161,34 +200,46 @@ def training_density(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "rss_ratio": (rss1 - rss0) / extra / one,
         "seconds_per_tenant_add_and_train": seconds_per_trained_tenant,
     }
+    if memory_only:
+        service._slots.close()
+        return {"memory": memory}
 
+    # A packed tenant's first train_batch vs an active one's, interleaved. Packed: resident but not
+    # active, never used since it was packed (least recently used first).
+    by_id = {c.tenant_id: c for c in configs}
+    packed = [c for c in configs if c.tenant_id not in service._active]
+    active_samples, packed_samples = interleaved(service, rng, by_id, packed[: args.samples])
+    packed_first_step = {
+        "packed_tenants": len(packed),
+        "active_tenants": len(service._active),
+        "active": summary(active_samples),
+        "packed_first": summary(packed_samples),
+        "median_ratio": statistics.median(packed_samples) / statistics.median(active_samples),
+    }
+
+    # The paged-out tenants' growth from here (past the packed-latency runs above). The slots left
+    # resident are the new, untrained tenants (no AdamW state yet): the resident tier shrinks meanwhile.
+    rss_before = rss()
     seconds_per_registration = add(args.registered - args.resident, train=False)
-    rss2 = rss()
     stats = service.residency_stats()
+    rss2 = rss()
     paged = stats["paged_out"]
+    per_paged_out = (rss2 - rss_before) / max(paged, 1)
     registered = {
         "registered_tenants": stats["registered"],
         "resident_tenants": stats["resident"],
         "paged_out_tenants": paged,
-        "rss_bytes_per_paged_out_tenant": (rss2 - rss1) / max(paged, 1),
-        "rss_per_paged_out_vs_resident_tenant": (rss2 - rss1) / max(paged, 1) / max((rss1 - rss0) / extra, 1),
+        "rss_bytes_per_paged_out_tenant": per_paged_out,
+        "rss_per_paged_out_vs_resident_tenant": per_paged_out / max((rss1 - rss0) / extra, 1),
         "spill_bytes_per_paged_out_tenant": stats["spill_bytes"] / max(paged, 1),
         "seconds_per_registration": seconds_per_registration,
     }
 
     # A paged-out tenant's first train_batch vs a resident one's, interleaved. Resident: the most
     # recently used (the next page-in never evicts it); paged out: never used since its page-out.
-    never_used = [c for c in configs[: args.registered - args.resident] if not service._slots.is_resident(c.tenant_id)]
-    resident_samples, paged_samples = [], []
     by_id = {c.tenant_id: c for c in configs}
-    for k in range(min(args.samples, len(never_used))):
-        resident_id = service._slots.resident_keys()[-1]
-        jobs = [("resident", by_id[resident_id]), ("paged", never_used[k])]
-        for kind, config in jobs if k % 2 else reversed(jobs):
-            data = batch(config, 4, rng)
-            started = time.perf_counter()
-            service.train_batch(config.tenant_id, data)
-            (resident_samples if kind == "resident" else paged_samples).append(time.perf_counter() - started)
+    never_used = [c for c in configs[: args.registered - args.resident] if not service._slots.is_resident(c.tenant_id)]
+    resident_samples, paged_samples = interleaved(service, rng, by_id, never_used[: args.samples])
     first_step = {
         "resident": summary(resident_samples),
         "paged_out_first": summary(paged_samples),
@@ -197,7 +248,12 @@ def training_density(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     final = service.residency_stats()
     first_step["page_ins"], first_step["page_outs"] = final["page_ins"], final["page_outs"]
     service._slots.close()
-    return {"memory": memory, "registered": registered, "train_batch_latency": first_step}
+    return {
+        "memory": memory,
+        "packed_train_batch_latency": packed_first_step,
+        "registered": registered,
+        "train_batch_latency": first_step,
+    }
 
 
 # ----------------------------------------------------------------------------- inference service
@@ -288,24 +344,40 @@ def main() -> None:
     parser.add_argument("--registered", type=int, default=10_000, help="tenants added to the Training Model Service")
     parser.add_argument("--serving-registered", type=int, default=10_000, help="serving states loaded for inference")
     parser.add_argument("--samples", type=int, default=200, help="latency pairs per measurement")
+    parser.add_argument(
+        "--max-active", type=int, default=DEFAULT_MAX_ACTIVE_TENANTS, help="active training slots (the rest packed)"
+    )
     parser.add_argument("--module-size", default="tiny", choices=["tiny", "small", "base"], help="action module size")
     parser.add_argument("--out", type=Path, default=None, help="folder for density.json")
     args = parser.parse_args()
     if not 1 <= args.resident < min(args.registered, args.serving_registered):
         parser.error("--resident must be >= 1 and below --registered and --serving-registered")
+    if not 1 <= args.max_active < args.resident:
+        parser.error("--max-active must be >= 1 and below --resident")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="joynexus-density-") as tmp:
         started = time.perf_counter()
-        training = training_density(args, Path(tmp) / "training")
+        training = in_fresh_process(training_density, args, Path(tmp) / "training", args.max_active, False)
+        # Every resident slot active: the memory a slot costs without packing.
+        all_active = in_fresh_process(training_density, args, Path(tmp) / "all-active", args.resident, True)
+        training["memory_all_active"] = all_active["memory"]
         inference = serving_latency(args, Path(tmp) / "inference")
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "training": training, "inference": inference}
     report["seconds"] = time.perf_counter() - started
     print(json.dumps(report, indent=2))
     mem, reg, lat = training["memory"], training["registered"], training["train_batch_latency"]
+    active, packed = training["memory_all_active"], training["packed_train_batch_latency"]
     print("\n== tenant density ==")
     print(f"module + optimizer of one tenant:        {mem['module_plus_optimizer_bytes'] / 1024:.1f} KiB")
-    print(f"memory per extra tenant, tracked tensors: {mem['tracked_ratio']:.3f}x  (goal <= 1.1x)")
-    print(f"memory per extra tenant, process RSS:     {mem['rss_ratio']:.3f}x")
+    print(
+        f"memory per extra resident tenant, {mem['active_tenants']} of {mem['resident_tenants']} active: "
+        f"{mem['rss_ratio']:.3f}x process RSS (goal <= 1.1x), {mem['tracked_ratio']:.3f}x tracked tensors"
+    )
+    print(
+        f"memory per extra ACTIVE tenant (all {active['resident_tenants']} active): "
+        f"{active['rss_ratio']:.3f}x process RSS, {active['tracked_ratio']:.3f}x tracked tensors"
+    )
+    print(f"first train_batch packed / active:        {packed['median_ratio']:.2f}x (median)")
     print(f"resident / registered tenants (training): {reg['resident_tenants']} / {reg['registered_tenants']}")
     print(f"RSS per paged-out tenant vs resident:     {reg['rss_per_paged_out_vs_resident_tenant']:.3f}x")
     print(f"first train_batch paged-out / resident:   {lat['median_ratio']:.2f}x (median)")

@@ -200,6 +200,11 @@ class Settings(BaseModel):
     max_resident_serving: int = Field(
         default_factory=lambda: _env_int("JOYNEXUS_MAX_RESIDENT_SERVING", 1024), ge=1, validate_default=True
     )
+    # Of the resident training slots, how many keep their module and optimizer as live objects (vLLM's
+    # max_loras); the least recently used others are packed into flat tensors (~10% less memory each).
+    max_active_tenants: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_MAX_ACTIVE_TENANTS", 64), ge=1, validate_default=True
+    )
     spill_dir: Path | None = Field(
         default_factory=lambda: Path(v).resolve() if (v := os.environ.get("JOYNEXUS_SPILL_DIR", "").strip()) else None
     )

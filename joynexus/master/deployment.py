@@ -94,6 +94,7 @@ class Deployment:
             placement=DevicePlacement.from_settings(settings),
             max_resident_tenants=settings.max_resident_tenants,
             spill_dir=settings.resolved_spill_dir,
+            max_active_tenants=settings.max_active_tenants,
         )
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
         service = service_handle(TrainingModelService, SerializedService(local_training))
@@ -140,6 +141,7 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
         placement=DevicePlacement.from_settings(settings),  # resolved in the actor's process
         max_resident_tenants=settings.max_resident_tenants,
         spill_dir=str(settings.resolved_spill_dir),
+        max_active_tenants=settings.max_active_tenants,
     )
     if settings.inference_scaling.max_replicas > 1:  # replicas behind one front (issue 12)
         inference = inference_replica_set_actor(

@@ -12,6 +12,11 @@ them), with a local disk folder as the second tier:
   everything else as JSON in the file's metadata), written atomically (a temporary file, then
   `os.replace`), so a page-in never reads a torn file.
 
+The Training Model Service splits its resident tier in two (`slot_packing`): at most
+`max_active_tenants` slots are active (module and AdamW as live objects), the other resident ones
+are packed into a few flat tensors and materialized, without a copy, on use. So a training slot is
+active, packed resident, or paged out; that split is the service's business, not this module's.
+
 Using an entry (`use`) pages it in if needed and makes it the most recently used; when a bound is
 exceeded the least recently used entry that is neither pinned nor refused by its pager is paged out.
 A pinned entry (a tenant in the middle of a training step, a serving state with a request queued or

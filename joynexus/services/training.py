@@ -13,20 +13,28 @@ parameters join the tenant's AdamW, its forward runs with autograd through the b
 (the base weights stay frozen and shared), and the slot's state dict — the module's tensors plus the
 adapter's under `adapter/` — is what is versioned, checkpointed, exported and loaded for serving.
 
-Tenant density (issue 14.5): at most `max_resident_tenants` slots stay in memory; the least recently
-used beyond it are paged out to a spill folder (module, AdamW state, adapter, counters: exactly) and
-paged back in on next use (`tenant_residency`, `_SlotPager`). A slot a call uses stays pinned until
-that call returns, so a step never runs on a slot that is being paged out.
+Tenant density (issue 14.5): a slot is in one of three tiers, each bounded, least recently used first
+out (vLLM's `max_loras` / `max_cpu_loras` and a disk tier behind them):
+
+- active (at most `max_active_tenants`): module and AdamW are live objects, ready to step;
+- packed resident (up to `max_resident_tenants` in all): the same numbers in a few flat tensors
+  (`slot_packing`), materialized without a copy (views of those tensors) when the slot is used;
+- paged out: the rest, one file each in a spill folder, paged back in exactly on next use
+  (`tenant_residency`, `_SlotPager`).
+
+A slot a call uses stays pinned until that call returns, so a step never runs on a slot that is being
+packed or paged out; slots with a LoRA adapter or pending gradients are never packed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,6 +62,7 @@ from joynexus.models.module_batching import gather_inputs, group_by_architecture
 from joynexus.models.placement import DevicePlacement, cpu_copy
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import TrainingJob
+from joynexus.services.slot_packing import DEFAULT_MAX_ACTIVE_TENANTS, ActiveSlots, PackedTrainingState
 from joynexus.services.tenant_residency import (
     DEFAULT_MAX_RESIDENT_TENANTS,
     ResidencyLimits,
@@ -101,25 +110,138 @@ class UnknownTenant(TenantSlotError, KeyError):
         super().__init__(f"tenant {tenant_id!r} has no slot in this Training Model Service")
 
 
-@dataclass
 class TenantSlot:
-    config: TenantBackendConfig
-    module: ActionModule
-    optimizer: torch.optim.Optimizer
-    version: int = 0  # the version of the weights the slot holds now
-    # Highest version number ever issued for this tenant (>= version; higher after a restore from an
-    # older checkpoint): the next version is issued_version + 1, so no number is reused.
-    issued_version: int = 0
-    optimizer_steps: int = 0
-    jobs_completed: int = 0
-    samples_trained: int = 0
-    losses: list[float] = field(default_factory=list)
-    # The tenant's LoRA adapter on the shared backbone (its key there is the tenant id); None: none.
-    adapter: LoraAdapterConfig | None = None
-    adapter_parameters: list[torch.nn.Parameter] = field(default_factory=list)
-    # When the weights of `version` were made (an export's created_at: exports of one version are
-    # byte-identical); restored from the checkpoint with the version.
-    version_created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    """One tenant's training state: its module and optimizer, counters, loss history, LoRA adapter.
+
+    The module and optimizer are either live objects (active) or packed into flat tensors
+    (`PackedTrainingState`); reading `module` or `optimizer` materializes a packed slot (views of
+    its flat tensors, no copy) and reports it to `active_tier`, so callers never see the difference.
+    A slot with a LoRA adapter is never packed (its adapter's parameters live on the backbone)."""
+
+    __slots__ = (
+        "_lock",
+        "_module",
+        "_optimizer",
+        "_packed",
+        "active_tier",
+        "adapter",
+        "adapter_parameters",
+        "config",
+        "issued_version",
+        "jobs_completed",
+        "losses",
+        "optimizer_steps",
+        "samples_trained",
+        "version",
+        "version_created_at",
+    )
+
+    def __init__(
+        self,
+        config: TenantBackendConfig,
+        module: ActionModule | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        version: int = 0,
+        issued_version: int = 0,
+        optimizer_steps: int = 0,
+        jobs_completed: int = 0,
+        samples_trained: int = 0,
+        losses: list[float] | None = None,
+        adapter: LoraAdapterConfig | None = None,
+        adapter_parameters: list[torch.nn.Parameter] | None = None,
+        version_created_at: str | None = None,
+        *,
+        packed: PackedTrainingState | None = None,
+        active_tier: ActiveSlots | None = None,
+    ) -> None:
+        """Either `module` and `optimizer` (active) or `packed`. `active_tier`: told when a packed
+        slot is materialized (None: nobody tracks it)."""
+        if (module is None or optimizer is None) == (packed is None):
+            raise ValueError("TenantSlot: give either module and optimizer, or packed")
+        if packed is not None and adapter is not None:
+            raise ValueError("TenantSlot: a slot with a LoRA adapter is never packed")
+        self.config = config
+        self._module, self._optimizer, self._packed = module, optimizer, packed
+        self._lock = threading.Lock()
+        self.active_tier = active_tier
+        self.version = version  # the version of the weights the slot holds now
+        # Highest version number ever issued for this tenant (>= version; higher after a restore from
+        # an older checkpoint): the next version is issued_version + 1, so no number is reused.
+        self.issued_version = issued_version
+        self.optimizer_steps = optimizer_steps
+        self.jobs_completed = jobs_completed
+        self.samples_trained = samples_trained
+        self.losses = [] if losses is None else losses
+        # The tenant's LoRA adapter on the shared backbone (its key there is the tenant id); None: none.
+        self.adapter = adapter
+        self.adapter_parameters = [] if adapter_parameters is None else adapter_parameters
+        # When the weights of `version` were made (an export's created_at: exports of one version are
+        # byte-identical); restored from the checkpoint with the version.
+        self.version_created_at = datetime.now(UTC).isoformat() if version_created_at is None else version_created_at
+
+    @property
+    def module(self) -> ActionModule:
+        module = self._module
+        return module if module is not None else self._materialize()[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self._optimizer
+        return optimizer if optimizer is not None else self._materialize()[1]
+
+    @property
+    def is_active(self) -> bool:
+        """Module and optimizer are live objects (not only packed)."""
+        return self._module is not None
+
+    @property
+    def packed_state(self) -> PackedTrainingState | None:
+        """The flat tensors: the slot's numbers while packed; while active, the storage its tensors
+        are views of (None before the slot was first packed)."""
+        return self._packed
+
+    def _materialize(self) -> tuple[ActionModule, torch.optim.Optimizer]:
+        with self._lock:
+            if self._module is None:
+                assert self._packed is not None
+                self._module, self._optimizer = self._packed.materialize()
+            module, optimizer = self._module, self._optimizer
+        if self.active_tier is not None:
+            self.active_tier.activated(self.config.tenant_id)
+        assert optimizer is not None
+        return module, optimizer
+
+    def pack(self) -> PackedTrainingState:
+        """Drop the module and optimizer objects, keeping their numbers in flat tensors (no copy for
+        tensors that are views of them already). Gradients are dropped: only for a slot at rest."""
+        with self._lock:
+            if self.adapter is not None:
+                raise TenantSlotError(f"tenant {self.config.tenant_id!r}: a slot with a LoRA adapter is never packed")
+            if self._module is not None:
+                assert self._optimizer is not None
+                self._packed = PackedTrainingState.pack(self._module, self._optimizer, self._packed)
+                self._module = self._optimizer = None
+            assert self._packed is not None
+            return self._packed
+
+    def zero_grad_if_active(self) -> None:
+        """Free the gradients of a live optimizer (a packed slot holds none)."""
+        with self._lock:
+            if self._optimizer is not None:
+                self._optimizer.zero_grad(set_to_none=True)
+
+    def nbytes(self) -> int:
+        """Bytes of tensors the slot holds: packed, its flat tensors; active, its parameters, buffers,
+        gradients and optimizer state (views of the flat tensors counted once)."""
+        with self._lock:
+            module, optimizer, packed = self._module, self._optimizer, self._packed
+        if module is None or optimizer is None:
+            assert packed is not None
+            return packed.nbytes
+        params = [*module.parameters(), *self.adapter_parameters]
+        moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        live = [*params, *module.buffers(), *(p.grad for p in params), *moments]
+        return tensor_bytes(live) if packed is None else packed.bytes_with(live)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """Everything the tenant trains: its module's parameters, then its adapter's."""
@@ -164,13 +286,18 @@ class TrainingModelService:
         max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS,
         max_resident_tenant_bytes: int | None = None,
         spill_dir: str | Path | None = None,
+        max_active_tenants: int = DEFAULT_MAX_ACTIVE_TENANTS,
     ):
         """`placement`: the device (and backbone dtype) of everything this service computes with:
         backbone, tenant modules, adapters, AdamW state, microbatches; None: what JOYNEXUS_DEVICE /
         JOYNEXUS_DTYPE say ("auto": a GPU this process sees, else the CPU). What leaves is CPU tensors.
         `max_resident_tenants` / `max_resident_tenant_bytes`: how many tenant slots (and bytes of
         their tensors) stay in memory; the least recently used beyond them are paged out to a folder
-        under `spill_dir` (None: a temporary folder) and paged back in, exactly, on next use."""
+        under `spill_dir` (None: a temporary folder) and paged back in, exactly, on next use.
+        `max_active_tenants`: how many resident slots keep their module and optimizer as live objects;
+        the least recently used others are packed into flat tensors (materialized again on use)."""
+        # The active tier's bound, checked first: a bad value fails before the backbone is built.
+        self._active = ActiveSlots(max_active_tenants, "max_active_tenants")
         if num_threads:
             torch.set_num_threads(num_threads)
         source = (
@@ -271,7 +398,7 @@ class TrainingModelService:
         module = module.to(self.device)
         if config.adapter is None:
             optimizer = torch.optim.AdamW(module.parameters(), lr=config.learning_rate)
-            slot = TenantSlot(config=config, module=module, optimizer=optimizer)
+            slot = TenantSlot(config=config, module=module, optimizer=optimizer, active_tier=self._active)
         else:
             adapter = LoraAdapterConfig.model_validate(config.adapter)
             # Initialized from the tenant's seed (peft: A Kaiming-uniform, B zero: a no-op at first).
@@ -298,6 +425,8 @@ class TrainingModelService:
         # crash with other weights: continue numbering after every version ever issued.
         slot.issued_version = max(slot.version, self.checkpoints.issued_version(config.tenant_id) or 0)
         self._slots.add(config.tenant_id, slot)  # resident; beyond the bound the least recently used slot pages out
+        if slot.adapter is None:  # active until it falls beyond max_active_tenants (adapter slots stay so)
+            self._active.activated(config.tenant_id)
         return {"tenant_id": config.tenant_id, "version": slot.version, "resumed": resumed}
 
     def _restore(self, slot: TenantSlot) -> None:
@@ -363,6 +492,7 @@ class TrainingModelService:
         if tenant_id not in self._slots:
             return False
         self._slots.remove(tenant_id)
+        self._active.discard(tenant_id)
         # A resident adapter tenant's adapter is on the backbone (a paged-out one's left with its page-out).
         self.backbone.adapters.remove(tenant_id)
         return True
@@ -379,11 +509,35 @@ class TrainingModelService:
     def _slot(self, tenant_id: str) -> TenantSlot:
         """The tenant's slot, paged in (exactly as it was paged out) if it was not resident, now the
         most recently used. It stays pinned in memory until the public call that asked for it returns
-        (`pin_during_calls` below the class), so a step never runs on a slot that was paged out."""
+        (`pin_during_calls` below the class), so a step never runs on a slot that was paged out. A
+        packed slot materializes when its module or optimizer is first read."""
         try:
-            return self._slots.use(tenant_id)
+            slot = self._slots.use(tenant_id)
         except UnknownEntry:
             raise UnknownTenant(tenant_id) from None
+        self._active.touch(tenant_id)
+        return slot
+
+    def _pack_least_recent(self) -> None:
+        """Pack the least recently used active slots beyond `max_active_tenants` that are free to go:
+        not pinned (a call is using it), no pending gradients, no LoRA adapter. Runs when a slot's
+        last pin goes (`_SlotPager.at_rest`), under the residency's lock, so no call can take one of
+        these slots between the check and its packing."""
+        over, candidates = self._active.excess()
+        pending = self._pending_gradients()
+        for tenant_id in candidates:
+            if over <= 0:
+                return
+            slot = self._slots.peek(tenant_id)
+            if slot is None or slot.adapter is not None or not slot.is_active:  # paged out, or never packable
+                self._active.discard(tenant_id)
+                over -= 1
+                continue
+            if tenant_id in pending or self._slots.pins(tenant_id) > 0:
+                continue
+            slot.pack()
+            self._active.discard(tenant_id)
+            over -= 1
 
     def residency_stats(self) -> dict[str, Any]:
         """Tenant slots in memory and paged out: counts, bytes, hits, page-ins and page-outs."""
@@ -869,7 +1023,11 @@ class TrainingModelService:
 
     def save(self, tenant_ids: list[str] | None = None, include_optim: bool = True) -> list[dict[str, Any]]:
         ids = sorted(self._slots) if tenant_ids is None else tenant_ids
-        return [_manifest_dict(self._save_slot(self._slot(t), include_optim)) for t in ids]
+        manifests = []
+        for tenant_id in ids:  # one tenant pinned at a time: its pin's release packs it again past the bound
+            with self._slots.scope():
+                manifests.append(_manifest_dict(self._save_slot(self._slot(tenant_id), include_optim)))
+        return manifests
 
     def _save_slot(self, slot: TenantSlot, include_optim: bool) -> TenantManifest:
         """Checkpoints are immutable per version: saving an already-saved version returns its manifest."""
@@ -1076,14 +1234,16 @@ def _check_annotations(data: dict[str, Any], tenant_id: str, signature: str) -> 
 
 
 class _SlotPager:
-    """How a tenant slot leaves memory and comes back bit-exact (`TenantResidency`'s pager): the
-    module's tensors, the AdamW state (moments, step counts and hyperparameters, in the checkpoint
-    codec's pickle-free form), a LoRA adapter's tensors, the counters and the loss history.
+    """How a tenant slot leaves memory and comes back bit-exact (`TenantResidency`'s pager).
 
-    LoRA adapter slots page out too: their adapter leaves the shared backbone (every routed forward
-    and every adapter add/remove costs more with each adapter on it) and is re-injected with its
-    tensors on page-in; the optimizer is rebuilt over the new parameters in the same order, so its
-    state maps back one to one."""
+    A slot without an adapter is packed first (free when it is packed already) and its flat tensors
+    are written as they are (`PackedTrainingState.to_tensors`); it comes back packed, and
+    materializes on first use. A LoRA adapter slot writes its module's tensors, the AdamW state (in
+    the checkpoint codec's pickle-free form) and its adapter's tensors; its adapter leaves the
+    shared backbone (every routed forward and every adapter add/remove costs more with each adapter
+    on it) and is re-injected with its tensors on page-in, the optimizer rebuilt over the new
+    parameters in the same order, so its state maps back one to one. Both forms keep the counters
+    and the loss history."""
 
     immutable = False  # a slot changes with every step: each page-out writes it again
 
@@ -1091,9 +1251,7 @@ class _SlotPager:
         self._service = service
 
     def nbytes(self, slot: TenantSlot) -> int:
-        params = slot.parameters()
-        moments = [t for state in slot.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        return tensor_bytes([*params, *slot.module.buffers(), *(p.grad for p in params), *moments])
+        return slot.nbytes()
 
     def can_page_out(self, tenant_id: str, slot: TenantSlot) -> bool:
         # forward_backward's gradients wait in the parameters for optim_step: mid-step, so stay.
@@ -1102,40 +1260,58 @@ class _SlotPager:
     def at_rest(self, tenant_id: str, slot: TenantSlot) -> None:
         # A slot between calls holds no gradients (every step starts by zeroing them): 1/4 less memory.
         if tenant_id not in self._service._pending_gradients():
-            slot.optimizer.zero_grad(set_to_none=True)
+            slot.zero_grad_if_active()
+        # A call released a slot: pack the active slots that are now beyond the bound.
+        self._service._pack_least_recent()
 
     def spill(self, tenant_id: str, slot: TenantSlot) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = {f"module/{k}": v for k, v in slot.module.state_dict().items()}
-        optimizer_tensors, optimizer_doc = _encode_optimizer_state(slot.optimizer.state_dict())
-        tensors.update({f"optimizer/{k}": v for k, v in optimizer_tensors.items()})
-        if slot.adapter is not None:
+        if slot.adapter is None:
+            tensors, packed_meta = slot.pack().to_tensors()
+            tensors = {f"packed/{k}": v for k, v in tensors.items()}
+            meta: dict[str, Any] = {"packed": packed_meta}
+        else:
+            tensors = {f"module/{k}": v for k, v in slot.module.state_dict().items()}
+            optimizer_tensors, optimizer_doc = _encode_optimizer_state(slot.optimizer.state_dict())
+            tensors.update({f"optimizer/{k}": v for k, v in optimizer_tensors.items()})
             adapter = self._service.backbone.adapters.state_dict(tenant_id)
             tensors.update({f"adapter/{k}": v for k, v in adapter.items()})
+            meta = {"optimizer": optimizer_doc, "training": slot.module.training}
         tensors["losses"] = torch.tensor(slot.losses, dtype=torch.float64)  # python floats, exactly
-        meta = {
-            "config": slot.config.model_dump(mode="json"),
-            "optimizer": optimizer_doc,
-            "training": slot.module.training,
-            "version": slot.version,
-            "issued_version": slot.issued_version,
-            "optimizer_steps": slot.optimizer_steps,
-            "jobs_completed": slot.jobs_completed,
-            "samples_trained": slot.samples_trained,
-            "version_created_at": slot.version_created_at,
-        }
+        meta.update(
+            config=slot.config.model_dump(mode="json"),
+            version=slot.version,
+            issued_version=slot.issued_version,
+            optimizer_steps=slot.optimizer_steps,
+            jobs_completed=slot.jobs_completed,
+            samples_trained=slot.samples_trained,
+            version_created_at=slot.version_created_at,
+        )
         return tensors, meta
 
     def evicted(self, tenant_id: str, slot: TenantSlot) -> None:
+        self._service._active.discard(tenant_id)
         if slot.adapter is not None:
             self._service.backbone.adapters.remove(tenant_id)
 
     def restore(self, tenant_id: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> TenantSlot:
-        parts: dict[str, dict[str, torch.Tensor]] = {"module": {}, "optimizer": {}, "adapter": {}}
+        parts: dict[str, dict[str, torch.Tensor]] = {"module": {}, "optimizer": {}, "adapter": {}, "packed": {}}
         for name, tensor in tensors.items():
             part, _, key = name.partition("/")
             if key:
                 parts[part][key] = tensor
         config = TenantBackendConfig.model_validate(meta["config"])
+        counters = {
+            "version": int(meta["version"]),
+            "issued_version": int(meta["issued_version"]),
+            "optimizer_steps": int(meta["optimizer_steps"]),
+            "jobs_completed": int(meta["jobs_completed"]),
+            "samples_trained": int(meta["samples_trained"]),
+            "losses": tensors["losses"].tolist(),
+            "version_created_at": str(meta["version_created_at"]),
+        }
+        if "packed" in meta:  # back as it left: packed (materialized on first use)
+            packed = PackedTrainingState.from_tensors(parts["packed"], meta["packed"], self._service.device)
+            return TenantSlot(config, packed=packed, active_tier=self._service._active, **counters)
         module_config = ActionModuleConfig.model_validate(config.action_module)
         module = rebuild_module(lambda: build_action_module(module_config), parts["module"], self._service.device)
         module.train(bool(meta["training"]))
@@ -1154,26 +1330,14 @@ class _SlotPager:
             if adapter is not None:
                 self._service.backbone.adapters.remove(tenant_id)
             raise
-        return TenantSlot(
-            config=config,
-            module=module,
-            optimizer=optimizer,
-            version=int(meta["version"]),
-            issued_version=int(meta["issued_version"]),
-            optimizer_steps=int(meta["optimizer_steps"]),
-            jobs_completed=int(meta["jobs_completed"]),
-            samples_trained=int(meta["samples_trained"]),
-            losses=tensors["losses"].tolist(),
-            adapter=adapter,
-            adapter_parameters=adapter_parameters,
-            version_created_at=str(meta["version_created_at"]),
-        )
+        return TenantSlot(config, module, optimizer, adapter=adapter, adapter_parameters=adapter_parameters, **counters)
 
 
 # Every public call pins the slots it uses (through _slot) until it returns: a slot is never paged out
 # in the middle of a step, even when one call (train_group) uses more tenants than the resident bound.
-# Not `save`: it takes tenants one at a time (each saved before the next is used), and pinning all of
-# them would page every tenant in at once. Not `heartbeat`: it uses no slot and must never wait.
+# Not `save`: it pins tenants one at a time, each in its own scope (each saved before the next is
+# used); one scope for all of them would page every tenant in at once. Not `heartbeat`: it uses no
+# slot and must never wait.
 pin_during_calls(TrainingModelService, "_slots", exclude=("heartbeat", "save"))
 
 
@@ -1190,10 +1354,12 @@ def training_service_actor(
     placement: DevicePlacement | None = None,
     max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS,
     spill_dir: str | None = None,
+    max_active_tenants: int = DEFAULT_MAX_ACTIVE_TENANTS,
 ):  # type: ignore[no-untyped-def]
     """Get or create the named Training Model Service actor (Ray must be initialized). `placement`
     is resolved in the actor's process ("auto": a GPU if Ray gave the actor one, else the CPU).
-    `max_resident_tenants`, `spill_dir`: the resident bound of tenant slots and where the rest page out."""
+    `max_resident_tenants`, `spill_dir`: the resident bound of tenant slots and where the rest page out;
+    `max_active_tenants`: how many resident slots stay active (the others are packed)."""
     from joynexus.runtime import named_actor
 
     return named_actor(
@@ -1210,4 +1376,5 @@ def training_service_actor(
         placement=placement,
         max_resident_tenants=max_resident_tenants,
         spill_dir=spill_dir,
+        max_active_tenants=max_active_tenants,
     )
