@@ -352,11 +352,12 @@ def loss_curves(tmp: Path, steps: int, out: Path) -> dict:
     }
 
 
-def under_load(tmp: Path, kind: str, seconds: float, rounds: int) -> dict[str, dict[str, float]]:
+def under_load(tmp: Path, kind: str, seconds: float, rounds: int, wait_ms: float = 5.0) -> dict[str, dict[str, float]]:
     """8 tenants of one module kind, batch-1 requests from 8 concurrent callers, grouped (B = 8,
-    T = 2 ms) vs one at a time (B = 1), in alternating rounds so load drifts hit both alike."""
+    T = `wait_ms`, the service's default 5 ms) vs one at a time (B = 1), in alternating rounds so
+    load drifts hit both alike."""
     rng = np.random.default_rng(3)
-    modes = (("one-at-a-time", 1, 0.0), ("group batching", 8, 2.0))
+    modes = (("one-at-a-time", 1, 0.0), ("group batching", 8, wait_ms))
     obs = [observations(i, 1, rng) for i in range(8)]
     pooled: dict[str, dict[str, float | list[float]]] = {
         label: {"latencies": [], "elapsed": 0.0, "busy": 0.0, "batches": 0, "samples": 0, "wait_ms": wait_ms}
@@ -416,18 +417,8 @@ def under_load(tmp: Path, kind: str, seconds: float, rounds: int) -> dict[str, d
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer configurations and repeats (a smoke run)")
-    parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "work"
-    tenants, batches = ([2, 8], [1, 4]) if args.quick else ([2, 4, 6, 8], [1, 2, 4, 8])
-    repeats = 3 if args.quick else args.repeats
-
+def parts_one_to_three(args, tmp: Path, tenants, batches, repeats) -> tuple[list[dict], dict, dict]:
+    """Shared-forward throughput (1), the forward-time breakdown (2) and the loss curves (3)."""
     print("== 1. shared-forward throughput, grouped vs serial through the Inference Model Service")
     print("   cells: speedup | bare-backbone bound | share of it (goal >= 90%) || batched module-decode speedup")
     rows = throughput_table(["tiny", "small"], ["oft_mlp", "flow_matching"], tenants, batches, repeats, tmp)
@@ -489,10 +480,36 @@ def main() -> None:
         print(f"  {tenant}: loss {first:.4f} -> {last:.4f} grouped ({curves['last_serial'][tenant]:.4f} serial)")
     print(f"  plot: {args.out / 'loss_curves.png'}  numbers: {args.out / 'loss_curves.csv'}")
 
+    return rows, split, curves
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer configurations and repeats (a smoke run)")
+    parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--load-wait-ms", type=float, default=5.0, help="the grouped service's max wait T in the load test (default 5)"
+    )
+    parser.add_argument("--only-load", action="store_true", help="run only the load test (part 4)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / "work"
+    tenants, batches = ([2, 8], [1, 4]) if args.quick else ([2, 4, 6, 8], [1, 2, 4, 8])
+    repeats = 3 if args.quick else args.repeats
+
+    rows: list[dict] = []
+    split: dict = {}
+    curves: dict = {}
+    if not args.only_load:
+        rows, split, curves = parts_one_to_three(args, tmp, tenants, batches, repeats)
     print("\n== 4. inference service under load: 8 tenants, batch-1 requests, 8 concurrent callers")
     load = {}
     for kind in ("oft_mlp", "flow_matching"):
-        load[kind] = by_mode = under_load(tmp, kind, 3.0 if args.quick else 6.0, 1 if args.quick else 2)
+        load[kind] = by_mode = under_load(
+            tmp, kind, 3.0 if args.quick else 6.0, 1 if args.quick else 2, wait_ms=args.load_wait_ms
+        )
         for label, r in by_mode.items():
             print(
                 f"  {kind:13} {label:15} {r['requests_per_s']:7.1f} req/s  p50 {r['p50_ms']:6.1f} ms  "
