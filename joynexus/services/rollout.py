@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,13 +105,18 @@ class _EnvGroup:
     def __init__(self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0):
         self.env, self.config = env, config
         self.ids: list[str] = []
-        try:
-            for i in range(n):
-                sim = simulator_config(config, seed_offset=seed_offset + i)
-                self.ids.append(env.open_session(config.tenant_id, rollout_id, sim))
-        except BaseException:
+        # All n sessions start at once: each is a worker process that imports and builds its
+        # simulator (~0.7 s of CPU for gym-pusht), so one after another they made a rollout's start
+        # n times that long; the service opens sessions concurrently (its own lock per session).
+        sims = [simulator_config(config, seed_offset=seed_offset + i) for i in range(n)]
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"open-{config.tenant_id}") as pool:
+            futures = [pool.submit(env.open_session, config.tenant_id, rollout_id, sim) for sim in sims]
+        opened = [f.result() for f in futures if f.exception() is None]
+        self.ids = opened  # in env order when all opened (seeds follow the index); closed on failure
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failed is not None:
             self.close()
-            raise
+            raise failed
         spec = env.spec(config.tenant_id, self.ids[0])
         # Policies act in [-1, 1] per action dimension; the simulator's own bounds may differ
         # (gym-pusht takes pixel targets in [0, 512]), so actions are mapped affinely.

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
 
 from joynexus.master.deployment import Deployment
 from joynexus.master.workloads import WorkloadManager
-from joynexus.runtime import Settings
+from joynexus.runtime import Settings, handle_of
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY
 from joynexus.services.actor_loop import ActorLoop
 from joynexus.services.advantage_stage import AdvantageStage
@@ -162,3 +163,46 @@ def test_rl_workload_publishes_each_update_and_evaluation_runs_beside_it(dep):
     finally:
         manager.stop()
     assert np.isfinite(evaluation.result["mean_return"])
+
+
+def test_a_rollout_opens_its_sessions_at_once_and_closes_them_if_one_fails(dep, monkeypatch):
+    """A rollout's sessions start concurrently (each is a simulator process starting up); if one
+    cannot open, the ones that did are closed and the rollout fails cleanly."""
+    dep.creator.create(rl_spec("opener"))
+    _, producer, _, _ = parts(dep, "opener")
+    env = dep.environment_service
+    service = handle_of(env).target  # the in-process EnvironmentService behind the handle
+    real_open = service.open_session
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+    refuse = [False]
+
+    def counting_open(tenant_id, rollout_id, config):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            calls = in_flight[0]
+        try:
+            if refuse[0] and calls == 1:
+                raise ValueError("config: this simulator cannot start now")
+            return real_open(tenant_id, rollout_id, config)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(service, "open_session", counting_open)
+    try:
+        assert producer.produce_once().state == NEEDS_ADVANTAGES
+        assert most[0] == 2  # both envs' sessions were starting at the same time
+        opened = {s["session_id"] for s in env.sessions("opener")}
+        assert opened == set(producer._envs.ids) and len(opened) == 2
+        producer.close()
+        assert env.sessions("opener") == []
+
+        refuse[0], most[0] = True, 0
+        with pytest.raises(ValueError, match="cannot start now"):
+            producer.produce_once()
+        assert env.sessions("opener") == []  # the session that did open was closed again
+        assert [j.state for j in dep.scheduler.jobs(tenant_id="opener")].count(FAILED) == 1
+    finally:
+        producer.close()
