@@ -218,6 +218,7 @@ class RunMeasure:
     load_average: tuple[float, float]  # the machine's 1-minute load average at submit and at the end
     cpu_by_process: dict[str, float] = field(default_factory=dict)  # per process (Ray: per actor, driver)
     mode: str = "ray"
+    completions_s: dict[str, list[float]] = field(default_factory=dict)  # per tenant: job completion times
 
     @property
     def cores_used(self) -> float:
@@ -364,13 +365,15 @@ def run_deployment(
             if sampler is not None:
                 stop_profile(sampler)
         cpu_by_process = {k: cpu_end[k] - cpu_start[k] for k in cpu_end}
-        completions = [
-            event["time"]
+        timeline = {
+            status.tenant_id: sorted(
+                event["time"] - started
+                for event in master.workload_events(status.workload_id, 0)
+                if event["kind"] == "job_completed"
+            )
             for status in submitted
-            for event in master.workload_events(status.workload_id, 0)
-            if event["kind"] == "job_completed"
-        ]
-        wall = max(completions) - started
+        }
+        wall = max(t for times in timeline.values() for t in times)
         stats = cluster.inference.stats()
         scheduler = deployment.scheduler
         works: dict[str, TenantWork] = {}
@@ -403,6 +406,7 @@ def run_deployment(
             load_average=(load_start, os.getloadavg()[0]),
             cpu_by_process=cpu_by_process,
             mode=mode,
+            completions_s=timeline,
         )
         if keep is not None:
             keep(deployment)
@@ -1212,7 +1216,8 @@ def measure_pair(
             together = run_deployment(
                 "together (JoyNexus)", specs, Path(tmp), timeout_s, keep=keep, mode=mode, profile=profile
             )
-        print(f"  together: {together.wall_s:.2f} s", flush=True)
+        finished = ", ".join(f"{tid} {times[-1]:.1f} s" for tid, times in together.completions_s.items() if times)
+        print(f"  together: {together.wall_s:.2f} s (last update per tenant: {finished})", flush=True)
 
     for run in (run_together, run_isolated) if together_first else (run_isolated, run_together):
         run()
