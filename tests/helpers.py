@@ -108,6 +108,24 @@ def random_microbatch(
     }
 
 
+def assert_state_equal(a: Any, b: Any, where: str = "") -> None:
+    """Bit-identical nested state (tenant_state() values): tensors by dtype, shape and torch.equal;
+    lists and tuples by type and length; everything else by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_state_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def assert_state_close(a: Any, b: Any, atol: float, where: str = "") -> None:
     """Recursive comparison of tenant_state() values; atol=0 means bit-identical."""
     if isinstance(a, torch.Tensor):

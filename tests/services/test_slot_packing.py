@@ -24,26 +24,10 @@ from joynexus.services.slot_packing import ActiveSlots, PackedTrainingState
 from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService
 from joynexus.spec import parse_workload_spec
 from tests.helpers import TINY_MODEL_ID, random_microbatch, sft_spec
+from tests.helpers import assert_state_equal as _equal
 
 TASKS = ("pick up the cube", "", "open the top drawer")
 LORA = {"kind": "lora", "rank": 2, "alpha": 4.0, "target_modules": ["q_proj", "v_proj"]}
-
-
-def _equal(a: Any, b: Any, where: str = "") -> None:
-    """Bit-identical nested state: tensors by dtype, shape and torch.equal; everything else by ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # ------------------------------------------------------------------------- the packed form

@@ -27,6 +27,7 @@ from joynexus.services.tenant_residency import ResidencyLimits, TenantResidency,
 from joynexus.services.training import BackboneSource, TrainingModelService, UnknownTenant
 from joynexus.spec import parse_workload_spec
 from tests.helpers import TINY_MODEL_ID, random_microbatch, sft_spec
+from tests.helpers import assert_state_equal as _equal
 
 TASKS = ("pick up the cube", "", "open the top drawer")
 # tenant -> (module kind, LoRA adapter or None): both module kinds, and an adapter tenant.
@@ -232,22 +233,6 @@ def _config(name: str, caps: BaseModelCapabilities, seed: int) -> Any:
 
 def _batch(config: Any, rows: int, seed: int) -> dict[str, Any]:
     return random_microbatch(config, rows, seed, tuple(TASKS))
-
-
-def _equal(a: Any, b: Any, where: str = "") -> None:
-    """Bit-identical tenant_state() values."""
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _training(tmp_path, name: str, caps, **kwargs: Any) -> tuple[TrainingModelService, dict[str, Any]]:
