@@ -177,3 +177,18 @@ def assert_trained_state_close(
             f"{where}/{key}: max |diff| {diff.max().item():.3g} "
             f"({int((diff > bound).sum())} of {a.numel()} elements over their bound)"
         )
+
+
+def interface_config(name: str, caps: Any, kind: str, seed: int, adapter: dict[str, Any] | None = None) -> Any:
+    """A tenant compiled by the real spec compiler for the tiny backbone's capabilities `caps`,
+    interface only (no dataset), then typed as an SFT tenant with `seed`; `adapter`: a LoRA spec."""
+    from joynexus.core.tenants import BackendCapabilities
+    from joynexus.master.tenant_creator import SpecCompiler
+    from joynexus.spec import parse_workload_spec
+
+    spec = sft_spec(name, "/unused", base_model=TINY_MODEL_ID, module=kind)
+    spec.update(task="eval", dataset=None)  # compile the interface only
+    if adapter is not None:
+        spec["adapter"] = adapter
+    config = SpecCompiler(BackendCapabilities.single(caps)).compile(parse_workload_spec(spec))
+    return config.model_copy(update={"task_type": "sft", "seed": seed})

@@ -17,13 +17,11 @@ import torch
 from safetensors import safe_open
 
 from joynexus.artifacts import decode_tenant_payload
-from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
-from joynexus.master.tenant_creator import SpecCompiler
+from joynexus.core.tenants import BaseModelCapabilities
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module
 from joynexus.services.slot_packing import ActiveSlots, PackedTrainingState
 from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService
-from joynexus.spec import parse_workload_spec
-from tests.helpers import TINY_MODEL_ID, random_microbatch, sft_spec
+from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
 
 TASKS = ("pick up the cube", "", "open the top drawer")
@@ -165,12 +163,7 @@ def caps() -> BaseModelCapabilities:
 
 
 def _config(name: str, caps: BaseModelCapabilities, kind: str, seed: int, adapter: dict | None = None) -> Any:
-    spec = sft_spec(name, "/unused", base_model=TINY_MODEL_ID, module=kind)
-    spec.update(task="eval", dataset=None)  # compile the interface only
-    if adapter is not None:
-        spec["adapter"] = adapter
-    config = SpecCompiler(BackendCapabilities.single(caps)).compile(parse_workload_spec(spec))
-    return config.model_copy(update={"task_type": "sft", "seed": seed})
+    return interface_config(name, caps, kind, seed, adapter)
 
 
 def _service(tmp_path, name: str, configs: dict[str, Any], **kwargs: Any) -> TrainingModelService:

@@ -19,14 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
-from joynexus.master.tenant_creator import SpecCompiler
+from joynexus.core.tenants import BaseModelCapabilities
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference import InferenceModelService
 from joynexus.services.tenant_residency import ResidencyLimits, TenantResidency, UnknownEntry
 from joynexus.services.training import BackboneSource, TrainingModelService, UnknownTenant
-from joynexus.spec import parse_workload_spec
-from tests.helpers import TINY_MODEL_ID, random_microbatch, sft_spec
+from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
 
 TASKS = ("pick up the cube", "", "open the top drawer")
@@ -223,12 +221,7 @@ def caps() -> BaseModelCapabilities:
 
 def _config(name: str, caps: BaseModelCapabilities, seed: int) -> Any:
     kind, adapter = TENANTS[name]
-    spec = sft_spec(name, "/unused", base_model=TINY_MODEL_ID, module=kind)
-    spec.update(task="eval", dataset=None)  # compile the interface only
-    if adapter is not None:
-        spec["adapter"] = adapter
-    config = SpecCompiler(BackendCapabilities.single(caps)).compile(parse_workload_spec(spec))
-    return config.model_copy(update={"task_type": "sft", "seed": seed})
+    return interface_config(name, caps, kind, seed, adapter)
 
 
 def _batch(config: Any, rows: int, seed: int) -> dict[str, Any]:
