@@ -273,7 +273,9 @@ class StackedParameterCache:
                 self.hits += 1
                 return entry.params
         with torch.no_grad():
-            params = _with_derived(modules, {name: value.detach() for name, value in stack_parameters(modules).items()})
+            kernel, cfg, _ = _kernel(modules)
+            stacked = {name: value.detach() for name, value in stack_parameters(modules).items()}
+            params = _with_derived(kernel, cfg, stacked)
         with self._lock:
             self.misses += 1
             self._entries[key] = _CacheEntry([weakref.ref(m) for m in modules], versions, params)
@@ -817,11 +819,10 @@ def _kernel(modules: Sequence[ActionModule]) -> tuple[_Kernel, ActionModuleConfi
     return _KERNELS[type(modules[0])], cfg, dims
 
 
-def _with_derived(modules: Sequence[ActionModule], params: StackedParameters) -> StackedParameters:
-    """`params` plus its kernel's derived tensors, unless it carries them already (a cached stack)."""
+def _with_derived(kernel: _Kernel, cfg: ActionModuleConfig, params: StackedParameters) -> StackedParameters:
+    """`params` plus `kernel`'s derived tensors, unless it carries them already (a cached stack)."""
     if any(name.startswith(_DERIVED) for name in params):
         return params
-    kernel, cfg, _ = _kernel(modules)
     derived = kernel.derived(params, cfg)
     return {**params, **derived} if derived else params
 
@@ -835,7 +836,7 @@ def group_predict(
     expert's x0 per row, drawn by the caller with each module's `draw_noise`, zero-padded."""
     kernel, cfg, dims = _kernel(modules)
     with torch.no_grad():
-        return kernel.predict(_with_derived(modules, params), cfg, inputs, noise, dims)
+        return kernel.predict(_with_derived(kernel, cfg, params), cfg, inputs, noise, dims)
 
 
 def group_policy_mean(modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs) -> torch.Tensor:
@@ -921,5 +922,5 @@ def group_loss(
     padded_actions = pad_rows(list(actions), inputs.rows, (dims.chunk, dims.action)).to(device)
     # Steps past a member's own chunk count as padded: excluded from its loss.
     padded_pad = pad_rows(pads, inputs.rows, (dims.chunk,), value=True).to(device)
-    params = _with_derived(modules, params)  # with grad on: gradients flow through the folds too
+    params = _with_derived(kernel, cfg, params)  # with grad on: gradients flow through the folds too
     return kernel.loss(params, cfg, inputs, padded_actions, padded_pad, noise, dims)  # type: ignore[arg-type]
