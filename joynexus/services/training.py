@@ -524,6 +524,8 @@ class TrainingModelService:
         last pin goes (`_SlotPager.at_rest`), under the residency's lock, so no call can take one of
         these slots between the check and its packing."""
         over, candidates = self._active.excess()
+        if over <= 0:  # the common case: every slot's release calls this
+            return
         pending = self._pending_gradients()
         for tenant_id in candidates:
             if over <= 0:
