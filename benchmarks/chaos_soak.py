@@ -40,7 +40,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from joynexus.connect import Cluster, ray_cluster  # noqa: E402
 from joynexus.master.health import HealthOptions  # noqa: E402
 from joynexus.master.service import MasterOptions  # noqa: E402
-from joynexus.runtime import Settings  # noqa: E402
+from joynexus.settings import Settings
 
 KILL_ORDER = ("training_service", "training_queue", "inference_service", "environment_service", "master")
 FINAL = ("completed", "failed", "cancelled")

@@ -61,9 +61,9 @@ from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities  # 
 from joynexus.master.tenant_creator import SpecCompiler  # noqa: E402
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module  # noqa: E402
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
-from joynexus.services.inference import InferenceModelService  # noqa: E402
-from joynexus.services.slot_packing import DEFAULT_MAX_ACTIVE_TENANTS  # noqa: E402
-from joynexus.services.training import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.inference.service import InferenceModelService  # noqa: E402
+from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS  # noqa: E402
+from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
 from joynexus.spec import WorkloadSpec  # noqa: E402
 
 STATE_DIM, ACTION_DIM, CHUNK = 4, 2, 2

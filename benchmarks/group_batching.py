@@ -41,8 +41,8 @@ from joynexus.master.tenant_creator import SpecCompiler
 from joynexus.models import module_batching  # noqa: E402
 from joynexus.models.backbone import ResidentBackbone  # noqa: E402
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
-from joynexus.services.inference import InferenceModelService  # noqa: E402
-from joynexus.services.training import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.inference.service import InferenceModelService  # noqa: E402
+from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
 from joynexus.spec import WorkloadSpec  # noqa: E402
 
 # Two schemas alternate across tenants, so every grouped batch mixes camera sets, image sizes,

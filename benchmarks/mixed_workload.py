@@ -273,7 +273,7 @@ class OpenDeployment:
 
     def inference_batching(self) -> tuple[int, float]:
         """(B, T) of the Inference Model Service: its attributes, read in its own process on Ray."""
-        from joynexus.runtime import handle_of
+        from joynexus.actors import handle_of
 
         handle = handle_of(self.cluster.inference)
         if not handle.is_remote:
@@ -289,7 +289,7 @@ def open_deployment(mode: str, data_dir: Path) -> Iterator[OpenDeployment]:
     """A fresh deployment in `data_dir`, closed after. `ray`: the services and the Master Service as
     Ray actors (each its own process) in a namespace of their own, killed after; `inprocess`: every
     service a local object of this process."""
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     if mode == "inprocess":
         from joynexus.connect import in_process
@@ -484,8 +484,8 @@ def fit_affine(points: list[tuple[int, float]]) -> tuple[float, float, float]:
 def measure_batch_model(cluster: Any, tenant_id: str, repeats: int, max_batch: int) -> dict[str, Any]:
     """Shared-forward time of b single-observation requests (the rollout pattern), read as the
     Inference Model Service's busy-seconds delta of a round that formed exactly one batch."""
+    from joynexus.master.loops.rollout import predict_many
     from joynexus.scheduling.inference_queue import Observation
-    from joynexus.services.rollout import predict_many
 
     rng = np.random.default_rng(0)
     config = cluster.master.get_tenant(tenant_id).backend_config

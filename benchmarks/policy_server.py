@@ -200,7 +200,7 @@ def start_server(data_dir: Path) -> tuple[Any, Any, str, Any]:
 
     from joynexus.api.app import ApiSettings, create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     services = ApiServices.in_process(Settings(data_dir=data_dir))
     app = create_app(services, ApiSettings(), admin_key=ADMIN_KEY)
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
-    from joynexus.runtime import handle_of
+    from joynexus.actors import handle_of
 
     with tempfile.TemporaryDirectory(prefix="joynexus-policy-server-") as tmp:
         services, server, url, thread = start_server(Path(tmp))

@@ -32,7 +32,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from joynexus.connect import in_process  # noqa: E402
-from joynexus.runtime import Settings  # noqa: E402
+from joynexus.settings import Settings
 from recipes.main_job import reach_rl_spec  # noqa: E402
 
 

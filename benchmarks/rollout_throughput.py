@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from joynexus.master.deployment import Deployment  # noqa: E402
-from joynexus.runtime import Settings  # noqa: E402
-from joynexus.services.inference import InferenceModelService  # noqa: E402
-from joynexus.services.rollout import RolloutProducer  # noqa: E402
-from joynexus.services.training import BackboneSource  # noqa: E402
+from joynexus.master.loops.rollout import RolloutProducer  # noqa: E402
+from joynexus.services.inference.service import InferenceModelService  # noqa: E402
+from joynexus.services.training.service import BackboneSource  # noqa: E402
+from joynexus.settings import Settings
 
 TASKS = {
     "pusht PushT-reach-v0 (camera 32x32)": {

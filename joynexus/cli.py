@@ -32,7 +32,7 @@ _DATA_DIR_DEFAULT = "$JOYNEXUS_DATA_DIR or ./var"
 
 
 def _deploy_settings(data_dir: Path | None):  # type: ignore[no-untyped-def]
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     return Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
 

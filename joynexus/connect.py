@@ -22,16 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from joynexus.actors import service_handle
 from joynexus.artifacts import CheckpointStore
-from joynexus.runtime import Settings, service_handle
+from joynexus.settings import Settings
 
 if TYPE_CHECKING:
     from joynexus.master.service import MasterOptions, MasterService
-    from joynexus.master.workloads import WorkloadStatus
+    from joynexus.master.workloads.manager import WorkloadStatus
     from joynexus.scheduling.training_queue import TrainingQueueClient
-    from joynexus.services.environment import EnvironmentService
-    from joynexus.services.inference import InferenceModelService
-    from joynexus.services.training import TrainingModelService
+    from joynexus.services.environment.service import EnvironmentService
+    from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.training.service import TrainingModelService
 
 Mode = Literal["auto", "ray", "in-process"]
 FINAL_STATES = ("completed", "failed", "cancelled")
@@ -139,9 +140,9 @@ def ray_cluster(
     from joynexus.master.deployment import create_service_actors
     from joynexus.master.service import MasterService, master_service_actor
     from joynexus.scheduling.training_queue import TrainingQueueClient
-    from joynexus.services.environment import EnvironmentService
-    from joynexus.services.inference import InferenceModelService
-    from joynexus.services.training import TrainingModelService
+    from joynexus.services.environment.service import EnvironmentService
+    from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.training.service import TrainingModelService
 
     with _create_lock:
         queue, training, inference, environment = create_service_actors(settings, detached=detached)

@@ -30,8 +30,8 @@ from rich.table import Table
 
 from joynexus.connect import Cluster, connect
 from joynexus.core.tenants import Tenant
-from joynexus.master.workloads import WorkloadStatus
-from joynexus.runtime import Settings
+from joynexus.master.workloads.manager import WorkloadStatus
+from joynexus.settings import Settings
 
 
 @dataclass(frozen=True)

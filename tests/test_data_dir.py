@@ -12,7 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from joynexus.runtime import Settings
+from joynexus.settings import Settings
 
 
 class Captured(Exception):

@@ -41,7 +41,7 @@ def test_an_example_spec_parses(path: Path) -> None:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     from joynexus.master.deployment import Deployment
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     dep = Deployment.in_process(Settings(data_dir=tmp_path_factory.mktemp("examples"), torch_threads=1))
     yield dep

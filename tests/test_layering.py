@@ -28,7 +28,8 @@ LOWER_LAYERS = (
     "joynexus.protocol",
     "joynexus.spec",
     "joynexus.schema",
-    "joynexus.runtime",
+    "joynexus.settings",
+    "joynexus.actors",
 )
 UPPER_LAYERS = (
     "joynexus.master",

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import ray
 
+from joynexus.actors import init_ray
 from joynexus.registry import registered_model_name
-from joynexus.runtime import Settings, init_ray
 from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueClient, training_queue_actor
+from joynexus.settings import Settings
 from recipes.main_job import DEMO_TENANTS, run_demo
 
 

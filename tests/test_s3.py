@@ -206,10 +206,10 @@ def test_sft_workload_checkpoints_and_registers_through_s3(tmp_path, s3_endpoint
     MLflow logs the payload into s3://<bucket>/mlflow, and the version fetched back by alias loads
     into the Inference Model Service and predicts exactly what the trained slot predicts."""
     from joynexus.master.deployment import Deployment
-    from joynexus.master.workloads import WorkloadManager
+    from joynexus.master.workloads.manager import WorkloadManager
     from joynexus.registry import CHAMPION_ALIAS, PAYLOAD_ARTIFACT_DIR
-    from joynexus.runtime import Settings
     from joynexus.scheduling.inference_queue import Observation
+    from joynexus.settings import Settings
     from tests.helpers import sft_spec, write_dataset_for
 
     monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)  # the deployment sets it from Settings
@@ -259,7 +259,7 @@ def test_the_api_reads_checkpoints_through_the_store_on_s3(tmp_path, s3_endpoint
 
     from joynexus.api.app import create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
     from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
 
     monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)

@@ -99,7 +99,7 @@ def serve(
 
     from joynexus.api.app import ApiSettings, create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     if services not in ("ray", "in-process"):
         console.print(f"[red]--services: {services!r} is not one of ['ray', 'in-process']")

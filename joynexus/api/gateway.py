@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.actors import handle_of
 from joynexus.api.auth import ApiKeyStore
 from joynexus.api.errors import (
     ApiError,
@@ -40,7 +41,6 @@ from joynexus.master.tenant_creator import TenantExists
 from joynexus.master.usage import SpendCapReached, StorageQuotaReached, UsageLedger
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
-from joynexus.runtime import handle_of
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 PARTITION_PREFIX = "api"
@@ -221,7 +221,7 @@ class ApiGateway:
             if jobs is None:
                 jobs = spec.scheduling.completion_target
         from joynexus.master.service import TenantUnavailable
-        from joynexus.master.workloads import AdmissionRefused
+        from joynexus.master.workloads.manager import AdmissionRefused
 
         try:
             if task == "eval":
@@ -704,7 +704,7 @@ class ApiGateway:
     def _session_errors(self, session_id: str | None, field: str) -> Iterator[None]:
         """Environment Service exceptions as API errors; another tenant's session is a 404."""
         from joynexus.envs.base import SimulatorUnavailable
-        from joynexus.services.environment import SessionFailed, SessionLimitExceeded, SimulatorError
+        from joynexus.services.environment.service import SessionFailed, SessionLimitExceeded, SimulatorError
 
         try:
             yield
@@ -848,8 +848,8 @@ class ApiGateway:
     def _service_errors(self, field: str, not_found: tuple[str, Any, str] | None = None) -> Iterator[None]:
         """Turn a service's exception into the API error a client can act on."""
         from joynexus.scheduling.inference_queue import InferenceQueueClosed
-        from joynexus.services.inference import UnknownPolicyVersion
-        from joynexus.services.training import TenantSlotError
+        from joynexus.services.inference.service import UnknownPolicyVersion
+        from joynexus.services.training.service import TenantSlotError
 
         try:
             yield

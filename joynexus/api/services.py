@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from joynexus.actors import SerializedService, handle_of
 from joynexus.artifacts import CheckpointStore
 from joynexus.connect import Cluster, connect
 from joynexus.core.store import ControlPlaneStore
-from joynexus.runtime import SerializedService, Settings, handle_of
+from joynexus.settings import Settings
 
 
 def timed_call(target: Any, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:

@@ -1,7 +1,7 @@
 """Tenant artifacts: codecs (`codec`), where bytes live (`blobs`, `s3`) and the checkpoint layout
 (`checkpoints`). This package alone decides how a checkpoint is laid out and found."""
 
-from joynexus.artifacts.blobs import BlobStore, LocalBlobStore, blob_store_for
+from joynexus.artifacts.blobs import BlobStore, LocalBlobStore
 from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo
 from joynexus.artifacts.codec import (
     ACTION_MODULE_FILE,
@@ -18,6 +18,7 @@ from joynexus.artifacts.codec import (
     payload_digest,
     validate_tenant_id,
 )
+from joynexus.artifacts.stores import blob_store_for
 
 __all__ = [
     "ACTION_MODULE_FILE",

@@ -52,7 +52,7 @@ class BlobStore(Protocol):
         ...
 
 
-def _check_key(key: str) -> list[str]:
+def check_key(key: str) -> list[str]:
     parts = key.split("/")
     if not key or any(p in {"", ".", ".."} for p in parts) or "\\" in key or "\x00" in key:
         raise ValueError(f"invalid storage key {key!r}")
@@ -90,7 +90,7 @@ class LocalBlobStore:
         return f"LocalBlobStore({str(self.root)!r})"
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*_check_key(key))
+        return self.root.joinpath(*check_key(key))
 
     def read(self, key: str) -> bytes:
         return self._path(key).read_bytes()
@@ -183,18 +183,6 @@ class LocalBlobStore:
         count = sum(1 for p in doomed.rglob("*") if not p.is_dir())
         shutil.rmtree(doomed)
         return count
-
-
-def blob_store_for(location: str | Path | BlobStore) -> BlobStore:
-    """A store given as itself, an ``s3://bucket/prefix`` URI (:mod:`joynexus.artifacts.s3`) or a
-    local folder."""
-    if isinstance(location, BlobStore):
-        return location
-    if isinstance(location, str) and location.startswith("s3://"):
-        from joynexus.artifacts.s3 import S3BlobStore
-
-        return S3BlobStore.from_uri(location)
-    return LocalBlobStore(location)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import torch
 
 from joynexus.artifacts.blobs import (
     BlobStore,
-    blob_store_for,
 )
 from joynexus.artifacts.codec import (
     _FILE_NAME_RE,
@@ -37,6 +36,7 @@ from joynexus.artifacts.codec import (
     _validate_version,
     validate_tenant_id,
 )
+from joynexus.artifacts.stores import blob_store_for
 
 # Per-tenant high-water mark of every policy version the Training Model Service has issued
 # (exported, published, returned), checkpointed or not: a restarted service never reuses one.

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
-from joynexus.artifacts.blobs import _check_key
+from joynexus.artifacts.blobs import check_key
 from joynexus.artifacts.codec import _FILE_NAME_RE
 
 __all__ = ["ENDPOINT_ENV", "S3BlobStore", "configure_mlflow_s3", "split_s3_uri"]
@@ -77,7 +77,7 @@ class S3BlobStore:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         if self.prefix:
-            _check_key(self.prefix)
+            check_key(self.prefix)
         self.endpoint_url = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
         self.region_name = region_name
         # S3 (since 2024) and moto honour If-None-Match on PUT; turn off for stores that do not.
@@ -115,7 +115,7 @@ class S3BlobStore:
             return self._client
 
     def _key(self, key: str) -> str:
-        _check_key(key)
+        check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _dir_key(self, prefix: str) -> str:

@@ -14,25 +14,26 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from joynexus.actors import SerializedService, configure_placement, handle_of, init_ray, service_handle
 from joynexus.artifacts import CheckpointStore
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.models.placement import DevicePlacement
 from joynexus.registry import ExperimentTracker
-from joynexus.runtime import SerializedService, Settings, configure_placement, handle_of, init_ray, service_handle
 from joynexus.scheduling.training_queue import TrainingQueueClient, training_queue_actor
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.services.environment import (
+from joynexus.services.environment.service import (
     EnvironmentPool,
     EnvironmentService,
     LocalEnvironmentWorkers,
     environment_pool_actor,
     environment_service_actor,
 )
-from joynexus.services.inference import InferenceModelService, inference_service_actor
-from joynexus.services.inference_replicas import InferenceReplicaSet, LocalReplicas, inference_replica_set_actor
-from joynexus.services.training import BackboneSource, TrainingModelService, training_service_actor
+from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas, inference_replica_set_actor
+from joynexus.services.inference.service import InferenceModelService, inference_service_actor
+from joynexus.services.training.service import BackboneSource, TrainingModelService, training_service_actor
+from joynexus.settings import Settings
 
 log = logging.getLogger(__name__)
 

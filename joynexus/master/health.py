@@ -5,7 +5,7 @@ Two kinds of role:
 - services: the Training Queue and the Training / Inference Model and Environment Services. Each
   answers `heartbeat()` with its incarnation (a fresh id per life) in a concurrency group of its own,
   so a long training call does not hide a live service. When one dies, Ray restarts it in place (the
-  actors are created with `max_restarts=-1`, `runtime.named_actor`); the Health Manager sees the new
+  actors are created with `max_restarts=-1`, `actors.named_actor`); the Health Manager sees the new
   incarnation and has the Master restore what the old life held (`on_restart`: tenant slots from the
   last checkpoint, served weights, jobs whose data was lost). A service that does not answer for
   `service_stale_after_s` is reported down.
@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from joynexus.runtime import handle_of
+from joynexus.actors import handle_of
 
 log = logging.getLogger(__name__)
 

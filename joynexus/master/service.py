@@ -23,12 +23,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from joynexus.actors import named_actor
 from joynexus.core.tenants import Tenant
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
-from joynexus.master.workloads import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager, WorkloadStatus
-from joynexus.runtime import Settings, named_actor
+from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager, WorkloadStatus
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
+from joynexus.settings import Settings
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 log = logging.getLogger(__name__)

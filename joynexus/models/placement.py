@@ -87,7 +87,7 @@ class DevicePlacement(BaseModel):
 
     @classmethod
     def from_settings(cls, settings: Any) -> DevicePlacement:
-        """The placement `joynexus.runtime.Settings` names (JOYNEXUS_DEVICE, JOYNEXUS_DTYPE, JOYNEXUS_AUTOCAST)."""
+        """The placement `joynexus.settings.Settings` names (JOYNEXUS_DEVICE, JOYNEXUS_DTYPE, JOYNEXUS_AUTOCAST)."""
         return cls(device=settings.device, dtype=settings.dtype, autocast=settings.autocast)
 
     def resolve(self) -> torch.device:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.runtime import Settings
+from joynexus.settings import Settings
 
 __all__ = [
     "DeploymentState",
@@ -503,7 +503,7 @@ def _remove_actors(state: DeploymentState, timeout_s: float = 60.0) -> list[str]
 def _kill_actors(address: str, namespace: str) -> list[str]:
     import ray
 
-    from joynexus.runtime import init_ray
+    from joynexus.actors import init_ray
 
     init_ray(address)
     try:
@@ -595,7 +595,7 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     """Ask each named actor a cheap question (runs in a short-lived driver)."""
     import ray
 
-    from joynexus.runtime import init_ray
+    from joynexus.actors import init_ray
 
     questions = {
         "joynexus.master": (

@@ -5,7 +5,7 @@ Pure decisions, no I/O: `Autoscaler.decide(signals, now)` turns the load the rep
 within [min_replicas, max_replicas]. Scale out when the queue per replica or the p99 latency is
 above its bound; scale in when both are well below; never change again within `cooldown_s` of the
 last change (bounds violations are corrected at once). The replica set
-(`joynexus.services.inference_replicas`) carries the decision out: a new replica gets every
+(`joynexus.services.inference.replicas`) carries the decision out: a new replica gets every
 published version before it takes traffic, a removed one is drained first.
 """
 
@@ -14,47 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class ScalingPolicy(BaseModel):
-    """Bounds and thresholds of the inference replica set. min == max (the default, 1) is a fixed
-    size: no autoscaling, nothing changes for the embedded single-replica run."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    min_replicas: int = Field(default=1, ge=1, le=64)
-    max_replicas: int = Field(default=1, ge=1, le=64)
-    scale_out_queue_per_replica: float = Field(
-        default=8.0, gt=0, description="requests in flight per replica above which a replica is added"
-    )
-    scale_in_queue_per_replica: float = Field(
-        default=1.0, ge=0, description="requests in flight per replica below which one is removed"
-    )
-    max_p99_latency_s: float | None = Field(
-        default=None, gt=0, description="p99 request latency above which a replica is added (None: not used)"
-    )
-    cooldown_s: float = Field(default=30.0, ge=0, description="no change within this long of the last one")
-    interval_s: float = Field(default=1.0, gt=0, description="seconds between autoscaler rounds")
-    drain_timeout_s: float = Field(
-        default=60.0, gt=0, description="longest wait for a removed replica's requests in flight"
-    )
-
-    @model_validator(mode="after")
-    def _bounds(self) -> ScalingPolicy:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
-        if self.scale_in_queue_per_replica >= self.scale_out_queue_per_replica:
-            # Equal or crossed thresholds would add and remove a replica on the same load.
-            raise ValueError(
-                f"scale_in_queue_per_replica ({self.scale_in_queue_per_replica}) must be below "
-                f"scale_out_queue_per_replica ({self.scale_out_queue_per_replica})"
-            )
-        return self
-
-    @property
-    def elastic(self) -> bool:
-        return self.max_replicas > self.min_replicas
+from joynexus.settings import ScalingPolicy
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ def _concat(existing: Column, new: Column, name: str) -> Column:
 def training_queue_actor(namespace: str | None = None, detached: bool = False):  # type: ignore[no-untyped-def]
     """Get the deployment's named Training Queue actor, creating it if absent (Ray must be initialized).
     One call at a time (Ray's default actor concurrency), so partitions need no locks."""
-    from joynexus.runtime import named_actor
+    from joynexus.actors import named_actor
 
     return named_actor(TrainingQueue, TRAINING_QUEUE_ACTOR_NAME, namespace=namespace, detached=detached)
 
@@ -241,7 +241,7 @@ class TrainingQueueClient:
     """The same synchronous API over a local TrainingQueue or its Ray actor handle."""
 
     def __init__(self, queue: Any):
-        from joynexus.runtime import ServiceHandle
+        from joynexus.actors import ServiceHandle
 
         self._service = ServiceHandle(queue)
 

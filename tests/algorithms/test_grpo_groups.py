@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from joynexus.algorithms.rl import attempt_returns, gae, grpo_advantages
-from joynexus.services.advantage_stage import compute_advantages
+from joynexus.master.loops.advantage_stage import compute_advantages
 
 
 def test_grpo_normalizes_each_group_against_its_own_attempts_only():

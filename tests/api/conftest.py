@@ -105,7 +105,7 @@ def api(tmp_path_factory) -> ApiWorld:
 
     from joynexus.api.app import ApiSettings, create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     data_dir = tmp_path_factory.mktemp("api")
     services = ApiServices.in_process(Settings(data_dir=data_dir), default_max_queued_workloads=3)

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import torch
 
+from joynexus.actors import handle_of
 from joynexus.client import AsyncJoyNexusClient
-from joynexus.runtime import handle_of
 from tests.api.conftest import wire
 
 

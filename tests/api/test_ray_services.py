@@ -115,7 +115,7 @@ def ray_api(tmp_path_factory) -> RayApi:
 
     from joynexus.api.app import ApiSettings, create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     started_ray = not ray.is_initialized()  # other modules init and shut down their own Ray
     namespace = f"test-api-ray-{uuid.uuid4().hex[:8]}"
@@ -180,7 +180,7 @@ def trained(ray_api: RayApi) -> Trained:
 
 
 def test_the_api_runs_on_ray_in_its_own_namespace(ray_api: RayApi):
-    from joynexus.runtime import handle_of
+    from joynexus.actors import handle_of
 
     for name in SERVICE_ACTORS:
         assert ray_api.actor(name) is not None  # named actors live in the settings' namespace
@@ -195,7 +195,7 @@ def test_the_api_runs_on_ray_in_its_own_namespace(ray_api: RayApi):
 
 def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, trained: Trained):
     from joynexus.core.store import ControlPlaneStore
-    from joynexus.master.workloads import WorkloadManager
+    from joynexus.master.workloads.manager import WorkloadManager
     from joynexus.scheduling.training_scheduler import TrainingScheduler
 
     assert trained.sft_workload["state"] == "completed", trained.sft_workload

@@ -12,9 +12,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from joynexus.actors import handle_of
 from joynexus.protocol.wire import Tensor, msgpack_dumps, msgpack_loads, tensor
 from joynexus.robot_client import RobotClientError, RobotPolicyClient, observation_frame
-from joynexus.runtime import handle_of
 from tests.api.conftest import ADMIN_KEY, wire
 from tests.helpers import sft_spec, write_dataset_for
 

@@ -49,7 +49,7 @@ def serve(data_dir: Path) -> Iterator[tuple[Any, Any]]:
 
     from joynexus.api.app import ApiSettings, create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     services = ApiServices.in_process(Settings(data_dir=data_dir, torch_threads=1))
     try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService
+from joynexus.services.training.service import BackboneSource, TenantSlotError, TrainingModelService
 from tests.api.conftest import SHAPES, sample_batch
 from tests.helpers import compiled_config, sft_spec
 

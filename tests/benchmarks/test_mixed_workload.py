@@ -112,7 +112,7 @@ def test_a_trace_without_samples_or_with_negative_times_is_refused(mw):
 
 
 def _stack(*frames: str, thread: str = "actor_loop") -> str:
-    base = ["Thread._bootstrap (threading.py:1002)", "ActorLoop.run (joynexus/services/actor_loop.py:141)"]
+    base = ["Thread._bootstrap (threading.py:1002)", "ActorLoop.run (joynexus/master/loops/actor_loop.py:141)"]
     return ";".join([f"thread (7): {thread}", *base, *frames])
 
 
@@ -120,11 +120,11 @@ def test_actor_loop_breakdown_sorts_py_spy_samples_by_category(mw, tmp_path):
     lines = {label: number for number, label in mw._step_call_lines().items()}
     train = next(n for label, n in lines.items() if label.startswith("train_job"))
     version = next(n for label, n in lines.items() if label.startswith("policy_version"))
-    step = "ActorLoop.step (/x/joynexus/services/actor_loop.py:{})"
-    outcome = "WorkloadManager._on_outcome (joynexus/master/workloads.py:950)"
+    step = "ActorLoop.step (/x/joynexus/master/loops/actor_loop.py:{})"
+    outcome = "WorkloadManager._on_outcome (joynexus/master/workloads/manager.py:950)"
     raw = "\n".join([
-        f"{_stack(step.format(train), 'remote_call (joynexus/runtime.py:330)')} 300",
-        f"{_stack(step.format(version), 'remote_call (joynexus/runtime.py:330)')} 20",
+        f"{_stack(step.format(train), 'remote_call (joynexus/actors.py:92)')} 300",
+        f"{_stack(step.format(version), 'remote_call (joynexus/actors.py:92)')} 20",
         f"{_stack(step.format(99), outcome, 'WorkloadManager._publish_weights (w.py:1)', 'remote_call (r.py:1)')} 40",
         f"{_stack(step.format(99), outcome, 'ExperimentTracker.log_metrics (registry.py:184)')} 60",
         f"{_stack(step.format(99), outcome, 'WorkloadManager._emit_many (w.py:2)')} 30",

@@ -20,8 +20,8 @@ def main(args: dict) -> dict:
     import ray
 
     from joynexus.connect import connect
-    from joynexus.runtime import Settings
     from joynexus.scheduling.inference_queue import Observation
+    from joynexus.settings import Settings
 
     settings = Settings(data_dir=Path(args["data_dir"]), ray_namespace=args["namespace"], torch_threads=1)
     assert settings.ray_address and settings.ray_address.startswith("ray://"), settings.ray_address

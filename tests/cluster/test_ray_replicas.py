@@ -68,8 +68,7 @@ def world(tmp_path_factory) -> RayReplicaWorld:
     from joynexus.api.app import ApiSettings, create_app
     from joynexus.api.services import ApiServices
     from joynexus.ops.supervisor import remove_service_actors
-    from joynexus.runtime import Settings
-    from joynexus.scheduling.autoscaler import ScalingPolicy
+    from joynexus.settings import ScalingPolicy, Settings
 
     started_ray = not ray.is_initialized()
     namespace = f"test-ray-replicas-{uuid.uuid4().hex[:8]}"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from joynexus.runtime import RoleResources, Settings, configure_placement, parse_role_resources, role_resources
+from joynexus.actors import configure_placement, role_resources
+from joynexus.settings import RoleResources, Settings, parse_role_resources
 
 
 def test_embedded_defaults_ask_for_nothing_new(monkeypatch):

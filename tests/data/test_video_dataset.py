@@ -115,7 +115,7 @@ def test_a_video_dataset_passes_validation(roots: dict[str, Path]) -> None:
 
 def test_an_sft_workload_trains_on_a_video_dataset(roots: dict[str, Path], tmp_path: Path) -> None:
     from joynexus.connect import in_process
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     spec = sft_spec("video-sft", roots["video"], **SHAPE, action_chunk=2, jobs=3, samples_per_job=16)
     spec["dataset"]["repo_id"] = "t/video"

@@ -15,7 +15,7 @@ import pytest
 
 from joynexus.ops import supervisor as deploy
 from joynexus.ops.supervisor import DeploymentState, ManagedProcess, spawn_process, stop_process
-from joynexus.runtime import Settings
+from joynexus.settings import Settings
 
 
 def _gone(pid: int) -> bool:

@@ -54,7 +54,7 @@ def test_four_lifecycles_at_once_share_one_backbone_and_keep_their_own_versions(
 
     from joynexus.ops import supervisor
     from joynexus.ops.supervisor import free_port, spawn_process, stop_process, wait_until
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
     from tests.helpers import sft_spec, write_dataset_for
 
     for name in list(os.environ):

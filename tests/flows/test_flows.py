@@ -38,7 +38,7 @@ class Handles:
 @pytest.fixture(scope="module")
 def handles(prefect_api, tmp_path_factory):
     from joynexus.connect import in_process, use_cluster
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     root = tmp_path_factory.mktemp("flows")
     cluster = in_process(Settings(data_dir=root / "data", torch_threads=1))

@@ -44,7 +44,7 @@ def say(**data: Any) -> None:
 
 def main(plan_path: str) -> None:
     from joynexus.connect import in_process
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     plan = json.loads(Path(plan_path).read_text())
     cluster = in_process(Settings(data_dir=Path(plan["data_dir"]), torch_threads=1))

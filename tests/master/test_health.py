@@ -9,7 +9,7 @@ import pytest
 from joynexus.connect import Cluster, in_process
 from joynexus.master.health import HealthOptions
 from joynexus.master.service import MasterOptions
-from joynexus.runtime import Settings
+from joynexus.settings import Settings
 from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 ROLES = {

@@ -18,8 +18,8 @@ from joynexus.connect import Cluster, ray_cluster
 from joynexus.master.health import HealthOptions
 from joynexus.master.service import MasterOptions
 from joynexus.ops.supervisor import remove_service_actors
-from joynexus.runtime import Settings
 from joynexus.scheduling.inference_queue import Observation
+from joynexus.settings import Settings
 from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 ray = pytest.importorskip("ray")

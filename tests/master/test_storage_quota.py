@@ -92,8 +92,8 @@ def test_an_older_database_gains_the_storage_quota_column(tmp_path: Path) -> Non
 def test_the_master_refuses_workloads_over_the_storage_quota_and_pins_what_it_registers(tmp_path: Path) -> None:
     from joynexus.master.deployment import Deployment
     from joynexus.master.service import MasterService
-    from joynexus.master.workloads import AdmissionRefused
-    from joynexus.runtime import Settings
+    from joynexus.master.workloads.manager import AdmissionRefused
+    from joynexus.settings import Settings
 
     spec = sft_spec("alpha", tmp_path / "dataset", jobs=1)
     write_dataset_for(spec)

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from joynexus.master.deployment import Deployment
-from joynexus.master.workloads import AdmissionRefused, UnknownWorkload, WorkloadManager
-from joynexus.runtime import Settings
+from joynexus.master.workloads.manager import AdmissionRefused, UnknownWorkload, WorkloadManager
+from joynexus.settings import Settings
 from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
 
 SHAPES = {

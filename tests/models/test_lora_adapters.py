@@ -18,8 +18,8 @@ from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import SpecCompiler
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.scheduling.inference_queue import Observation
-from joynexus.services.inference import InferenceModelService
-from joynexus.services.training import BackboneSource, TrainingModelService
+from joynexus.services.inference.service import InferenceModelService
+from joynexus.services.training.service import BackboneSource, TrainingModelService
 from joynexus.spec import SpecError, parse_workload_spec
 from tests.helpers import TINY_MODEL_ID, assert_trained_state_close, random_microbatch, sft_spec
 from tests.helpers import assert_state_close as _close
@@ -364,7 +364,7 @@ def test_an_evicted_version_keeps_serving_its_pinned_requests(trained):
 
 def test_a_payload_whose_adapter_does_not_fit_is_refused(trained):
     from joynexus.artifacts import decode_tenant_payload, encode_tenant_payload
-    from joynexus.services.inference import InferenceError
+    from joynexus.services.inference.service import InferenceError
 
     tensors, manifest = decode_tenant_payload(trained["grouped"].export_params("lora-a"))
     service = InferenceModelService(BackboneSource(preset="tiny"), start_worker=False)

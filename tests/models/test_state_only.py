@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from joynexus.master.deployment import Deployment
-from joynexus.master.workloads import WorkloadManager
-from joynexus.runtime import Settings
+from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.scheduling.inference_queue import Observation
+from joynexus.settings import Settings
 from joynexus.spec import SpecError, parse_workload_spec
 from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
 

@@ -31,7 +31,7 @@ def world(tmp_path_factory) -> Any:
 
     from joynexus.api.app import create_app
     from joynexus.api.services import ApiServices
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     data_dir = tmp_path_factory.mktemp("metrics")
     services = ApiServices.in_process(Settings(data_dir=data_dir))

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import create_engine, inspect
 
 from joynexus.core.store import ControlPlaneStore
+from joynexus.master.loops.actor_loop import LOST, ActorLoop
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import (
     COMPLETED,
@@ -24,7 +25,6 @@ from joynexus.scheduling.training_scheduler import (
     LeaseLost,
     TrainingScheduler,
 )
-from joynexus.services.actor_loop import LOST, ActorLoop
 
 
 class Released(list):

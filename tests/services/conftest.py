@@ -10,7 +10,7 @@ from joynexus.core.tenants import BackendCapabilities
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.services.training import BackboneSource, TrainingModelService
+from joynexus.services.training.service import BackboneSource, TrainingModelService
 from tests.helpers import sft_spec, write_dataset_for
 
 # Two schemas: different camera sets, image sizes, state/action dims, chunk lengths and module kinds.

@@ -25,7 +25,7 @@ from joynexus.envs import (
     register_simulator,
 )
 from joynexus.envs.base import observation_bytes
-from joynexus.services.environment import EnvironmentService, SessionFailed
+from joynexus.services.environment.service import EnvironmentService, SessionFailed
 from joynexus.spec import SpecError, parse_workload_spec
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from joynexus.services.environment import (
+from joynexus.services.environment.service import (
     EnvironmentPool,
     LocalEnvironmentWorkers,
     SessionLimitExceeded,

@@ -17,7 +17,7 @@ import pytest
 
 from joynexus.envs import AssetDownloadRefused, EnvObservation, SimulatorAdapter, SimulatorSpec, StepResult
 from joynexus.envs.base import register_simulator
-from joynexus.services.environment import (
+from joynexus.services.environment.service import (
     EnvironmentService,
     SessionFailed,
     SessionLimitExceeded,
@@ -323,7 +323,7 @@ def test_errors_and_wire_codec_round_trip():
 @pytest.mark.timeout(300)
 def test_environment_service_as_a_named_ray_actor():
     ray = pytest.importorskip("ray")
-    from joynexus.services.environment import environment_service_actor
+    from joynexus.services.environment.service import environment_service_actor
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="joynexus-env-test")
     try:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
-from joynexus.services.inference import InferenceModelService, TenantFairQueue
-from joynexus.services.training import BackboneSource, TrainingModelService
+from joynexus.services.inference.service import InferenceModelService, TenantFairQueue
+from joynexus.services.training.service import BackboneSource, TrainingModelService
 from tests.helpers import compiled_config
 
 SHAPES = {

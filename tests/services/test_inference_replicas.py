@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.runtime import ServiceHandle
-from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals, ScalingPolicy
+from joynexus.actors import ServiceHandle
+from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
 from joynexus.scheduling.inference_queue import Observation
-from joynexus.services.inference import InferenceModelService, UnknownPolicyVersion
-from joynexus.services.inference_replicas import InferenceReplicaSet, LocalReplicas
-from joynexus.services.training import BackboneSource, TrainingModelService
+from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas
+from joynexus.services.inference.service import InferenceModelService, UnknownPolicyVersion
+from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.settings import ScalingPolicy
 from tests.helpers import compiled_config, wait_for
 
 SHAPE = dict(cameras=("front",), image_size=(24, 24), state_dim=4, action_dim=3, action_chunk=2)

@@ -11,8 +11,8 @@ import torch
 
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.scheduling.inference_queue import Observation
-from joynexus.services.inference import InferenceModelService, UnknownPolicyVersion
-from joynexus.services.training import BackboneSource, TrainingModelService
+from joynexus.services.inference.service import InferenceModelService, UnknownPolicyVersion
+from joynexus.services.training.service import BackboneSource, TrainingModelService
 from tests.helpers import compiled_config
 
 SHAPES = {

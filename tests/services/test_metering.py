@@ -20,9 +20,9 @@ from joynexus.master.usage import UsageLedger
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueClient, TrainingQueueError
 from joynexus.scheduling.training_scheduler import partition_id_for
-from joynexus.services.environment import EnvironmentService
-from joynexus.services.inference import InferenceModelService
-from joynexus.services.training import BackboneSource, TrainingModelService
+from joynexus.services.environment.service import EnvironmentService
+from joynexus.services.inference.service import InferenceModelService
+from joynexus.services.training.service import BackboneSource, TrainingModelService
 from tests.helpers import compiled_config
 
 SHAPES = {

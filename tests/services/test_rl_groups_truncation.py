@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from joynexus.master.deployment import Deployment
-from joynexus.runtime import Settings
-from joynexus.services.actor_loop import ActorLoop
-from joynexus.services.advantage_stage import AdvantageStage
-from joynexus.services.rollout import RolloutProducer, evaluate_policy
+from joynexus.master.loops.actor_loop import ActorLoop
+from joynexus.master.loops.advantage_stage import AdvantageStage
+from joynexus.master.loops.rollout import RolloutProducer, evaluate_policy
+from joynexus.settings import Settings
 from joynexus.spec import SpecError
 from tests.helpers import TINY_MODEL_ID
 

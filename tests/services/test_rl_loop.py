@@ -10,13 +10,14 @@ import threading
 import numpy as np
 import pytest
 
+from joynexus.actors import handle_of
 from joynexus.master.deployment import Deployment
-from joynexus.master.workloads import WorkloadManager
-from joynexus.runtime import Settings, handle_of
+from joynexus.master.loops.actor_loop import ActorLoop
+from joynexus.master.loops.advantage_stage import AdvantageStage
+from joynexus.master.loops.rollout import RolloutProducer, evaluate_policy
+from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY
-from joynexus.services.actor_loop import ActorLoop
-from joynexus.services.advantage_stage import AdvantageStage
-from joynexus.services.rollout import RolloutProducer, evaluate_policy
+from joynexus.settings import Settings
 from tests.helpers import TINY_MODEL_ID
 
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.tenants import BaseModelCapabilities
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module
-from joynexus.services.slot_packing import ActiveSlots, PackedTrainingState
-from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService
+from joynexus.services.training.packing import ActiveSlots, PackedTrainingState
+from joynexus.services.training.service import BackboneSource, TenantSlotError, TrainingModelService
 from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
 
@@ -303,7 +303,7 @@ def test_a_bad_active_bound_is_refused_naming_the_field(tmp_path, bad):
 
 
 def test_settings_read_the_active_bound_from_the_environment(monkeypatch, tmp_path):
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     monkeypatch.setenv("JOYNEXUS_DATA_DIR", str(tmp_path))
     assert Settings().max_active_tenants == 64

@@ -21,9 +21,9 @@ import torch
 
 from joynexus.core.tenants import BaseModelCapabilities
 from joynexus.scheduling.inference_queue import Observation
-from joynexus.services.inference import InferenceModelService
-from joynexus.services.tenant_residency import ResidencyLimits, TenantResidency, UnknownEntry
-from joynexus.services.training import BackboneSource, TrainingModelService, UnknownTenant
+from joynexus.services.inference.service import InferenceModelService
+from joynexus.services.residency import ResidencyLimits, TenantResidency, UnknownEntry
+from joynexus.services.training.service import BackboneSource, TrainingModelService, UnknownTenant
 from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
 
@@ -428,7 +428,7 @@ def test_concurrent_predicts_across_paged_tenants_match_a_service_that_never_pag
 
 
 def test_settings_read_the_bounds_from_the_environment(monkeypatch, tmp_path):
-    from joynexus.runtime import Settings
+    from joynexus.settings import Settings
 
     monkeypatch.setenv("JOYNEXUS_DATA_DIR", str(tmp_path))
     defaults = Settings()

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from joynexus.artifacts import decode_tenant_payload
+from joynexus.master.loops.actor_loop import ActorLoop
+from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import COMPLETED, FAILED
-from joynexus.services.actor_loop import ActorLoop
-from joynexus.services.sft_producer import SFTProducer
-from joynexus.services.training import BackboneSource, TenantSlotError, TrainingModelService
+from joynexus.services.training.service import BackboneSource, TenantSlotError, TrainingModelService
 
 
 def producer(world, name):

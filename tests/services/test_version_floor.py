@@ -10,11 +10,11 @@ import pytest
 
 from joynexus.artifacts import ACTION_MODULE_FILE, CheckpointError, CheckpointStore, decode_tenant_payload
 from joynexus.artifacts.blobs import LocalBlobStore
+from joynexus.master.loops.actor_loop import ActorLoop
+from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import COMPLETED
-from joynexus.services.actor_loop import ActorLoop
-from joynexus.services.sft_producer import SFTProducer
-from joynexus.services.training import BackboneSource, TrainingModelService, UnknownTenant
+from joynexus.services.training.service import BackboneSource, TrainingModelService, UnknownTenant
 
 
 def producer(world, name):

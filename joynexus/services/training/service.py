@@ -62,8 +62,7 @@ from joynexus.models.module_batching import gather_inputs, group_by_architecture
 from joynexus.models.placement import DevicePlacement, cpu_copy
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import TrainingJob
-from joynexus.services.slot_packing import DEFAULT_MAX_ACTIVE_TENANTS, ActiveSlots, PackedTrainingState
-from joynexus.services.tenant_residency import (
+from joynexus.services.residency import (
     DEFAULT_MAX_RESIDENT_TENANTS,
     ResidencyLimits,
     TenantResidency,
@@ -72,6 +71,7 @@ from joynexus.services.tenant_residency import (
     rebuild_module,
     tensor_bytes,
 )
+from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS, ActiveSlots, PackedTrainingState
 
 TRAINING_SERVICE_ACTOR_NAME = "joynexus.training_service"
 
@@ -1362,7 +1362,7 @@ def training_service_actor(
     is resolved in the actor's process ("auto": a GPU if Ray gave the actor one, else the CPU).
     `max_resident_tenants`, `spill_dir`: the resident bound of tenant slots and where the rest page out;
     `max_active_tenants`: how many resident slots stay active (the others are packed)."""
-    from joynexus.runtime import named_actor
+    from joynexus.actors import named_actor
 
     return named_actor(
         TrainingModelService,

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.actors import handle_of
 from joynexus.core.tenants import TenantBackendConfig, simulator_config
 from joynexus.envs.base import unit_to_bounds
-from joynexus.runtime import handle_of
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
@@ -41,7 +41,7 @@ def predict_many(
     """One request per observation, all in flight at once, so the Inference Scheduler can batch
     them with each other and with other tenants' requests. `operation` names the use in the
     service's metering ("rollout", "evaluate")."""
-    from joynexus.services.inference import InferenceModelService
+    from joynexus.services.inference.service import InferenceModelService
 
     sessions = session_ids or [None] * len(observations)
     request = {"policy_version": policy_version, "sample": sample, "operation": operation}

@@ -73,7 +73,7 @@ from joynexus.models.module_batching import (
 )
 from joynexus.models.placement import DevicePlacement
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
-from joynexus.services.tenant_residency import (
+from joynexus.services.residency import (
     DEFAULT_MAX_RESIDENT_SERVING,
     ResidencyLimits,
     TenantResidency,
@@ -82,7 +82,7 @@ from joynexus.services.tenant_residency import (
     rebuild_module,
     tensor_bytes,
 )
-from joynexus.services.training import BackboneSource
+from joynexus.services.training.service import BackboneSource
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
 # Observations one request puts into one backbone turn at most; a larger request is split (the
@@ -1087,7 +1087,7 @@ def inference_service_actor(
     block in `predict` at once while its worker thread batches their requests together.
     `database_url`: the control-plane store the actor meters inference usage into (None: no metering).
     `max_resident_serving`, `spill_dir`: the resident bound of serving states and where the rest page out."""
-    from joynexus.runtime import named_actor
+    from joynexus.actors import named_actor
 
     return named_actor(
         InferenceModelService,

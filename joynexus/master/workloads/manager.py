@@ -30,16 +30,16 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 
+from joynexus.actors import role_unavailable
 from joynexus.core.store import WorkloadEventRecord, WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
-from joynexus.runtime import role_unavailable
+from joynexus.master.loops.actor_loop import ActorLoop, ActorOutcome
+from joynexus.master.loops.advantage_stage import AdvantageStage
+from joynexus.master.loops.rollout import NoServingVersion, RolloutProducer, evaluate_policy
+from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
-from joynexus.services.actor_loop import ActorLoop, ActorOutcome
-from joynexus.services.advantage_stage import AdvantageStage
-from joynexus.services.environment import SessionLimitExceeded
-from joynexus.services.rollout import NoServingVersion, RolloutProducer, evaluate_policy
-from joynexus.services.sft_producer import SFTProducer
-from joynexus.services.training import UnknownTenant
+from joynexus.services.environment.service import SessionLimitExceeded
+from joynexus.services.training.service import UnknownTenant
 
 log = logging.getLogger(__name__)
 

@@ -38,17 +38,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from joynexus.runtime import RoleResources, ServiceHandle, named_actor, role_unavailable
-from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals, ScalingPolicy
+from joynexus.actors import ServiceHandle, named_actor, role_unavailable
+from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation
-from joynexus.services.inference import (
+from joynexus.services.inference.service import (
     DEFAULT_MAX_CHUNK_SAMPLES,
     INFERENCE_SERVICE_ACTOR_NAME,
     InferenceError,
     InferenceModelService,
     UnknownPolicyVersion,
 )
-from joynexus.services.training import BackboneSource
+from joynexus.services.training.service import BackboneSource
+from joynexus.settings import RoleResources, ScalingPolicy
 
 log = logging.getLogger(__name__)
 

@@ -698,7 +698,7 @@ def environment_service_actor(
     simulation runs in the session worker processes, not in the actor). `database_url`: the
     control-plane store the actor meters env steps into (None: no metering).
     """
-    from joynexus.runtime import named_actor
+    from joynexus.actors import named_actor
 
     max_concurrency = int(kwargs.pop("max_concurrency", 32))
     num_cpus = float(kwargs.pop("num_cpus", 0))
@@ -740,11 +740,12 @@ class RayEnvironmentWorkers:
     `environment_worker` role's resources."""
 
     namespace: str | None = None
-    resources: Any = None  # runtime.RoleResources; None: the role's defaults (no CPU: simulators run in processes)
+    resources: Any = None  # settings.RoleResources; None: the role's defaults (no CPU: simulators run in processes)
     service_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def create(self, name: str) -> Any:
-        from joynexus.runtime import RoleResources, named_actor
+        from joynexus.actors import named_actor
+        from joynexus.settings import RoleResources
 
         return named_actor(
             EnvironmentService,
@@ -775,7 +776,7 @@ class EnvironmentPool:
     total hold per worker."""
 
     def __init__(self, factory: Any, *, workers: int):
-        from joynexus.runtime import ServiceHandle
+        from joynexus.actors import ServiceHandle
 
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
@@ -918,7 +919,7 @@ def environment_pool_actor(
     `joynexus.environment_service` (role `environment_service`, threaded) fronting `workers`
     worker actors (role `environment_worker`, `worker_resources`) it creates and owns. `kwargs` go
     to each worker's `EnvironmentService`."""
-    from joynexus.runtime import named_actor
+    from joynexus.actors import named_actor
 
     factory = RayEnvironmentWorkers(
         namespace=namespace, resources=worker_resources, service_kwargs={"database_url": database_url, **kwargs}

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from joynexus.runtime import role_unavailable
+from joynexus.actors import role_unavailable
 from joynexus.scheduling.training_scheduler import InvalidTransition, TrainingJob, TrainingScheduler
 
 log = logging.getLogger(__name__)

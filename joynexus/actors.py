@@ -1,0 +1,258 @@
+"""Ray actors of a deployment: start or join Ray, create a role's named actor with its configured
+resources, and typed handles that call a service the same way whether it is a local object or a
+named Ray actor (`service_handle`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from joynexus.settings import RAY_NAMESPACE, RoleResources
+
+HEALTH_GROUP = "health"  # the actor concurrency group that answers heartbeats
+S = TypeVar("S")
+R = TypeVar("R")
+
+# The named actor each role is created as (replicas and pool workers carry a suffix of their own).
+ROLE_OF_ACTOR = {
+    "joynexus.master": "master",
+    "joynexus.training_queue": "training_queue",
+    "joynexus.training_service": "training_service",
+    "joynexus.inference_service": "inference_service",
+    "joynexus.environment_service": "environment_service",
+}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to a Ray cluster, or start a local one (embedded default) if none is given."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Ray 2.60 turns token auth on by default; a local embedded cluster does not need it and would
+    # otherwise write ~/.ray/auth_token (STACK.md).
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            namespace=RAY_NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+
+
+class ServiceHandle:
+    """A service reached the same way whether it is a local object (tests, one process) or a named
+    Ray actor (a deployment): attribute calls run the method synchronously and return its result.
+    This is the one place that knows the difference; build one with `service_handle`, which types
+    it as the service class so call sites are checked like direct calls."""
+
+    __slots__ = ("_target", "_remote", "_timeout_s")
+
+    def __init__(self, target: Any, *, timeout_s: float | None = None):
+        if isinstance(target, ServiceHandle):
+            target = target._target
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_remote", _is_actor_handle(target))
+        object.__setattr__(self, "_timeout_s", timeout_s)
+
+    @property
+    def is_remote(self) -> bool:
+        return self._remote
+
+    @property
+    def target(self) -> Any:
+        """The local object or the Ray actor handle behind this handle."""
+        return self._target
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attribute = getattr(self._target, name)
+        if not self._remote:
+            return attribute
+        timeout_s = self._timeout_s
+
+        def remote_call(*args: Any, **kwargs: Any) -> Any:
+            import ray
+            from ray.exceptions import RayTaskError
+
+            try:
+                return ray.get(attribute.remote(*args, **kwargs), timeout=timeout_s)
+            except RayTaskError as error:  # the service's own exception, as a local call would raise it
+                cause = getattr(error, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise
+
+        remote_call.__name__ = name
+        return remote_call
+
+    def probe(self, method: str, timeout_s: float) -> Any:
+        """Call a cheap, lock-free method (a heartbeat) past whatever the service is busy with: on
+        an actor in its own `health` concurrency group, so a long training call does not hide a
+        live service; on a local SerializedService, past its lock. Raises on timeout."""
+        if self._remote:
+            import ray
+
+            call = getattr(self._target, method).options(concurrency_group=HEALTH_GROUP)
+            return ray.get(call.remote(), timeout=timeout_s)
+        target = self._target.target if isinstance(self._target, SerializedService) else self._target
+        return getattr(target, method)()
+
+    def start(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> concurrent.futures.Future[R]:
+        """Start `method` (given as the service class's function, e.g. `InferenceModelService.predict`)
+        without waiting: a future of its result. Local calls run on a small shared thread pool."""
+        if self._remote:
+            return getattr(self._target, method.__name__).remote(*args, **kwargs).future()
+        return _local_pool().submit(getattr(self._target, method.__name__), *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a Ray actor handle travels to other Ray processes
+        return (ServiceHandle, (self._target,), None)
+
+    def __repr__(self) -> str:
+        return f"ServiceHandle({type(self._target).__name__}, remote={self._remote})"
+
+
+class SerializedService:
+    """A local service object behind a lock: one method call at a time, like a Ray actor (the
+    Training Model Service in one process is called from the actor loop and API threads)."""
+
+    def __init__(self, target: Any):
+        self._target = target
+        self._lock = threading.RLock()
+
+    @property
+    def target(self) -> Any:
+        return self._target
+
+    def call_timed(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """(result, seconds the method itself ran), not counting the wait for the lock."""
+        with self._lock:
+            started = time.perf_counter()
+            result = getattr(self._target, method)(*args, **kwargs)
+            return result, time.perf_counter() - started
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._target, name)
+        if not callable(attribute):
+            return attribute
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attribute(*args, **kwargs)
+
+        return locked
+
+
+def service_handle(cls: type[S], target: Any, *, timeout_s: float | None = None) -> S:
+    """`target` (an instance of `cls` or a Ray actor of it) behind a ServiceHandle, typed as `cls`."""
+    if isinstance(target, ServiceHandle):
+        return cast(S, target)
+    return cast(S, ServiceHandle(target, timeout_s=timeout_s))
+
+
+def handle_of(service: Any) -> ServiceHandle:
+    """The ServiceHandle behind a value `service_handle` returned (or a new one around a raw target)."""
+    return service if isinstance(service, ServiceHandle) else ServiceHandle(service)
+
+
+def _is_actor_handle(target: Any) -> bool:
+    try:
+        from ray.actor import ActorHandle
+        from ray.util.client.common import ClientActorHandle
+    except ImportError:  # pragma: no cover - ray is a hard dependency
+        return False
+    # A driver connected through the Ray Client (ray://head:10001, as a pod outside the cluster)
+    # holds ClientActorHandles: the same calls, a different class.
+    return isinstance(target, ActorHandle | ClientActorHandle)
+
+
+@functools.cache
+def _local_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="service-call")
+
+
+_placement: dict[str, RoleResources] = {}
+_placement_lock = threading.Lock()
+
+
+def configure_placement(resources: dict[str, RoleResources]) -> None:
+    """The deployment's resources per role, for every actor this process creates from now on
+    (`create_service_actors` sets it from `Settings.resources`; the service factories then need no
+    parameter of their own)."""
+    with _placement_lock:
+        _placement.clear()
+        _placement.update(resources)
+
+
+def role_resources(role: str) -> RoleResources:
+    """The configured resources of `role` (an empty spec: the role's defaults)."""
+    with _placement_lock:
+        return _placement.get(role, RoleResources())
+
+
+def named_actor(
+    cls: type,
+    name: str,
+    *args: Any,
+    namespace: str | None = None,
+    detached: bool = False,
+    num_cpus: float = 0,
+    max_concurrency: int = 1,
+    max_restarts: int = -1,
+    role: str | None = None,
+    ray_resources: RoleResources | None = None,
+    get_if_exists: bool = True,
+    scheduling_strategy: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Get the deployment's named actor of `cls`, creating it from `args` / `kwargs` if absent
+    (Ray must be initialized). A running actor is reused as it is, so nothing is rebuilt;
+    `detached` actors outlive the driver that created them (`joynexus up`).
+
+    A role that dies is restarted in place by Ray (`max_restarts`, -1: always) with the same
+    arguments; the Master's Health Manager then restores what it held (paper 4.4). Every actor has
+    a one-thread `health` concurrency group, so heartbeats are answered while it is busy.
+
+    Resources: the configured `RoleResources` of `role` (default: the role the actor name stands
+    for, `ROLE_OF_ACTOR`), or an explicit `ray_resources`, replace `num_cpus` where set and add GPUs,
+    memory and custom resources."""
+    import ray
+
+    role = role or ROLE_OF_ACTOR.get(name)
+    if ray_resources is None:
+        ray_resources = role_resources(role) if role else RoleResources()
+    return (
+        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)  # not an .options() setting in Ray
+        .options(
+            name=name,
+            namespace=namespace,
+            get_if_exists=get_if_exists,
+            max_concurrency=max_concurrency,
+            max_restarts=max_restarts,
+            lifetime="detached" if detached else None,
+            **ray_resources.ray_options(default_num_cpus=num_cpus),
+            **({"scheduling_strategy": scheduling_strategy} if scheduling_strategy else {}),
+        )
+        .remote(*args, **kwargs)
+    )
+
+
+def role_unavailable(error: BaseException) -> bool:
+    """True for errors that mean the service behind a handle is gone or restarting (its calls
+    fail until it is back), not that the call itself was wrong: callers retry or re-queue."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover - ray is a hard dependency
+        return False
+    return isinstance(error, RayActorError | ActorDiedError | ActorUnavailableError)

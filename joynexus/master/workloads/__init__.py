@@ -1,0 +1,1 @@
+"""Workloads: admission, the training-workload lifecycle, evaluations, and the roles that run them."""
