@@ -60,10 +60,11 @@ from joynexus.artifacts import TenantManifest, encode_tenant_payload  # noqa: E4
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities  # noqa: E402
 from joynexus.master.tenant_creator import SpecCompiler  # noqa: E402
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module  # noqa: E402
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference.service import InferenceModelService  # noqa: E402
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS  # noqa: E402
-from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.training.service import TrainingModelService
 from joynexus.spec import WorkloadSpec  # noqa: E402
 
 STATE_DIM, ACTION_DIM, CHUNK = 4, 2, 2

@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from joynexus.core.tenants import BackendCapabilities  # noqa: E402
 from joynexus.master.tenant_creator import SpecCompiler  # noqa: E402
+from joynexus.models.backbone import BackboneSource
 from joynexus.models.placement import DevicePlacement, tensor_devices  # noqa: E402
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference.service import InferenceModelService  # noqa: E402
-from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.training.service import TrainingModelService
 from joynexus.spec import parse_workload_spec  # noqa: E402
 
 SCHEMA = dict(cameras=["front", "wrist"], image_size=[64, 64], state_dim=8, action_dim=7, action_chunk=4)

@@ -39,10 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import SpecCompiler
 from joynexus.models import module_batching  # noqa: E402
-from joynexus.models.backbone import ResidentBackbone  # noqa: E402
+from joynexus.models.backbone import (
+    BackboneSource,
+    ResidentBackbone,  # noqa: E402
+)
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference.service import InferenceModelService  # noqa: E402
-from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.training.service import TrainingModelService
 from joynexus.spec import WorkloadSpec  # noqa: E402
 
 # Two schemas alternate across tenants, so every grouped batch mixes camera sets, image sizes,

@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities  # noqa: E402
 from joynexus.master.tenant_creator import SpecCompiler  # noqa: E402
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference.service import DEFAULT_MAX_CHUNK_SAMPLES, InferenceModelService  # noqa: E402
-from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.training.service import TrainingModelService
 from joynexus.spec import WorkloadSpec  # noqa: E402
 
 # A: the bulk tenant (two cameras); B: the interactive one (one camera, another module kind).

@@ -32,9 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.services.inference.replicas import InferenceReplicaSet, RayReplicas  # noqa: E402
-from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.services.training.service import TrainingModelService
 from joynexus.settings import RoleResources, ScalingPolicy
 
 SHAPE = dict(cameras=("front",), image_size=(32, 32), state_dim=4, action_dim=3, action_chunk=2)

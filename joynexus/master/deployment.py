@@ -19,6 +19,7 @@ from joynexus.artifacts import CheckpointStore
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
+from joynexus.models.backbone import BackboneSource
 from joynexus.models.placement import DevicePlacement
 from joynexus.registry import ExperimentTracker
 from joynexus.scheduling.training_queue import TrainingQueueClient, training_queue_actor
@@ -32,7 +33,7 @@ from joynexus.services.environment.service import (
 )
 from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas, inference_replica_set_actor
 from joynexus.services.inference.service import InferenceModelService, inference_service_actor
-from joynexus.services.training.service import BackboneSource, TrainingModelService, training_service_actor
+from joynexus.services.training.service import TrainingModelService, training_service_actor
 from joynexus.settings import Settings
 
 log = logging.getLogger(__name__)

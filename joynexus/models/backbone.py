@@ -55,6 +55,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
@@ -822,3 +823,21 @@ class ResidentBackbone:
         return BackboneFeatures(
             tokens=features.tokens.clone(), mask=features.mask.clone(), pooled=features.pooled.clone()
         )
+
+
+class BackboneSource(BaseModel):
+    """Where the resident backbone comes from: a built-in random-weight preset, or a local directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str | None = "tiny"
+    path: str | None = None
+    seed: int = 0
+
+    def build(self, placement: DevicePlacement | None = None) -> ResidentBackbone:
+        """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
+        if self.path is not None:
+            return ResidentBackbone.from_pretrained(self.path, placement=placement)
+        if self.preset is None:
+            raise ValueError("BackboneSource needs either `preset` or `path`")
+        return ResidentBackbone.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)

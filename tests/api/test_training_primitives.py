@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.services.training.service import BackboneSource, TenantSlotError, TrainingModelService
+from joynexus.models.backbone import BackboneSource
+from joynexus.services.training.service import TenantSlotError, TrainingModelService
 from tests.api.conftest import SHAPES, sample_batch
 from tests.helpers import compiled_config, sft_spec
 

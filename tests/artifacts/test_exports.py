@@ -29,8 +29,11 @@ from joynexus.artifacts.exports import (  # noqa: E402
     load_action_module,
 )
 from joynexus.models.action_modules import build_action_module  # noqa: E402
-from joynexus.models.backbone import ResidentBackbone  # noqa: E402
-from joynexus.services.training.service import BackboneSource, TrainingModelService  # noqa: E402
+from joynexus.models.backbone import (
+    BackboneSource,
+    ResidentBackbone,  # noqa: E402
+)
+from joynexus.services.training.service import TrainingModelService
 from tests.helpers import compiled_config, random_microbatch  # noqa: E402
 
 LORA = {"kind": "lora", "rank": 4, "alpha": 8.0, "target_modules": ["k_proj", "q_proj", "up_proj"], "dropout": 0.0}

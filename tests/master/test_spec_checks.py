@@ -153,7 +153,8 @@ def test_compiling_builds_on_the_meta_device_and_draws_no_random_numbers():
 
 @pytest.fixture(scope="module")
 def training_service(tmp_path_factory):
-    from joynexus.services.training.service import BackboneSource, TrainingModelService
+    from joynexus.models.backbone import BackboneSource
+    from joynexus.services.training.service import TrainingModelService
 
     return TrainingModelService(BackboneSource(preset="tiny"), tmp_path_factory.mktemp("ckpt"), num_threads=1)
 

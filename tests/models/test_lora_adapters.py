@@ -16,10 +16,10 @@ import torch
 from joynexus.artifacts import CheckpointError
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import SpecCompiler
-from joynexus.models.backbone import ResidentBackbone
+from joynexus.models.backbone import BackboneSource, ResidentBackbone
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from joynexus.spec import SpecError, parse_workload_spec
 from tests.helpers import TINY_MODEL_ID, assert_trained_state_close, random_microbatch, sft_spec
 from tests.helpers import assert_state_close as _close

@@ -16,10 +16,10 @@ import joynexus.services.inference.service as inference_module
 import joynexus.services.training.service as training_module
 from joynexus.models import module_batching as mb
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
-from joynexus.models.backbone import BackboneFeatures
+from joynexus.models.backbone import BackboneFeatures, BackboneSource
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from tests.helpers import assert_trained_state_close, compiled_config
 
 ATOL = 1e-5

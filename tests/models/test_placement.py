@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from joynexus.artifacts import ACTION_MODULE_FILE, decode_tenant_payload
-from joynexus.models.backbone import ResidentBackbone
+from joynexus.models.backbone import BackboneSource, ResidentBackbone
 from joynexus.models.placement import DevicePlacement, PlacementError, cpu_copy, tensor_devices
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from joynexus.settings import Settings
 from tests.helpers import compiled_config, random_microbatch
 

@@ -8,9 +8,10 @@ import pytest
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities
 from joynexus.master.tenant_creator import TenantCreator
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from tests.helpers import sft_spec, write_dataset_for
 
 # Two schemas: different camera sets, image sizes, state/action dims, chunk lengths and module kinds.

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from joynexus.master.loops.sft_producer import SFTProducer
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueueClient
-from joynexus.services.training.service import BackboneSource, TenantSlotError, TrainingModelService, UnknownTenant
+from joynexus.services.training.service import TenantSlotError, TrainingModelService, UnknownTenant
 from tests.helpers import assert_state_close as _assert_close
 from tests.helpers import assert_trained_state_close
 

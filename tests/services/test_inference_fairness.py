@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
 from joynexus.services.inference.service import InferenceModelService, TenantFairQueue
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from tests.helpers import compiled_config
 
 SHAPES = {

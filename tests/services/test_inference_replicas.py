@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from joynexus.actors import ServiceHandle
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas
 from joynexus.services.inference.service import InferenceModelService, UnknownPolicyVersion
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from joynexus.settings import ScalingPolicy
 from tests.helpers import compiled_config, wait_for
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.models.backbone import ResidentBackbone
+from joynexus.models.backbone import BackboneSource, ResidentBackbone
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService, UnknownPolicyVersion
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from tests.helpers import compiled_config
 
 SHAPES = {

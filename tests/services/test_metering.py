@@ -17,12 +17,13 @@ from sqlalchemy import select
 from joynexus.core.metering import UsageMeter, split_group_seconds
 from joynexus.core.store import ControlPlaneStore, UsageRecord
 from joynexus.master.usage import UsageLedger
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueClient, TrainingQueueError
 from joynexus.scheduling.training_scheduler import partition_id_for
 from joynexus.services.environment.service import EnvironmentService
 from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.training.service import BackboneSource, TrainingModelService
+from joynexus.services.training.service import TrainingModelService
 from tests.helpers import compiled_config
 
 SHAPES = {

@@ -19,8 +19,9 @@ from safetensors import safe_open
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.tenants import BaseModelCapabilities
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module
+from joynexus.models.backbone import BackboneSource
 from joynexus.services.training.packing import ActiveSlots, PackedTrainingState
-from joynexus.services.training.service import BackboneSource, TenantSlotError, TrainingModelService
+from joynexus.services.training.service import TenantSlotError, TrainingModelService
 from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
 

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from joynexus.core.tenants import BaseModelCapabilities
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
 from joynexus.services.residency import ResidencyLimits, TenantResidency, UnknownEntry
-from joynexus.services.training.service import BackboneSource, TrainingModelService, UnknownTenant
+from joynexus.services.training.service import TrainingModelService, UnknownTenant
 from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
 

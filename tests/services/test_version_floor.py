@@ -12,9 +12,10 @@ from joynexus.artifacts import ACTION_MODULE_FILE, CheckpointError, CheckpointSt
 from joynexus.artifacts.blobs import LocalBlobStore
 from joynexus.master.loops.actor_loop import ActorLoop
 from joynexus.master.loops.sft_producer import SFTProducer
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import COMPLETED
-from joynexus.services.training.service import BackboneSource, TrainingModelService, UnknownTenant
+from joynexus.services.training.service import TrainingModelService, UnknownTenant
 
 
 def producer(world, name):

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from joynexus.actors import ServiceHandle, named_actor, role_unavailable
+from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation
 from joynexus.services.inference.service import (
@@ -48,7 +49,6 @@ from joynexus.services.inference.service import (
     InferenceModelService,
     UnknownPolicyVersion,
 )
-from joynexus.services.training.service import BackboneSource
 from joynexus.settings import RoleResources, ScalingPolicy
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogra
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.adapters import LoraAdapterConfig, split_tenant_state
-from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
+from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
 from joynexus.models.module_batching import (
     StackedParameterCache,
     architecture_key,
@@ -82,7 +82,6 @@ from joynexus.services.residency import (
     rebuild_module,
     tensor_bytes,
 )
-from joynexus.services.training.service import BackboneSource
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
 # Observations one request puts into one backbone turn at most; a larger request is split (the

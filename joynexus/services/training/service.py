@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
@@ -57,7 +56,7 @@ from joynexus.core.metering import split_group_seconds
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.adapters import LoraAdapterConfig, join_tenant_state, split_tenant_state
-from joynexus.models.backbone import BackboneFeatures, ResidentBackbone, TinyBackboneSpec
+from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
 from joynexus.models.module_batching import gather_inputs, group_by_architecture, group_loss, stack_parameters
 from joynexus.models.placement import DevicePlacement, cpu_copy
 from joynexus.scheduling.training_queue import TrainingQueueClient
@@ -81,24 +80,6 @@ log = logging.getLogger(__name__)
 SFT_FIELDS = ("images", "state", "action", "action_is_pad", "task", "tenant_id", "schema_signature")
 # An RL partition adds what the rollout recorded and the advantage stage derived.
 RL_FIELDS = (*SFT_FIELDS, "log_prob", "advantage", "return")
-
-
-class BackboneSource(BaseModel):
-    """Where the resident backbone comes from: a built-in random-weight preset, or a local directory."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    preset: str | None = "tiny"
-    path: str | None = None
-    seed: int = 0
-
-    def build(self, placement: DevicePlacement | None = None) -> ResidentBackbone:
-        """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
-        if self.path is not None:
-            return ResidentBackbone.from_pretrained(self.path, placement=placement)
-        if self.preset is None:
-            raise ValueError("BackboneSource needs either `preset` or `path`")
-        return ResidentBackbone.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)
 
 
 class TenantSlotError(RuntimeError):
