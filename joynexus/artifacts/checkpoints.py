@@ -26,14 +26,14 @@ from joynexus.artifacts.codec import (
     CheckpointError,
     PayloadError,
     TenantManifest,
-    _decode_optimizer_state,
-    _encode_optimizer_state,
     _load_tensors,
     _prepare_tensors,
     _save_tensors,
     _sha256,
     _utc_now_iso,
     _validate_version,
+    decode_optimizer_state,
+    encode_optimizer_state,
     validate_tenant_id,
 )
 from joynexus.artifacts.stores import blob_store_for
@@ -127,7 +127,7 @@ class CheckpointStore:
             ACTION_MODULE_FILE: _save_tensors(_prepare_tensors(module_state, "module_state"), small_meta)
         }
         if optimizer_state is not None:
-            opt_tensors, opt_doc = _encode_optimizer_state(optimizer_state)
+            opt_tensors, opt_doc = encode_optimizer_state(optimizer_state)
             files[OPTIMIZER_TENSORS_FILE] = _save_tensors(opt_tensors, small_meta)
             files[OPTIMIZER_JSON_FILE] = json.dumps(opt_doc, allow_nan=False).encode()  # keep key order
 
@@ -402,7 +402,7 @@ class CheckpointStore:
                 raise CheckpointError(f"{where}: file {OPTIMIZER_TENSORS_FILE}: {exc}") from exc
             try:
                 doc = json.loads(verified[OPTIMIZER_JSON_FILE])
-                optimizer_state = _decode_optimizer_state(doc, opt_tensors)
+                optimizer_state = decode_optimizer_state(doc, opt_tensors)
             except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: file {OPTIMIZER_JSON_FILE} is invalid: {exc}") from exc
         return manifest, module_state, optimizer_state

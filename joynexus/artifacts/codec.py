@@ -264,7 +264,7 @@ _TAG_ITEMS = "__items__"
 _TAGS = {_TAG_TENSOR, _TAG_TUPLE, _TAG_ITEMS}
 
 
-def _encode_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def encode_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
 
     def tensor_key(path: list[str]) -> str:
@@ -308,7 +308,7 @@ def _encode_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.T
     return tensors, {"format": OPTIMIZER_FORMAT, "state_dict": structure}
 
 
-def _decode_optimizer_state(doc: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def decode_optimizer_state(doc: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != OPTIMIZER_FORMAT or "state_dict" not in doc:
         raise CheckpointError(f"optimizer JSON is not in format {OPTIMIZER_FORMAT!r}")
 

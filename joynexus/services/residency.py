@@ -25,8 +25,13 @@ allows, the bound is exceeded (counted in `over_bound`) and restored when the pi
 
 Pins come from scopes: inside `with residency.scope():` every entry `use` returns stays pinned until
 the outermost scope of the calling thread exits, or, with `scope.hold_until(future)`, until that
-future settles (a queued request). `pin_during_calls` wraps a service's public methods in a scope,
-so an entry used anywhere inside one call stays resident for the whole call.
+future settles (a queued request). The method decorators `pins_during_call` and `pins_until_settled`
+open such a scope around one service method, so an entry used anywhere inside one call stays
+resident for the whole call (or until the future the call returns settles).
+
+`LruCache` is the one least-recently-used bookkeeping of the services (this residency's resident
+order, the training service's active tier, the inference service's versions per tenant): an
+ordered map with an eviction hook, the shape of vLLM's `LRUCache` with its `_on_remove`.
 
 What an entry is, is the pager's business (`Pager`): what to write (`spill`), how to rebuild it
 (`restore`), what to release once it is out of memory (`evicted`: e.g. its adapter on the shared
@@ -69,12 +74,13 @@ from safetensors.torch import save_file
 __all__ = [
     "DEFAULT_MAX_RESIDENT_SERVING",
     "DEFAULT_MAX_RESIDENT_TENANTS",
+    "LruCache",
     "Pager",
     "PinScope",
     "ResidencyLimits",
     "TenantResidency",
     "UnknownEntry",
-    "pin_during_calls",
+    "pins_during_call",
     "pins_until_settled",
     "rebuild_module",
     "tensor_bytes",
@@ -88,6 +94,7 @@ DEFAULT_MAX_RESIDENT_SERVING = 1024
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+R = TypeVar("R")
 
 _META_KEY = "joynexus.residency"  # the safetensors metadata entry holding the pager's JSON
 _FILE_SUFFIX = ".safetensors"
@@ -170,6 +177,81 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class LruCache(Generic[K, V]):
+    """An ordered map, least recently used first, with an eviction hook (vLLM's `LRUCache` with its
+    `_on_remove`). `get` and `put` make a key the most recently used; `in`, `peek`, `len` and
+    iteration (least recently used first) do not. `evict_least_recent` removes the least recently
+    used entry and passes it to `on_evict`; so does `put` beyond `capacity` (None: unbounded, the
+    owner evicts). `pop` removes without the hook (the owner drops the entry itself).
+    Not thread-safe: its owner's lock guards it."""
+
+    def __init__(self, capacity: int | None = None, on_evict: Callable[[K, V], None] | None = None) -> None:
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity: must be an integer >= 1 or None, got {capacity!r}")
+        self.capacity = capacity
+        self.on_evict = on_evict
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._entries)
+
+    def keys(self) -> list[K]:
+        """A snapshot of the keys, least recently used first."""
+        return list(self._entries)
+
+    def get(self, key: K, default: V | None = None) -> V | None:
+        """The value (now the most recently used), or `default` when absent."""
+        if key not in self._entries:
+            return default
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def peek(self, key: K, default: V | None = None) -> V | None:
+        """The value, or `default`; the order is left as it is."""
+        return self._entries.get(key, default)
+
+    def touch(self, key: K) -> bool:
+        """Make `key` the most recently used if present; whether it was."""
+        if key not in self._entries:
+            return False
+        self._entries.move_to_end(key)
+        return True
+
+    def put(self, key: K, value: V) -> None:
+        """Insert or replace `key`, now the most recently used; beyond `capacity`, evict the least
+        recently used others."""
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while self.capacity is not None and len(self._entries) > self.capacity:
+            self.evict_least_recent()
+
+    def pop(self, key: K, default: V | None = None) -> V | None:
+        """Remove `key` without the eviction hook; its value, or `default` when absent."""
+        return self._entries.pop(key, default)
+
+    def evict_least_recent(self, unless: Callable[[K, V], bool] | None = None) -> tuple[K, V] | None:
+        """Remove the least recently used entry (skipping those `unless` keeps) and pass it to
+        `on_evict`; the entry, or None when none could go."""
+        for key, value in self._entries.items():
+            if unless is not None and unless(key, value):
+                continue
+            del self._entries[key]
+            if self.on_evict is not None:
+                self.on_evict(key, value)
+            return key, value
+        return None
+
+    def clear(self) -> None:
+        """Forget every entry (no eviction hook)."""
+        self._entries.clear()
+
+
 @dataclass
 class _Entry(Generic[V]):
     value: V | None  # None: paged out (then `path` holds it)
@@ -228,7 +310,7 @@ class TenantResidency(Generic[K, V]):
         self.spill_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=base))
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.spill_dir), ignore_errors=True)
         self._entries: dict[K, _Entry[V]] = {}
-        self._lru: OrderedDict[K, None] = OrderedDict()  # resident keys, least recently used first
+        self._lru: LruCache[K, None] = LruCache()  # resident keys, least recently used first
         self._resident_bytes = 0
         self._lock = threading.RLock()
         self._local = threading.local()  # the calling thread's open scope
@@ -262,7 +344,7 @@ class TenantResidency(Generic[K, V]):
     def resident_keys(self) -> list[K]:
         """Resident keys, least recently used first."""
         with self._lock:
-            return list(self._lru)
+            return self._lru.keys()
 
     def pins(self, key: K) -> int:
         with self._lock:
@@ -280,7 +362,7 @@ class TenantResidency(Generic[K, V]):
                 entry.path, entry.file_bytes = self._write(key, *self.pager.spill(key, value))
                 self._stats.files_written += 1
             self._entries[key] = entry
-            self._lru[key] = None
+            self._lru.put(key, None)
             self._resident_bytes += entry.nbytes
             self._pin_in_scope(key, entry)
             self._enforce(keep=key)
@@ -295,7 +377,7 @@ class TenantResidency(Generic[K, V]):
                 self._page_in(key, entry)
             else:
                 self._stats.hits += 1
-                self._lru.move_to_end(key)
+                self._lru.touch(key)
             self._pin_in_scope(key, entry)
             self._enforce(keep=key)
             assert entry.value is not None
@@ -392,7 +474,7 @@ class TenantResidency(Generic[K, V]):
         returned) and pinned or refused entries stay. Caller holds the lock."""
         if not self._over():
             return
-        for key in list(self._lru):
+        for key in self._lru.keys():
             if not self._over():
                 return
             entry = self._entries[key]
@@ -410,7 +492,7 @@ class TenantResidency(Generic[K, V]):
             entry.path, entry.file_bytes = self._write(key, tensors, meta)
             self._stats.files_written += 1
         entry.value = None
-        self._lru.pop(key, None)
+        self._lru.pop(key)
         self._resident_bytes -= entry.nbytes
         entry.nbytes = 0
         self._stats.page_outs += 1
@@ -427,7 +509,7 @@ class TenantResidency(Generic[K, V]):
             self._delete_file(entry)
         entry.nbytes = self.pager.nbytes(entry.value)
         self._resident_bytes += entry.nbytes
-        self._lru[key] = None
+        self._lru.put(key, None)
         self._stats.page_ins += 1
 
     def _write(self, key: K, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[Path, int]:
@@ -452,7 +534,7 @@ class TenantResidency(Generic[K, V]):
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        self._lru.pop(key, None)
+        self._lru.pop(key)
         self._resident_bytes -= entry.nbytes
         self._delete_file(entry)
         entry.pins = 0
@@ -484,14 +566,19 @@ class TenantResidency(Generic[K, V]):
             self._finalizer()
 
 
-def pin_during_calls(cls: type, residency_attribute: str, exclude: Iterable[str] = ()) -> None:
-    """Wrap every public method of `cls` (not those in `exclude`) in a scope of the residency held
-    at `self.<residency_attribute>`: entries a call uses stay resident until it returns."""
-    skipped = set(exclude)
-    for name, member in list(vars(cls).items()):
-        if name.startswith("_") or name in skipped or not callable(member) or isinstance(member, staticmethod | type):
-            continue
-        setattr(cls, name, _scoped(member, residency_attribute))
+def pins_during_call(residency_attribute: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Decorator of a service method: the entries it uses (in the residency held at
+    `self.<residency_attribute>`) stay pinned, so resident, until it returns."""
+
+    def decorate(method: Callable[..., R]) -> Callable[..., R]:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> R:
+            with getattr(self, residency_attribute).scope():
+                return method(self, *args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def pins_until_settled(residency_attribute: str) -> Callable[[Callable[..., Future]], Callable[..., Future]]:
@@ -509,15 +596,6 @@ def pins_until_settled(residency_attribute: str) -> Callable[[Callable[..., Futu
         return call
 
     return decorate
-
-
-def _scoped(method: Callable[..., Any], residency_attribute: str) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with getattr(self, residency_attribute).scope():
-            return method(self, *args, **kwargs)
-
-    return call
 
 
 def _sweep_dead_folders(base: Path, prefix: str) -> None:

@@ -71,10 +71,10 @@ def test_advantage_weighted_loss_weighs_each_samples_loss(service):
     cfg = add(service, "fb-adv", "arm")
     data = columns(cfg, "arm")
     plain = service.forward_backward(cfg.tenant_id, data)["loss"]
-    service._pending_gradients().clear()
+    service.slot_table.pending_gradients.clear()
     ones = service.forward_backward(cfg.tenant_id, {**data, "advantages": np.ones(4)}, loss="advantage_weighted")
     assert ones["loss"] == pytest.approx(plain, rel=1e-5)  # equal-size samples, no padding: same mean
-    service._pending_gradients().clear()
+    service.slot_table.pending_gradients.clear()
     flipped = service.forward_backward(cfg.tenant_id, {**data, "advantages": -np.ones(4)}, loss="advantage_weighted")
     assert flipped["loss"] == pytest.approx(-plain, rel=1e-5)
     with pytest.raises(ValueError, match="advantages"):
@@ -96,4 +96,4 @@ def test_another_tenants_samples_are_refused_and_change_nothing(service):
     data = columns(b, "arm")
     with pytest.raises(TenantSlotError, match="tenant_id"):
         service.forward_backward(a.tenant_id, data)
-    assert a.tenant_id not in service._pending_gradients()
+    assert a.tenant_id not in service.slot_table.pending_gradients

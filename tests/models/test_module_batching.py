@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import joynexus.services.inference.service as inference_module
-import joynexus.services.training.service as training_module
+import joynexus.services.training.grouped as grouped_training_module
 from joynexus.models import module_batching as mb
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.backbone import BackboneFeatures, BackboneSource
@@ -353,13 +353,13 @@ def trainers(tmp_path):
 def _spy_group_losses(monkeypatch) -> list[int]:
     """Members of every batched loss the Training Model Service computes (calls through)."""
     sizes: list[int] = []
-    real = training_module.group_loss
+    real = grouped_training_module.group_loss
 
     def spied(modules, *args, **kwargs):
         sizes.append(len(modules))
         return real(modules, *args, **kwargs)
 
-    monkeypatch.setattr(training_module, "group_loss", spied)
+    monkeypatch.setattr(grouped_training_module, "group_loss", spied)
     return sizes
 
 

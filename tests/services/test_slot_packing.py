@@ -233,13 +233,13 @@ def test_a_tenant_packed_between_every_step_trains_bit_identically(tmp_path, ten
 def test_a_grouped_call_keeps_every_slot_it_uses_active_until_it_returns(tmp_path, tenants, monkeypatch):
     service = _service(tmp_path, "packed", tenants, max_active_tenants=1)
     seen: list[set[str]] = []
-    apply_step = service._apply_step
+    apply_step = service.trainer.apply_step
 
     def spy(slot, batch, loss):
         seen.append(_active(service))
         apply_step(slot, batch, loss)
 
-    monkeypatch.setattr(service, "_apply_step", spy)
+    monkeypatch.setattr(service.trainer, "apply_step", spy)
     group = [(name, random_microbatch(config, 2, 5, TASKS)) for name, config in tenants.items()]
     assert not any("error" in r for r in service.train_group(group))
     assert seen and all(active == set(tenants) for active in seen)  # over the bound while pinned

@@ -23,7 +23,7 @@ from joynexus.core.tenants import BaseModelCapabilities
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.residency import ResidencyLimits, TenantResidency, UnknownEntry
+from joynexus.services.residency import LruCache, ResidencyLimits, TenantResidency, UnknownEntry
 from joynexus.services.training.service import TrainingModelService, UnknownTenant
 from tests.helpers import TINY_MODEL_ID, interface_config, random_microbatch
 from tests.helpers import assert_state_equal as _equal
@@ -74,6 +74,28 @@ def _row(i: int, n: int = 16) -> dict[str, torch.Tensor]:
 
 def _residency(tmp_path, max_resident: int = 2, max_bytes: int | None = None) -> TenantResidency:
     return TenantResidency(_RowPager(), ResidencyLimits(max_resident, max_bytes), tmp_path, name="test")
+
+
+def test_the_lru_cache_orders_by_use_and_evicts_through_its_hook():
+    evicted: list[tuple[str, int]] = []
+    cache: LruCache[str, int] = LruCache(on_evict=lambda key, value: evicted.append((key, value)))
+    for i, key in enumerate("abc"):
+        cache.put(key, i)
+    assert cache.get("a") == 0 and cache.keys() == ["b", "c", "a"]  # get touches
+    assert "b" in cache and cache.peek("b") == 1 and list(cache) == ["b", "c", "a"]  # in / peek do not
+    assert cache.touch("b") and not cache.touch("zz") and cache.keys() == ["c", "a", "b"]
+    cache.put("c", 5)  # replacing makes it the most recently used
+    assert cache.keys() == ["a", "b", "c"] and cache.get("missing", -1) == -1
+    assert cache.pop("a") == 0 and cache.pop("a") is None and not evicted  # pop skips the hook
+    assert cache.evict_least_recent(unless=lambda key, _: key == "b") == ("c", 5) and evicted == [("c", 5)]
+    assert cache.evict_least_recent(unless=lambda key, _: True) is None and len(cache) == 1
+
+    bounded: LruCache[int, None] = LruCache(capacity=2, on_evict=lambda key, _: evicted.append((str(key), 0)))
+    for key in (1, 2, 1, 3):
+        bounded.put(key, None)
+    assert bounded.keys() == [1, 3] and evicted[-1] == ("2", 0)
+    with pytest.raises(ValueError, match="capacity"):
+        LruCache(capacity=0)
 
 
 def test_the_least_recently_used_entry_pages_out_and_comes_back_equal(tmp_path):
@@ -237,6 +259,17 @@ def _training(tmp_path, name: str, caps, **kwargs: Any) -> tuple[TrainingModelSe
     for config in configs.values():
         service.add_tenant(config)
     return service, configs
+
+
+def test_every_public_training_call_but_heartbeat_and_save_pins_its_slots():
+    """The pins are method decorators (`pins_during_call`): a new public method must carry one too."""
+    public = {
+        name
+        for name, member in vars(TrainingModelService).items()
+        if not name.startswith("_") and callable(member) and not isinstance(member, staticmethod | type)
+    }
+    unpinned = {name for name in public if not hasattr(getattr(TrainingModelService, name), "__wrapped__")}
+    assert unpinned == {"heartbeat", "save"}
 
 
 def test_a_paged_out_slot_resumes_bit_exact(tmp_path, caps):

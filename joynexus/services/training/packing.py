@@ -36,8 +36,9 @@ import torch
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from joynexus.artifacts.codec import _decode_optimizer_state, _encode_optimizer_state
+from joynexus.artifacts.codec import decode_optimizer_state, encode_optimizer_state
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
+from joynexus.services.residency import LruCache
 
 __all__ = ["DEFAULT_MAX_ACTIVE_TENANTS", "ActiveSlots", "FlatLayout", "FlatTensors", "PackedTrainingState"]
 
@@ -288,7 +289,7 @@ class PackedTrainingState:
         for role, flat in roles.items():
             for dtype, tensor in flat.flats.items():
                 tensors[f"{role}/{_dtype_name(dtype)}"] = tensor
-        group_tensors, groups_doc = _encode_optimizer_state({"param_groups": self.param_groups})
+        group_tensors, groups_doc = encode_optimizer_state({"param_groups": self.param_groups})
         tensors.update({f"groups/{k}": v for k, v in group_tensors.items()})
         layout = self.optimizer
         meta = {
@@ -353,7 +354,7 @@ class PackedTrainingState:
                     state_keys,
                 )
             ),
-            param_groups=_decode_optimizer_state(opt["param_groups"], group_tensors)["param_groups"],
+            param_groups=decode_optimizer_state(opt["param_groups"], group_tensors)["param_groups"],
             state={
                 key: flat(f"state.{key}", doc, device if doc["on_param_device"] else torch.device("cpu"))
                 for key, doc in opt["state"].items()
@@ -370,34 +371,32 @@ class ActiveSlots:
         if isinstance(max_active, bool) or not isinstance(max_active, int) or max_active < 1:
             raise ValueError(f"{name}: must be an integer >= 1, got {max_active!r}")
         self.max_active = max_active
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: LruCache[Hashable, None] = LruCache()  # the service packs what falls beyond the bound
         self._lock = threading.Lock()
 
     def activated(self, key: Hashable) -> None:
         """`key`'s slot is materialized: now the most recently used active slot."""
         with self._lock:
-            self._order[key] = None
-            self._order.move_to_end(key)
+            self._order.put(key, None)
 
     def touch(self, key: Hashable) -> None:
         """`key` was used: if active, now the most recently used."""
         with self._lock:
-            if key in self._order:
-                self._order.move_to_end(key)
+            self._order.touch(key)
 
     def discard(self, key: Hashable) -> None:
         with self._lock:
-            self._order.pop(key, None)
+            self._order.pop(key)
 
     def excess(self) -> tuple[int, list[Hashable]]:
         """(how many are over the bound, the active keys least recently used first); (0, []) within it."""
         with self._lock:
             over = len(self._order) - self.max_active
-            return (over, list(self._order)) if over > 0 else (0, [])
+            return (over, self._order.keys()) if over > 0 else (0, [])
 
     def keys(self) -> list[Hashable]:
         with self._lock:
-            return list(self._order)
+            return self._order.keys()
 
     def __len__(self) -> int:
         with self._lock:

@@ -1,0 +1,249 @@
+"""Group-batched training (paper 5.2): one shared backbone forward over several tenants'
+microbatches, then each tenant's own update on its own rows (`GroupTrainer.train_group`).
+
+Three update paths follow the shared forward: tenants whose modules share an architecture compute
+their losses as ONE batched computation (`_batched_updates`), the others update one at a time
+(`_module_updates`), and tenants with LoRA adapters take their gradients from the one shared graph
+before any of them steps (`_adapter_group_updates`). Every path ends in the serial path's own
+clip and AdamW step (`SlotTrainer`), so grouped results equal serial ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from joynexus.core.metering import split_group_seconds
+from joynexus.models.backbone import BackboneFeatures
+from joynexus.models.module_batching import gather_inputs, group_by_architecture, group_loss, stack_parameters
+from joynexus.services.training.slot_table import SlotTable
+from joynexus.services.training.slots import (
+    Microbatch,
+    TenantSlot,
+    TenantSlotError,
+    adapter_keys,
+    check_annotations,
+    loss_generator,
+)
+from joynexus.services.training.trainer import SlotTrainer, clip_gradients
+
+__all__ = ["GroupTrainer"]
+
+log = logging.getLogger(__name__)
+
+# (loss, error, module seconds) of one tenant's update in a group; loss None when it failed.
+_Outcome = tuple[float | None, str | None, float]
+
+
+class GroupTrainer:
+    """`train_group` over the table's slots, stepping through the trainer's update path."""
+
+    def __init__(self, trainer: SlotTrainer, table: SlotTable) -> None:
+        self.trainer = trainer
+        self.table = table
+
+    def train_group(self, batches: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """See `TrainingModelService.train_group`."""
+        if not batches:
+            return []
+        seen: set[str] = set()
+        slots: list[TenantSlot] = []
+        for tenant_id, data in batches:
+            if tenant_id in seen:
+                raise ValueError(
+                    f"tenant {tenant_id!r} appears more than once in one training group; "
+                    "a group takes at most one microbatch (one optimizer step) per tenant"
+                )
+            seen.add(tenant_id)
+            slot = self.table.slot(tenant_id)
+            check_annotations(data, tenant_id, slot.config.schema_signature)
+            slots.append(slot)
+        prepared = [self.trainer.prepare(slot, data) for slot, (_, data) in zip(slots, batches, strict=True)]
+        rows: list[slice] = []
+        offset = 0
+        for slot, batch in zip(slots, prepared, strict=True):
+            if len(batch) == 0:
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: empty microbatch in a training group")
+            rows.append(slice(offset, offset + len(batch)))
+            offset += len(batch)
+
+        started = time.perf_counter()
+        images = [cams for batch in prepared for cams in batch.images]
+        instructions = [text for batch in prepared for text in batch.instructions]
+        if any(slot.adapter is not None for slot in slots):
+            keys = [key for slot, batch in zip(slots, prepared, strict=True) for key in adapter_keys(slot, batch)]
+            features = self.trainer.encode(images, instructions, adapters=keys, grad=True)
+            return self._adapter_group_updates(slots, prepared, rows, features, time.perf_counter() - started)
+        features = self.trainer.encode(images, instructions)
+        encode_seconds = time.perf_counter() - started
+        return self._module_updates(slots, prepared, rows, features, encode_seconds)
+
+    def _module_updates(
+        self,
+        slots: list[TenantSlot],
+        prepared: list[Microbatch],
+        rows: list[slice],
+        features: BackboneFeatures,
+        encode_seconds: float,
+    ) -> list[dict[str, Any]]:
+        """`train_group`'s updates of tenants without an adapter, after the shared forward (on
+        features without a graph). Tenants whose modules share an architecture compute their losses
+        as ONE batched computation (`models.module_batching`), then each takes its own clip and
+        AdamW step; the others update one at a time. Results in the order of `slots`."""
+        results: list[dict[str, Any] | None] = [None] * len(slots)
+        # Identical configs only (no padded dims, unlike inference): a padded group's gradients equal
+        # the per-tenant ones only to float rounding, and AdamW's normalization amplifies rounding in
+        # near-zero gradient entries (~1e-5 after a few steps); grouped training is held to serial
+        # steps at 1e-5 (tests/services/test_group_training.py).
+        for members in group_by_architecture([slot.module for slot in slots], pad_dims=False):
+            outcomes = None
+            if len(members) >= 2:
+                outcomes = self._batched_updates(
+                    [slots[i] for i in members], [prepared[i] for i in members], [rows[i] for i in members], features
+                )
+            if outcomes is None:  # a group of one, or a batched loss that raised: one tenant at a time
+                outcomes = [self._serial_update(slots[i], prepared[i], rows[i], features) for i in members]
+            for i, (loss, error, seconds) in zip(members, outcomes, strict=True):
+                results[i] = _group_result(slots[i], loss, encode_seconds, seconds, error)
+        return [r for r in results if r is not None]
+
+    def _serial_update(self, slot: TenantSlot, batch: Microbatch, rows: slice, features: BackboneFeatures) -> _Outcome:
+        """One tenant's update on its own rows of the shared forward; its failure is its own."""
+        started = time.perf_counter()
+        try:
+            # trimmed(): drop the padding columns other tenants' longer prompts added, so the head
+            # sees exactly the shapes a forward of its own microbatch would give.
+            loss = self.trainer.update(slot, features.select(rows).trimmed(), batch)
+            self.table.issue_version(slot)  # as train_batch: every parameter change is a new version
+            return loss, None, time.perf_counter() - started
+        except Exception as exc:  # one tenant's failure is its own; the group goes on
+            return None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started
+
+    def _batched_updates(
+        self, slots: list[TenantSlot], prepared: list[Microbatch], rows: list[slice], features: BackboneFeatures
+    ) -> list[_Outcome] | None:
+        """Same-architecture tenants' updates from one batched loss: (loss, error, module seconds)
+        per tenant, or None when the batched computation raised (nothing changed, no gradient left;
+        the caller then updates them one at a time, which names the failing tenant).
+
+        The stacked parameters are `torch.stack`s of each tenant's own leaves and every op is
+        independent along the tenant axis, so backward of the sum of the finite losses gives each
+        tenant exactly its own loss's gradients. A tenant whose loss or gradient norm is not finite
+        gets an error and keeps its slot (no gradient, no step) while the others step."""
+        started = time.perf_counter()
+        modules = [slot.module for slot in slots]
+        for slot in slots:
+            slot.module.train()
+            slot.optimizer.zero_grad(set_to_none=True)
+        try:
+            inputs = gather_inputs(
+                features, [range(r.start, r.stop) for r in rows], [batch.state for batch in prepared]
+            )
+            if not bool(inputs.mask.any(dim=-1).all()):
+                raise ValueError("features.mask: every sample needs at least one real token")
+            losses = group_loss(
+                modules,
+                stack_parameters(modules),
+                inputs,
+                [batch.action for batch in prepared],
+                [batch.action_is_pad for batch in prepared],
+                [loss_generator(slot) for slot in slots],
+            )
+            finite = torch.isfinite(losses.detach())
+            if bool(finite.any()):
+                losses[finite].sum().backward()
+        except Exception as exc:
+            log.debug("batched loss of %d tenants fell back to per-tenant updates: %s", len(slots), exc)
+            for slot in slots:
+                slot.optimizer.zero_grad(set_to_none=True)
+            return None
+        values = losses.detach().cpu().tolist()
+        finite_flags = finite.cpu().tolist()
+        # The group's module time, shared by rows.
+        shares = split_group_seconds(time.perf_counter() - started, [len(batch) for batch in prepared])
+        return [
+            self._step_batched_member(slot, batch, value, ok, share)
+            for slot, batch, value, ok, share in zip(slots, prepared, values, finite_flags, shares, strict=True)
+        ]
+
+    def _step_batched_member(
+        self, slot: TenantSlot, batch: Microbatch, value: float, finite: bool, share: float
+    ) -> _Outcome:
+        """One tenant's clip and AdamW step after the batched backward (`share`: its part of it)."""
+        step_started = time.perf_counter()
+        try:
+            if not finite:
+                raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {value}")
+            clip_gradients(slot)
+        except Exception as exc:
+            slot.optimizer.zero_grad(set_to_none=True)
+            return None, f"{type(exc).__name__}: {exc}", share + time.perf_counter() - step_started
+        try:
+            self.trainer.apply_step(slot, batch, value)
+            self.table.issue_version(slot)
+            return value, None, share + time.perf_counter() - step_started
+        except Exception as exc:
+            return None, f"{type(exc).__name__}: {exc}", share + time.perf_counter() - step_started
+
+    def _adapter_group_updates(
+        self,
+        slots: list[TenantSlot],
+        prepared: list[Microbatch],
+        rows: list[slice],
+        features: BackboneFeatures,
+        encode_seconds: float,
+    ) -> list[dict[str, Any]]:
+        """`train_group`'s updates after a shared forward that carries adapter gradients. Tenants
+        without an adapter update on detached features (their module is not in the graph) through
+        `_module_updates`, batched like any group; adapter tenants first all take their gradients,
+        then all step."""
+        results: list[dict[str, Any] | None] = [None] * len(slots)
+        plain = [i for i, slot in enumerate(slots) if slot.adapter is None]
+        if plain:
+            updated = self._module_updates(
+                [slots[i] for i in plain],
+                [prepared[i] for i in plain],
+                [rows[i] for i in plain],
+                features.detach(),
+                encode_seconds,
+            )
+            for i, out in zip(plain, updated, strict=True):
+                results[i] = out
+        waiting: list[tuple[int, float, float]] = []  # (index, loss, module seconds so far)
+        for index, (slot, batch, own_rows) in enumerate(zip(slots, prepared, rows, strict=True)):
+            if slot.adapter is None:
+                continue
+            started = time.perf_counter()
+            try:
+                own = features.select(own_rows).trimmed()
+                waiting.append((index, self.trainer.gradients(slot, own, batch), time.perf_counter() - started))
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                results[index] = _group_result(slot, None, encode_seconds, time.perf_counter() - started, error)
+        for index, loss, seconds in waiting:
+            slot = slots[index]
+            started = time.perf_counter()
+            self.trainer.apply_step(slot, prepared[index], loss)
+            self.table.issue_version(slot)
+            results[index] = _group_result(slot, loss, encode_seconds, seconds + time.perf_counter() - started, None)
+        return [r for r in results if r is not None]
+
+
+def _group_result(
+    slot: TenantSlot, loss: float | None, encode_seconds: float, module_seconds: float, error: str | None
+) -> dict[str, Any]:
+    """One tenant's entry in `train_group`'s results (an `error` only when its update failed)."""
+    out = {
+        "tenant_id": slot.config.tenant_id,
+        "loss": loss,
+        "optimizer_steps": slot.optimizer_steps,
+        "version": slot.version,
+        "encode_seconds": encode_seconds,
+        "module_seconds": module_seconds,
+    }
+    if error is not None:
+        out["error"] = error
+    return out

@@ -1,0 +1,316 @@
+"""The serial update path of the Training Model Service: one tenant's microbatch, its own backbone
+forward, then that tenant's loss, backward, clip and AdamW step on its own slot (`SlotTrainer`).
+`train_batch` is one such step from supplied samples; `train_job` consumes a leased job's Training
+Queue partition (SFT: one step per microbatch; RL: PPO epochs over the rollout partition).
+
+The update itself (`update`, and its two halves `gradients` / `apply_step` for a graph other
+tenants share) and the checks it makes (`backward_loss`, `clip_gradients`) are shared with grouped
+training (`grouped`) and the lower-layer primitives (`primitives`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from joynexus.algorithms.rl import PPOLoss, ppo_loss
+from joynexus.models.action_modules import ActionModule
+from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
+from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_scheduler import TrainingJob
+from joynexus.services.training.slot_table import SlotTable
+from joynexus.services.training.slots import (
+    Microbatch,
+    TenantSlot,
+    TenantSlotError,
+    adapter_keys,
+    check_annotations,
+    loss_generator,
+    microbatch_to_tensors,
+)
+
+__all__ = ["RL_FIELDS", "SFT_FIELDS", "SlotTrainer", "backward_loss", "clip_gradients", "module_loss"]
+
+# Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
+SFT_FIELDS = ("images", "state", "action", "action_is_pad", "task", "tenant_id", "schema_signature")
+# An RL partition adds what the rollout recorded and the advantage stage derived.
+RL_FIELDS = (*SFT_FIELDS, "log_prob", "advantage", "return")
+
+# The gradient-norm bound of every update (serial, grouped, optim_step).
+MAX_GRAD_NORM = 1.0
+
+
+def module_loss(
+    slot: TenantSlot, features: BackboneFeatures, batch: Microbatch, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The tenant module's own loss on its microbatch, drawing from `generator` (default: the
+    slot's next-step randomness, `loss_generator`)."""
+    generator = loss_generator(slot) if generator is None else generator
+    return slot.module.loss(features, batch.state, batch.action, batch.action_is_pad, generator=generator)
+
+
+def check_finite_loss(slot: TenantSlot, loss: torch.Tensor) -> None:
+    if not torch.isfinite(loss):
+        raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite loss {loss.item()}")
+
+
+def backward_loss(slot: TenantSlot, compute_loss: Callable[[], torch.Tensor], *, accumulate: bool = False) -> float:
+    """The module in training mode, its gradients zeroed (unless `accumulate`: summed into those it
+    holds), the loss computed, refused if not finite (before any backward), backpropagated; its value."""
+    slot.module.train()
+    if not accumulate:
+        slot.optimizer.zero_grad(set_to_none=True)
+    loss = compute_loss()
+    check_finite_loss(slot, loss)
+    loss.backward()
+    return float(loss.detach())
+
+
+def clip_gradients(slot: TenantSlot, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
+    """Clip the slot's gradients to norm `MAX_GRAD_NORM`; a non-finite norm raises (the caller drops them)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters() if params is None else params, MAX_GRAD_NORM)
+    if not torch.isfinite(grad_norm):
+        raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
+    return grad_norm
+
+
+class SlotTrainer:
+    """One tenant's updates on the shared frozen backbone (module docstring)."""
+
+    def __init__(self, backbone: ResidentBackbone, table: SlotTable, queue: TrainingQueueClient | None) -> None:
+        self.backbone = backbone
+        self.device = backbone.device
+        self.table = table
+        self.queue = queue
+
+    # -- forward ----------------------------------------------------------------------------
+    def encode(
+        self,
+        images: list[list[torch.Tensor]],
+        instructions: list[str],
+        adapters: list[str | None] | None = None,
+        grad: bool = False,
+    ) -> BackboneFeatures:
+        """The shared frozen forward; no graph is kept (only tenant modules learn) unless `grad`:
+        then the graph reaches the LoRA adapters named per sample in `adapters` (tenant ids)."""
+        if adapters is None and not grad:
+            return self.backbone.encode(images, instructions)
+        return self.backbone.encode(images, instructions, adapters, grad=grad)
+
+    def encode_slot(self, slot: TenantSlot, batch: Microbatch) -> BackboneFeatures:
+        """One tenant's own forward: through its adapter with autograd if it has one."""
+        if slot.adapter is None:
+            return self.encode(batch.images, batch.instructions)
+        return self.encode(batch.images, batch.instructions, adapters=adapter_keys(slot, batch), grad=True)
+
+    def prepare(self, slot: TenantSlot, data: dict[str, Any]) -> Microbatch:
+        images, instructions, state, action, pad = microbatch_to_tensors(data)
+        if slot.config.instruction:
+            instructions = [text or slot.config.instruction for text in instructions]
+        # The module's tensors on the service's device; camera images stay on the host until the
+        # backbone copies them over, one batch per image size.
+        state, action, pad = state.to(self.device), action.to(self.device), pad.to(self.device)
+        return Microbatch(images, instructions, state, action, pad)
+
+    # -- the update -------------------------------------------------------------------------
+    def step(self, slot: TenantSlot, data: dict[str, Any]) -> float:
+        """Serial path: this microbatch's own backbone forward, then the tenant's update."""
+        batch = self.prepare(slot, data)
+        return self.update(slot, self.encode_slot(slot, batch), batch)
+
+    def update(
+        self,
+        slot: TenantSlot,
+        features: BackboneFeatures,
+        batch: Microbatch,
+        compute_loss: Callable[[], torch.Tensor] | None = None,
+    ) -> float:
+        """The per-tenant update every path shares: loss, backward, clip, AdamW step, on this slot only.
+        `compute_loss`: an algorithm's own objective (e.g. PPO); None: the module's own loss.
+
+        Anything raised before the optimizer step leaves the slot's parameters, optimizer state and
+        counters as they were (and drops the partial gradients).
+        """
+        try:
+            value = backward_loss(slot, compute_loss or (lambda: module_loss(slot, features, batch)))
+            clip_gradients(slot)
+        except BaseException:
+            slot.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.apply_step(slot, batch, value)
+        return value
+
+    def gradients(self, slot: TenantSlot, features: BackboneFeatures, batch: Microbatch) -> float:
+        """The first half of `update` from a graph other tenants share: loss, then gradients of
+        THIS slot's parameters only (autograd.grad, the graph kept), clipped. Raising leaves no
+        gradient behind."""
+        slot.module.train()
+        slot.optimizer.zero_grad(set_to_none=True)
+        params = slot.parameters()
+        try:
+            loss = module_loss(slot, features, batch)
+            check_finite_loss(slot, loss)
+            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            clip_gradients(slot, params)
+        except BaseException:
+            slot.optimizer.zero_grad(set_to_none=True)
+            raise
+        return float(loss.detach())
+
+    def apply_step(self, slot: TenantSlot, batch: Microbatch, loss: float) -> None:
+        """The second half of `update`: the AdamW step on the gradients `gradients` left."""
+        slot.optimizer.step()
+        slot.optimizer_steps += 1
+        slot.samples_trained += len(batch)
+        slot.losses.append(loss)
+
+    # -- serial training --------------------------------------------------------------------
+    def train_batch(self, tenant_id: str, batch: dict[str, Any]) -> dict[str, Any]:
+        """One optimizer step on one tenant's slot from supplied samples (the lower-layer primitive)."""
+        slot = self.table.slot(tenant_id)
+        check_annotations(batch, tenant_id, slot.config.schema_signature)
+        loss = self.step(slot, batch)
+        self.table.issue_version(
+            slot
+        )  # every parameter change is a new version: exports and checkpoints stay unambiguous
+        return {"tenant_id": tenant_id, "loss": loss, "optimizer_steps": slot.optimizer_steps, "version": slot.version}
+
+    def train_job(self, job: TrainingJob | dict[str, Any]) -> dict[str, Any]:
+        """Consume a leased job's partition in microbatches; one optimizer step per microbatch,
+        then bump only this tenant's policy version and (per its config) checkpoint it."""
+        if self.queue is None:
+            raise TenantSlotError("this Training Model Service was started without a Training Queue")
+        job = job if isinstance(job, TrainingJob) else TrainingJob(**job)
+        slot = self.table.slot(job.tenant_id)
+        if job.schema_signature != slot.config.schema_signature:
+            raise TenantSlotError(
+                f"job {job.job_id} carries schema signature {job.schema_signature}, "
+                f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
+            )
+        started = time.perf_counter()
+        extra: dict[str, Any] = {}
+        if job.task_type == "rl":
+            losses, samples, extra = self._train_rl_partition(self.queue, slot, job)
+        else:
+            losses, samples = self._train_sft_partition(self.queue, slot, job)
+        if samples == 0:
+            raise TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples")
+        self.table.issue_version(slot)
+        slot.jobs_completed += 1
+        every = slot.config.checkpoint_every_jobs
+        manifest = self.table.save(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
+        return {
+            "job_id": job.job_id,
+            "tenant_id": job.tenant_id,
+            "version": slot.version,
+            "losses": losses,
+            "samples": samples,
+            "optimizer_steps": slot.optimizer_steps,
+            "seconds": time.perf_counter() - started,
+            "checkpoint_version": manifest.policy_version if manifest else None,
+            **extra,
+        }
+
+    def _train_sft_partition(
+        self, queue: TrainingQueueClient, slot: TenantSlot, job: TrainingJob
+    ) -> tuple[list[float], int]:
+        """One optimizer step per microbatch of an SFT partition: (losses, samples)."""
+        losses: list[float] = []
+        samples = 0
+        while True:
+            meta = queue.get_meta(job.partition_id, SFT_FIELDS, slot.config.microbatch_size, "train")
+            if meta is None:
+                return losses, samples
+            data = queue.get_data(meta)
+            check_annotations(data, job.tenant_id, slot.config.schema_signature)
+            losses.append(self.step(slot, data))
+            samples += meta.size
+
+    def _train_rl_partition(
+        self, queue: TrainingQueueClient, slot: TenantSlot, job: TrainingJob
+    ) -> tuple[list[float], int, dict[str, Any]]:
+        """PPO over a rollout partition (paper A.6): `ppo_epochs` passes of clipped-surrogate updates
+        in microbatches, each pass reading the partition through its own Training Queue cursor.
+        The backbone is frozen, so each sample's features are computed once and reused."""
+        rl = slot.config.rl
+        if rl is None:
+            raise TenantSlotError(f"tenant {slot.config.tenant_id!r} is not an RL tenant; job {job.job_id} is 'rl'")
+        losses: list[float] = []
+        stats: dict[str, list[float]] = {"clip_fraction": [], "approx_kl": [], "value_loss": [], "entropy": []}
+        features_cache: dict[tuple[int, ...], BackboneFeatures] = {}
+        module = slot.module
+        samples = 0
+        for epoch in range(rl["ppo_epochs"]):
+            while True:
+                meta = queue.get_meta(job.partition_id, RL_FIELDS, slot.config.microbatch_size, f"ppo-epoch-{epoch}")
+                if meta is None:
+                    break
+                data = queue.get_data(meta)
+                check_annotations(data, job.tenant_id, slot.config.schema_signature)
+                batch = self.prepare(slot, data)
+                if slot.adapter is not None:
+                    # The features depend on the adapter, which every step changes: no reuse.
+                    features = self.encode_slot(slot, batch)
+                else:
+                    if meta.indices not in features_cache:
+                        features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
+                    features = features_cache[meta.indices]
+                objective = _PpoObjective(module, rl, features, batch, data, self.device)
+                losses.append(self.update(slot, features, batch, compute_loss=objective))
+                out = objective.last
+                assert out is not None
+                stats["clip_fraction"].append(float(out.clip_fraction))
+                stats["approx_kl"].append(float(out.approx_kl))
+                if module.config.value_head:  # only what the algorithm computes: GRPO has no critic
+                    stats["value_loss"].append(float(out.value.detach()))
+                stats["entropy"].append(float(out.entropy.detach()))
+                if epoch == 0:
+                    samples += meta.size
+        summary = {f"rl/{k}": float(np.mean(v)) for k, v in stats.items() if v}
+        return losses, samples, {"rl_stats": summary}
+
+
+class _PpoObjective:
+    """The clipped-surrogate loss of one RL microbatch (`algorithms.rl.ppo_loss`), as `update`'s
+    `compute_loss`; keeps the last evaluation's parts (`last`) for the job's statistics."""
+
+    def __init__(
+        self,
+        module: ActionModule,
+        rl: dict[str, Any],
+        features: BackboneFeatures,
+        batch: Microbatch,
+        data: dict[str, Any],
+        device: torch.device,
+    ) -> None:
+        self.module, self.rl, self.features, self.batch = module, rl, features, batch
+        self.old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32), device=device)
+        self.advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32), device=device)
+        self.returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32), device=device)
+        self.last: PPOLoss | None = None
+
+    def __call__(self) -> torch.Tensor:
+        module, rl, features, batch = self.module, self.rl, self.features, self.batch
+        dist = module.action_distribution(features, batch.state)
+        new_log_prob = dist.log_prob(batch.action).sum(dim=(-1, -2))
+        values = module.value(features, batch.state) if module.config.value_head else None
+        self.last = ppo_loss(
+            new_log_prob,
+            self.old_log_prob,
+            self.advantages,
+            values=values,
+            returns=self.returns if values is not None else None,
+            entropy=dist.entropy().sum(dim=(-1, -2)),
+            clip=rl["clip"],
+            value_coef=rl["value_coef"],
+            entropy_coef=rl["entropy_coef"],
+            # GRPO advantages are normalized within their groups already (0 outside them).
+            normalize_advantages=rl["advantage"] != "grpo",
+        )
+        return self.last.total
