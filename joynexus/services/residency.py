@@ -12,7 +12,7 @@ them), with a local disk folder as the second tier:
   everything else as JSON in the file's metadata), written atomically (a temporary file, then
   `os.replace`), so a page-in never reads a torn file.
 
-The Training Model Service splits its resident tier in two (`slot_packing`): at most
+The Training Model Service splits its resident tier in two (`services.training.packing`): at most
 `max_active_tenants` slots are active (module and AdamW as live objects), the other resident ones
 are packed into a few flat tensors and materialized, without a copy, on use. So a training slot is
 active, packed resident, or paged out; that split is the service's business, not this module's.
