@@ -54,11 +54,9 @@ class LowerLayerPrimitives:
         started = time.perf_counter()
         prepared = self.trainer.prepare(slot, batch)
         check_objective(loss, slot.module)
-        weights = (
-            None
-            if loss == "default"
-            else per_sample_advantages(batch.get("advantages"), len(prepared), self.trainer.device)
-        )
+        weights = None  # the module's own loss; the other objectives weigh each sample by its advantage
+        if loss != "default":
+            weights = per_sample_advantages(batch.get("advantages"), len(prepared), self.trainer.device)
         features = self.trainer.encode_slot(slot, prepared)
         # The first microbatch draws exactly what train_batch would; later ones draw fresh values.
         generator = loss_generator(slot)

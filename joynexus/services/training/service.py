@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from joynexus.actors import named_actor
 from joynexus.algorithms.losses import FORWARD_BACKWARD_LOSSES
 from joynexus.artifacts import CheckpointStore
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
@@ -325,8 +326,6 @@ def training_service_actor(
     is resolved in the actor's process ("auto": a GPU if Ray gave the actor one, else the CPU).
     `max_resident_tenants`, `spill_dir`: the resident bound of tenant slots and where the rest page out;
     `max_active_tenants`: how many resident slots stay active (the others are packed)."""
-    from joynexus.actors import named_actor
-
     return named_actor(
         TrainingModelService,
         TRAINING_SERVICE_ACTOR_NAME,

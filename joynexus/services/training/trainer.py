@@ -33,7 +33,16 @@ from joynexus.services.training.slots import (
     microbatch_to_tensors,
 )
 
-__all__ = ["RL_FIELDS", "SFT_FIELDS", "SlotTrainer", "backward_loss", "clip_gradients", "module_loss"]
+__all__ = [
+    "MAX_GRAD_NORM",
+    "RL_FIELDS",
+    "SFT_FIELDS",
+    "SlotTrainer",
+    "backward_loss",
+    "check_finite_loss",
+    "clip_gradients",
+    "module_loss",
+]
 
 # Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
 SFT_FIELDS = ("images", "state", "action", "action_is_pad", "task", "tenant_id", "schema_signature")
