@@ -47,8 +47,6 @@ __all__ = [
     "PromotionDecision",
     "RegistryError",
     "promote",
-    "local_artifact_location",
-    "local_tracking_uri",
     "registered_model_name",
 ]
 
@@ -73,20 +71,6 @@ class RegistryError(RuntimeError):
 def registered_model_name(tenant_id: str) -> str:
     """One registered model per tenant: ``joynexus-<tenant_id>-policy``."""
     return f"joynexus-{validate_tenant_id(tenant_id)}-policy"
-
-
-def local_tracking_uri(data_dir: str | Path) -> str:
-    """Embedded default store: ``sqlite:///<data_dir>/mlflow/mlflow.db`` (folder is created)."""
-    mlflow_dir = Path(data_dir).resolve() / "mlflow"
-    mlflow_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
-
-
-def local_artifact_location(data_dir: str | Path) -> str:
-    """Artifact root paired with :func:`local_tracking_uri`: ``<data_dir>/mlflow/artifacts`` as a file URI."""
-    path = Path(data_dir).resolve() / "mlflow" / "artifacts"
-    path.mkdir(parents=True, exist_ok=True)
-    return path.as_uri()
 
 
 def _default_artifact_location(tracking_uri: str) -> str | None:

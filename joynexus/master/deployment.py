@@ -18,7 +18,7 @@ from joynexus.artifacts import CheckpointStore
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
-from joynexus.registry import ExperimentTracker, local_artifact_location
+from joynexus.registry import ExperimentTracker
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.services.configs import (
@@ -31,7 +31,7 @@ from joynexus.services.configs import (
 from joynexus.services.environment.service import EnvironmentService
 from joynexus.services.inference.service import InferenceModelService
 from joynexus.services.training.service import TrainingModelService
-from joynexus.settings import Settings
+from joynexus.settings import Settings, local_artifact_location
 
 log = logging.getLogger(__name__)
 

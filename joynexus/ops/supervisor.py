@@ -334,7 +334,7 @@ def up(
 ) -> DeploymentState:
     """Start what the settings do not point at, then the resident services; record it all.
     Idempotent: if this data dir's deployment is already up, returns its record."""
-    from joynexus.registry import local_tracking_uri
+    from joynexus.settings import local_tracking_uri
 
     settings = settings or Settings()
     existing = read_state(settings)
@@ -438,7 +438,7 @@ def up(
 
 
 def _local_artifacts(settings: Settings) -> str:
-    from joynexus.registry import local_artifact_location
+    from joynexus.settings import local_artifact_location
 
     return local_artifact_location(settings.data_dir)
 
