@@ -418,13 +418,12 @@ class InferenceModelService(PredictBySubmit):
     def heartbeat(self) -> dict[str, Any]:
         """A liveness probe: who this is and how loaded, cheaply. Takes only locks held for a moment
         (never one a running batch holds), so it answers while a long batch runs."""
-        tenants = self.tenants()
         return {
             "role": "inference",
             "incarnation": self.incarnation,
             "started_at": self.started_at,
             "pid": os.getpid(),
-            "tenants": tenants,
+            "tenants": self.tenants(),
             "queue_depth": self.queue.depth(),
             **self.backbone.placement_info(),
         }
