@@ -155,6 +155,7 @@ class ActionModule(nn.Module, abc.ABC):
 
     kind: ClassVar[str] = ""
     supports_rl: ClassVar[bool] = False  # has a tractable action density (policy_mean + log_std)
+    uses_noise: ClassVar[bool] = False  # predict draws noise (draw_noise): a batched decode must draw it per request
     config: ActionModuleConfig
 
     def __init__(self, config: ActionModuleConfig) -> None:
@@ -344,6 +345,8 @@ class FlowMatchingActionModule(ActionModule):
     x_t = (1 - t) x0 + t x1, target velocity v = x1 - x0; sampling integrates
     dx/dt = v(x_t, t) from t = 0 to 1 with Euler steps.
     """
+
+    uses_noise: ClassVar[bool] = True
 
     def __init__(self, config: ActionModuleConfig) -> None:
         super().__init__(config)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import joynexus.services.inference.service as inference_module
+import joynexus.services.inference.decode as inference_module
 import joynexus.services.training.service as training_module
 from joynexus.models import module_batching as mb
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
