@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from joynexus.actors import service_handle
 from joynexus.artifacts import CheckpointStore
+from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
 if TYPE_CHECKING:
@@ -86,13 +87,6 @@ def checkpoint_location(settings: Settings) -> Any:
     from joynexus.artifacts.s3 import S3BlobStore
 
     return S3BlobStore.from_uri(settings.checkpoint_location, endpoint_url=settings.s3_endpoint_url)
-
-
-def effective_settings(settings: Settings | None = None) -> Settings:
-    """Settings, completed with the endpoints `joynexus up` recorded in the data dir."""
-    from joynexus.ops.supervisor import effective_settings as recorded
-
-    return recorded(settings)
 
 
 def connect(

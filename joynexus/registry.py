@@ -167,13 +167,6 @@ class ExperimentTracker:
         for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk)
 
-    def log_metric_series(self, run_id: str, key: str, steps: list[tuple[int, float]]) -> None:
-        """Log one metric at several steps (e.g. a job's losses) in batch calls, not one per step."""
-        ts = int(time.time() * 1000)
-        items = [Metric(key, float(value), ts, int(step)) for step, value in steps]
-        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
-            self.client.log_batch(run_id, metrics=chunk)
-
     def log_metric_points(self, run_id: str, points: list[tuple[str, float, int]]) -> None:
         """Log (key, value, step) points of any keys in as few batch calls as MLflow allows: each
         call is a store transaction, so a job's metrics go in one call, not one per kind."""

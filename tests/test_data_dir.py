@@ -99,7 +99,8 @@ def test_up_hands_its_data_dir_to_the_processes_it_starts(env_dir, tmp_path, mon
     """`up` starts the Ray head, servers and the driver that creates the actors with the data dir
     in their environment (the actors and `_create-services` build Settings() from it), and
     `status` / the flows find the recorded deployment of $JOYNEXUS_DATA_DIR."""
-    from joynexus.ops.supervisor import DeploymentState, _child_env, _write_state, effective_settings
+    from joynexus.ops.deployment_state import DeploymentState, effective_settings, write_state
+    from joynexus.ops.supervisor import _child_env
 
     given = Settings(data_dir=tmp_path / "given")
     env = _child_env(given)
@@ -118,6 +119,6 @@ def test_up_hands_its_data_dir_to_the_processes_it_starts(env_dir, tmp_path, mon
         processes=[],
         started_at=0.0,
     )
-    _write_state(settings, state)
+    write_state(settings, state)
     found = effective_settings()
     assert found.data_dir == given.data_dir and found.ray_address == "127.0.0.1:1"
