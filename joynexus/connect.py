@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from joynexus.actors import service_handle
 from joynexus.artifacts import CheckpointStore
+from joynexus.core.store import ControlPlaneStore
 from joynexus.settings import Settings
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 
 @dataclass
 class Cluster:
-    """Typed handles of one deployment's services, as a client sees them."""
+    """Typed handles of one deployment's services, as a client sees them, plus this client's own
+    connection to the control-plane store (the tenant API server keeps its API keys and metered
+    lower-layer usage there)."""
 
     settings: Settings
     master: MasterService
@@ -51,6 +54,7 @@ class Cluster:
     mode: str  # "ray" | "in-process"
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _checkpoints: CheckpointStore | None = field(default=None, repr=False)
+    _store: ControlPlaneStore | None = field(default=None, repr=False)
 
     @property
     def checkpoints(self) -> CheckpointStore:
@@ -58,6 +62,15 @@ class Cluster:
         if self._checkpoints is None:
             self._checkpoints = CheckpointStore(checkpoint_location(self.settings))
         return self._checkpoints
+
+    @property
+    def store(self) -> ControlPlaneStore:
+        """This client's connection to the control-plane store (opened on first use, disposed last
+        by `close`)."""
+        if self._store is None:
+            self._store = ControlPlaneStore(self.settings.resolved_database_url())
+            self._closers.insert(0, self._store.dispose)  # closers run in reverse: the store goes last
+        return self._store
 
     def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
         """Wait for a workload to end (or the timeout), in bounded calls to the Master."""
