@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from joynexus.actors import service_handle
 from joynexus.artifacts import CheckpointStore
+from joynexus.artifacts.checkpoints import checkpoint_store
+from joynexus.core.store import ControlPlaneStore
 from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
@@ -41,7 +43,9 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 
 @dataclass
 class Cluster:
-    """Typed handles of one deployment's services, as a client sees them."""
+    """Typed handles of one deployment's services, as a client sees them, plus this client's own
+    connection to the control-plane store (the tenant API server keeps its API keys and metered
+    lower-layer usage there)."""
 
     settings: Settings
     master: MasterService
@@ -52,13 +56,23 @@ class Cluster:
     mode: str  # "ray" | "in-process"
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _checkpoints: CheckpointStore | None = field(default=None, repr=False)
+    _store: ControlPlaneStore | None = field(default=None, repr=False)
 
     @property
     def checkpoints(self) -> CheckpointStore:
         """The deployment's checkpoint store (local folder or S3), read-only use by clients."""
         if self._checkpoints is None:
-            self._checkpoints = CheckpointStore(checkpoint_location(self.settings))
+            self._checkpoints = checkpoint_store(self.settings)
         return self._checkpoints
+
+    @property
+    def store(self) -> ControlPlaneStore:
+        """This client's connection to the control-plane store (opened on first use, disposed last
+        by `close`)."""
+        if self._store is None:
+            self._store = ControlPlaneStore(self.settings.resolved_database_url())
+            self._closers.insert(0, self._store.dispose)  # closers run in reverse: the store goes last
+        return self._store
 
     def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
         """Wait for a workload to end (or the timeout), in bounded calls to the Master."""
@@ -78,15 +92,6 @@ class Cluster:
                 close()
             except Exception:  # closing is best effort and idempotent
                 pass
-
-
-def checkpoint_location(settings: Settings) -> Any:
-    """Where checkpoints live for these settings: an S3 blob store or the local folder."""
-    if not settings.s3_bucket:
-        return settings.checkpoint_root
-    from joynexus.artifacts.s3 import S3BlobStore
-
-    return S3BlobStore.from_uri(settings.checkpoint_location, endpoint_url=settings.s3_endpoint_url)
 
 
 def connect(

@@ -54,21 +54,21 @@ def test_settings_default_to_the_variable_and_else_to_var(env_dir, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["ray", "in-process"])
 def test_serve_uses_the_variable(env_dir, monkeypatch, mode):
-    from joynexus.api.services import ApiServices
+    import joynexus.connect
     from joynexus.cli import app
 
     seen: list[Settings] = []
-    monkeypatch.setattr(ApiServices, "ray" if mode == "ray" else "in_process", _recorder(seen))
+    monkeypatch.setattr(joynexus.connect, "connect" if mode == "ray" else "in_process", _recorder(seen))
     _invoke(app, ["serve"] if mode == "ray" else ["serve", "--services", mode])  # 'ray' is the default
     assert [s.data_dir for s in seen] == [env_dir.resolve()]
 
 
 def test_serve_data_dir_option_overrides_the_variable(env_dir, tmp_path, monkeypatch):
-    from joynexus.api.services import ApiServices
+    import joynexus.connect
     from joynexus.cli import app
 
     seen: list[Settings] = []
-    monkeypatch.setattr(ApiServices, "ray", _recorder(seen))
+    monkeypatch.setattr(joynexus.connect, "connect", _recorder(seen))
     _invoke(app, ["serve", "--data-dir", str(tmp_path / "given")])
     assert [s.data_dir for s in seen] == [(tmp_path / "given").resolve()]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from joynexus.actors import SerializedService, configure_placement, handle_of, init_ray, service_handle
 from joynexus.artifacts import CheckpointStore
+from joynexus.artifacts.checkpoints import checkpoint_store
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
@@ -26,7 +27,6 @@ from joynexus.services.configs import (
     InferenceServiceConfig,
     TrainingQueueConfig,
     TrainingServiceConfig,
-    checkpoint_store,
 )
 from joynexus.services.environment.service import EnvironmentService
 from joynexus.services.inference.service import InferenceModelService

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from joynexus.actors import named_actor
-from joynexus.artifacts import BlobStore, CheckpointStore, LocalBlobStore
-from joynexus.artifacts.s3 import ENDPOINT_ENV, S3BlobStore
+from joynexus.artifacts.s3 import ENDPOINT_ENV
+from joynexus.artifacts.stores import checkpoint_blobs
 from joynexus.models.backbone import BackboneSource
 from joynexus.models.placement import DevicePlacement
 from joynexus.scheduling.training_queue import TRAINING_QUEUE_ACTOR_NAME, TrainingQueue
@@ -43,19 +43,6 @@ def backbone_source(settings: Settings) -> BackboneSource:
     if settings.backbone_path:
         return BackboneSource(preset=None, path=settings.backbone_path)
     return BackboneSource(preset=settings.backbone_preset)
-
-
-def checkpoint_blobs(location: str, endpoint_url: str | None = None) -> BlobStore:
-    """The blob store of a checkpoint location (`Settings.checkpoint_location`: a local folder or an
-    s3:// URI) opened in this process; the one place both the services and clients open it."""
-    if location.startswith("s3://"):
-        return S3BlobStore.from_uri(location, endpoint_url=endpoint_url)
-    return LocalBlobStore(location)
-
-
-def checkpoint_store(settings: Settings) -> CheckpointStore:
-    """The deployment's checkpoint store, as the Master and clients read it."""
-    return CheckpointStore(checkpoint_blobs(settings.checkpoint_location, settings.s3_endpoint_url))
 
 
 @dataclass(frozen=True)
