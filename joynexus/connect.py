@@ -31,7 +31,7 @@ from joynexus.settings import Settings
 
 if TYPE_CHECKING:
     from joynexus.master.service import MasterOptions, MasterService
-    from joynexus.master.workloads.manager import WorkloadStatus
+    from joynexus.protocol.schemas import WorkloadInfo as WorkloadStatus
     from joynexus.scheduling.training_queue import TrainingQueueClient
     from joynexus.services.environment.service import EnvironmentService
     from joynexus.services.inference.service import InferenceModelService

@@ -55,7 +55,7 @@ PAYLOAD_ARTIFACT_DIR = "tenant_payload"
 # the periodic evaluation watches, moved only by `promote` when a candidate beats it.
 CANDIDATE_ALIAS = "candidate"
 CHAMPION_ALIAS = "champion"
-EVAL_TASK_TAG = "eval"  # tags.task of evaluation workload runs (joynexus.master.workloads.manager)
+EVAL_TASK_TAG = "eval"  # tags.task of evaluation workload runs (joynexus.master.workloads.evaluation)
 HISTORY_TASK_TAG = "evaluation-history"  # tags.task of the per-tenant periodic-evaluation run
 # MLflow's per-request caps on log_batch (params / metrics).
 _MAX_PARAMS_PER_BATCH = 100

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from joynexus.connect import Cluster, connect
 from joynexus.core.tenants import Tenant
-from joynexus.master.workloads.manager import WorkloadStatus
+from joynexus.protocol.schemas import WorkloadInfo as WorkloadStatus
 from joynexus.settings import Settings
 
 

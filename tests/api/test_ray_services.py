@@ -221,7 +221,9 @@ def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, tr
     finally:
         store.dispose()
     # The server process holds no WorkloadManager of this deployment (nor an actor loop).
-    local = [o for o in gc.get_objects() if type(o) is WorkloadManager and o.dep.settings.data_dir == ray_api.data_dir]
+    local = [
+        o for o in gc.get_objects() if type(o) is WorkloadManager and o.deployment.settings.data_dir == ray_api.data_dir
+    ]
     assert local == []
 
 
