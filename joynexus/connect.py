@@ -31,7 +31,7 @@ from joynexus.settings import Settings
 
 if TYPE_CHECKING:
     from joynexus.master.service import MasterOptions, MasterService
-    from joynexus.protocol.schemas import WorkloadInfo as WorkloadStatus
+    from joynexus.protocol.schemas import WorkloadInfo
     from joynexus.scheduling.training_queue import TrainingQueueClient
     from joynexus.services.environment.service import EnvironmentService
     from joynexus.services.inference.service import InferenceModelService
@@ -74,7 +74,7 @@ class Cluster:
             self._closers.insert(0, self._store.dispose)  # closers run in reverse: the store goes last
         return self._store
 
-    def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
+    def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadInfo:
         """Wait for a workload to end (or the timeout), in bounded calls to the Master."""
         deadline = time.monotonic() + timeout_s
         while True:

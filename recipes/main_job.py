@@ -30,7 +30,7 @@ from rich.table import Table
 
 from joynexus.connect import Cluster, connect
 from joynexus.core.tenants import Tenant
-from joynexus.protocol.schemas import WorkloadInfo as WorkloadStatus
+from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.settings import Settings
 
 
@@ -175,9 +175,9 @@ def write_demo_datasets(data_dir: Path, tenants: tuple[DemoTenant, ...] = DEMO_T
 
 @dataclass
 class DemoResult:
-    statuses: dict[str, WorkloadStatus]  # tenant_id -> its training workload's final status
+    statuses: dict[str, WorkloadInfo]  # tenant_id -> its training workload's final status
     losses: dict[str, list[float]]  # tenant_id -> loss per optimizer step in this run
-    evaluations: dict[str, dict[str, WorkloadStatus]]  # tenant_id -> {"before": ..., "after": ...}
+    evaluations: dict[str, dict[str, WorkloadInfo]]  # tenant_id -> {"before": ..., "after": ...}
     tenants: list[Tenant]
     backbone: dict[str, Any]
     seconds: float
@@ -255,7 +255,7 @@ def run_demo(
         cluster.close()
 
 
-def _wait_all(cluster: Cluster, workload_ids: list[str], timeout_s: float = 7200.0) -> list[WorkloadStatus]:
+def _wait_all(cluster: Cluster, workload_ids: list[str], timeout_s: float = 7200.0) -> list[WorkloadInfo]:
     deadline = time.monotonic() + timeout_s
     return [cluster.wait_workload(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
 
@@ -299,7 +299,7 @@ class _EventFollower:
             self._poll()  # the last events
 
 
-def _eval_line(status: WorkloadStatus) -> str:
+def _eval_line(status: WorkloadInfo) -> str:
     if status.result is None:
         return f"{status.state} ({status.error})"
     r = status.result

@@ -9,14 +9,9 @@ from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import invalid_from
 from joynexus.core.tenants import Tenant
 from joynexus.master.service import TenantUnavailable
-from joynexus.master.workloads.manager import AdmissionRefused, WorkloadStatus
+from joynexus.master.workloads.manager import AdmissionRefused
 from joynexus.protocol import schemas as s
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
-
-
-def workload_info(status: WorkloadStatus) -> s.WorkloadInfo:
-    """The Master's workload status as the API's model."""
-    return s.WorkloadInfo.model_validate(status.model_dump())
 
 
 class WorkloadOperations(GatewayBase):
@@ -50,7 +45,7 @@ class WorkloadOperations(GatewayBase):
             raise ApiError(str(error), [("tenant", error.reason)]).with_status(409, "tenant_unhealthy") from None
         except (ValueError, TypeError) as error:
             raise invalid_from(error, "task") from None
-        return workload_info(status)
+        return status
 
     def _check_submitted_spec(self, tenant: Tenant, data: dict[str, Any]) -> WorkloadSpec:
         try:
@@ -81,17 +76,17 @@ class WorkloadOperations(GatewayBase):
             status = self.master.get_workload(workload_id, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
-        return workload_info(status)
+        return status
 
     def list_workloads(self, tenant_id: str) -> list[s.WorkloadInfo]:
-        return [workload_info(w) for w in self.master.list_workloads(tenant_id)]
+        return self.master.list_workloads(tenant_id)
 
     def cancel_workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
         try:
             status = self.master.cancel_workload(workload_id, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
-        return workload_info(status)
+        return status
 
     def workload_events(self, tenant_id: str, workload_id: str, after: int) -> s.WorkloadEvents:
         try:
