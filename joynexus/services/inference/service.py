@@ -826,7 +826,7 @@ class InferenceModelService:
                 raise ValueError("features.mask: every sample needs at least one real token")
             params = self._stacked.get(modules)
             noise = None
-            if sample or cfg.kind == "flow_matching":
+            if sample or type(modules[0]).uses_noise:
                 # Drawn in batch order (unseeded draws come from the global generator, as per request).
                 drawn = {id(request): self._noise(request, device) for request, _ in members}
                 chunk_shape = (max(m.config.action_chunk for m in modules), max(m.config.action_dim for m in modules))
