@@ -137,27 +137,7 @@ class ResidentBackbone:
         # the config's image grid, so the canonical side decides the count.
         self.image_seq_len = (self.image_size // vision.patch_size) ** 2 // config.scale_factor**2
 
-        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN)}
-        for token, token_id in ids.items():
-            if token_id is None or token_id == tokenizer.unk_token_id:
-                raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
-        if ids[IMAGE_TOKEN] != config.image_token_id:
-            raise ValueError(
-                f"tokenizer image token id {ids[IMAGE_TOKEN]} != model config image_token_id {config.image_token_id}"
-            )
-        if tokenizer.pad_token_id is None:
-            raise ValueError(f"tokenizer of backbone {self.model_id!r} has no pad token")
-        self.pad_token_id = int(tokenizer.pad_token_id)
-        eou = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE_TOKEN)
-        bos = tokenizer.bos_token_id
-        # Prompt pieces as ids, computed once: <bos>User:{images}{instruction}<eou>\nAssistant:
-        self._prefix_ids = ([bos] if bos is not None else []) + self._text_ids("User:")
-        self._image_block_ids = (
-            [ids[FAKE_IMAGE_TOKEN], ids[GLOBAL_IMAGE_TOKEN]]
-            + [ids[IMAGE_TOKEN]] * self.image_seq_len
-            + [ids[FAKE_IMAGE_TOKEN]]
-        )
-        self._suffix_ids = ([eou] if eou is not None else []) + self._text_ids("\nAssistant:")
+        self._prepare_prompt_pieces(tokenizer, config.image_token_id)
         # Bounded LRU per instance (a decorated method would pin ``self`` in a global cache).
         self._prompt_ids = functools.lru_cache(maxsize=4096)(self._prompt_ids_uncached)
 
@@ -179,6 +159,31 @@ class ResidentBackbone:
         self._adapters: BackboneAdapters | None = None
         with ResidentBackbone._instances_lock:
             ResidentBackbone.instances_created += 1
+
+    def _prepare_prompt_pieces(self, tokenizer: PreTrainedTokenizerBase, image_token_id: int) -> None:
+        """Check the tokenizer's special tokens against the model config; keep the prompt's fixed
+        pieces as ids."""
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN)}
+        for token, token_id in ids.items():
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
+        if ids[IMAGE_TOKEN] != image_token_id:
+            raise ValueError(
+                f"tokenizer image token id {ids[IMAGE_TOKEN]} != model config image_token_id {image_token_id}"
+            )
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"tokenizer of backbone {self.model_id!r} has no pad token")
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        eou = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE_TOKEN)
+        bos = tokenizer.bos_token_id
+        # Prompt pieces as ids, computed once: <bos>User:{images}{instruction}<eou>\nAssistant:
+        self._prefix_ids = ([bos] if bos is not None else []) + self._text_ids("User:")
+        self._image_block_ids = (
+            [ids[FAKE_IMAGE_TOKEN], ids[GLOBAL_IMAGE_TOKEN]]
+            + [ids[IMAGE_TOKEN]] * self.image_seq_len
+            + [ids[FAKE_IMAGE_TOKEN]]
+        )
+        self._suffix_ids = ([eou] if eou is not None else []) + self._text_ids("\nAssistant:")
 
     def _cast_patch_inputs(self) -> None:
         """Pixels reach a reduced-precision vision tower in float32, cast to its dtype only at the
