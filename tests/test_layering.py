@@ -20,7 +20,8 @@ PACKAGE_ROOT = Path(joynexus.__file__).resolve().parent
 # Floors, lowest first; docs/architecture.md names the same ones. A room may import its own floor
 # and the floors below it.
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("joynexus.settings", "joynexus.schema", "joynexus.protocol", "joynexus.actors")),
+    ("foundation", ("joynexus.settings", "joynexus.schema", "joynexus.protocol", "joynexus.actors",
+                    "joynexus.extensions")),
     ("models and simulators", ("joynexus.models", "joynexus.envs", "joynexus.algorithms")),
     ("tenants, data, artifacts", ("joynexus.spec", "joynexus.core", "joynexus.data", "joynexus.artifacts",
                                   "joynexus.registry")),
