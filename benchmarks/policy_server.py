@@ -199,11 +199,11 @@ def start_server(data_dir: Path) -> tuple[Any, Any, str, Any]:
     import uvicorn
 
     from joynexus.api.app import ApiSettings, create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import in_process
     from joynexus.settings import Settings
 
-    services = ApiServices.in_process(Settings(data_dir=data_dir))
-    app = create_app(services, ApiSettings(), admin_key=ADMIN_KEY)
+    cluster = in_process(Settings(data_dir=data_dir))
+    app = create_app(cluster, ApiSettings(), admin_key=ADMIN_KEY)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
@@ -213,7 +213,7 @@ def start_server(data_dir: Path) -> tuple[Any, Any, str, Any]:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return services, server, f"http://127.0.0.1:{port}", thread
+    return cluster, server, f"http://127.0.0.1:{port}", thread
 
 
 def create_tenants(url: str, count: int, chunk: int) -> list[dict[str, Any]]:
@@ -248,8 +248,8 @@ def main() -> None:
     from joynexus.actors import handle_of
 
     with tempfile.TemporaryDirectory(prefix="joynexus-policy-server-") as tmp:
-        services, server, url, thread = start_server(Path(tmp))
-        service = handle_of(services.inference_service).target
+        cluster, server, url, thread = start_server(Path(tmp))
+        service = handle_of(cluster.inference).target
         grouped_batch, grouped_wait_ms = service.max_batch_size, service.max_wait_s * 1000
         tenants = create_tenants(url, args.tenants, args.chunk)
         poller = StatsPoller(service)
@@ -296,7 +296,7 @@ def main() -> None:
             pauses.stop()
             server.should_exit = True
             thread.join(timeout=30)
-            services.close()
+            cluster.close()
 
     print("\ngrouped vs ungrouped, side by side (ratio = grouped / ungrouped; latency ratio < 1 is better)")
     header = (

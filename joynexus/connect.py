@@ -24,11 +24,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from joynexus.actors import service_handle
 from joynexus.artifacts import CheckpointStore
+from joynexus.artifacts.checkpoints import checkpoint_store
+from joynexus.core.store import ControlPlaneStore
+from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
 if TYPE_CHECKING:
     from joynexus.master.service import MasterOptions, MasterService
-    from joynexus.master.workloads.manager import WorkloadStatus
+    from joynexus.protocol.schemas import WorkloadInfo
     from joynexus.scheduling.training_queue import TrainingQueueClient
     from joynexus.services.environment.service import EnvironmentService
     from joynexus.services.inference.service import InferenceModelService
@@ -40,7 +43,9 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 
 @dataclass
 class Cluster:
-    """Typed handles of one deployment's services, as a client sees them."""
+    """Typed handles of one deployment's services, as a client sees them, plus this client's own
+    connection to the control-plane store (the tenant API server keeps its API keys and metered
+    lower-layer usage there)."""
 
     settings: Settings
     master: MasterService
@@ -51,15 +56,25 @@ class Cluster:
     mode: str  # "ray" | "in-process"
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _checkpoints: CheckpointStore | None = field(default=None, repr=False)
+    _store: ControlPlaneStore | None = field(default=None, repr=False)
 
     @property
     def checkpoints(self) -> CheckpointStore:
         """The deployment's checkpoint store (local folder or S3), read-only use by clients."""
         if self._checkpoints is None:
-            self._checkpoints = CheckpointStore(checkpoint_location(self.settings))
+            self._checkpoints = checkpoint_store(self.settings)
         return self._checkpoints
 
-    def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadStatus:
+    @property
+    def store(self) -> ControlPlaneStore:
+        """This client's connection to the control-plane store (opened on first use, disposed last
+        by `close`)."""
+        if self._store is None:
+            self._store = ControlPlaneStore(self.settings.resolved_database_url())
+            self._closers.insert(0, self._store.dispose)  # closers run in reverse: the store goes last
+        return self._store
+
+    def wait_workload(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadInfo:
         """Wait for a workload to end (or the timeout), in bounded calls to the Master."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -77,22 +92,6 @@ class Cluster:
                 close()
             except Exception:  # closing is best effort and idempotent
                 pass
-
-
-def checkpoint_location(settings: Settings) -> Any:
-    """Where checkpoints live for these settings: an S3 blob store or the local folder."""
-    if not settings.s3_bucket:
-        return settings.checkpoint_root
-    from joynexus.artifacts.s3 import S3BlobStore
-
-    return S3BlobStore.from_uri(settings.checkpoint_location, endpoint_url=settings.s3_endpoint_url)
-
-
-def effective_settings(settings: Settings | None = None) -> Settings:
-    """Settings, completed with the endpoints `joynexus up` recorded in the data dir."""
-    from joynexus.ops.supervisor import effective_settings as recorded
-
-    return recorded(settings)
 
 
 def connect(

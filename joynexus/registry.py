@@ -47,8 +47,6 @@ __all__ = [
     "PromotionDecision",
     "RegistryError",
     "promote",
-    "local_artifact_location",
-    "local_tracking_uri",
     "registered_model_name",
 ]
 
@@ -57,7 +55,7 @@ PAYLOAD_ARTIFACT_DIR = "tenant_payload"
 # the periodic evaluation watches, moved only by `promote` when a candidate beats it.
 CANDIDATE_ALIAS = "candidate"
 CHAMPION_ALIAS = "champion"
-EVAL_TASK_TAG = "eval"  # tags.task of evaluation workload runs (joynexus.master.workloads.manager)
+EVAL_TASK_TAG = "eval"  # tags.task of evaluation workload runs (joynexus.master.workloads.evaluation)
 HISTORY_TASK_TAG = "evaluation-history"  # tags.task of the per-tenant periodic-evaluation run
 # MLflow's per-request caps on log_batch (params / metrics).
 _MAX_PARAMS_PER_BATCH = 100
@@ -73,20 +71,6 @@ class RegistryError(RuntimeError):
 def registered_model_name(tenant_id: str) -> str:
     """One registered model per tenant: ``joynexus-<tenant_id>-policy``."""
     return f"joynexus-{validate_tenant_id(tenant_id)}-policy"
-
-
-def local_tracking_uri(data_dir: str | Path) -> str:
-    """Embedded default store: ``sqlite:///<data_dir>/mlflow/mlflow.db`` (folder is created)."""
-    mlflow_dir = Path(data_dir).resolve() / "mlflow"
-    mlflow_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
-
-
-def local_artifact_location(data_dir: str | Path) -> str:
-    """Artifact root paired with :func:`local_tracking_uri`: ``<data_dir>/mlflow/artifacts`` as a file URI."""
-    path = Path(data_dir).resolve() / "mlflow" / "artifacts"
-    path.mkdir(parents=True, exist_ok=True)
-    return path.as_uri()
 
 
 def _default_artifact_location(tracking_uri: str) -> str | None:
@@ -180,13 +164,6 @@ class ExperimentTracker:
         """Log several metrics at one step in a single batch call."""
         ts = int(time.time() * 1000)
         items = [Metric(str(k), float(v), ts, int(step)) for k, v in metrics.items()]
-        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
-            self.client.log_batch(run_id, metrics=chunk)
-
-    def log_metric_series(self, run_id: str, key: str, steps: list[tuple[int, float]]) -> None:
-        """Log one metric at several steps (e.g. a job's losses) in batch calls, not one per step."""
-        ts = int(time.time() * 1000)
-        items = [Metric(key, float(value), ts, int(step)) for step, value in steps]
         for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk)
 

@@ -23,6 +23,28 @@ ROLES = (
 )
 
 
+# The embedded defaults' locations under the data dir, decided here once (each creates its folder).
+def sqlite_url(data_dir: str | Path) -> str:
+    """The control-plane store: ``sqlite:///<data_dir>/joynexus.db``."""
+    path = Path(data_dir).resolve() / "joynexus.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def local_tracking_uri(data_dir: str | Path) -> str:
+    """The MLflow store: ``sqlite:///<data_dir>/mlflow/mlflow.db``."""
+    mlflow_dir = Path(data_dir).resolve() / "mlflow"
+    mlflow_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+
+
+def local_artifact_location(data_dir: str | Path) -> str:
+    """The MLflow artifact root paired with `local_tracking_uri`: ``<data_dir>/mlflow/artifacts`` as a file URI."""
+    path = Path(data_dir).resolve() / "mlflow" / "artifacts"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
 class RoleResources(BaseModel):
     """What one role's actor asks Ray for. None keeps the role's embedded default. `num_gpus` may be
     a fraction below 1 (roles sharing one device, as in the paper's co-location); above 1 Ray needs
@@ -255,13 +277,9 @@ class Settings(BaseModel):
         return parse_role_resources(value)
 
     def resolved_database_url(self) -> str:
-        from joynexus.core.store import sqlite_url
-
         return self.database_url or sqlite_url(self.data_dir)
 
     def resolved_mlflow_uri(self) -> str:
-        from joynexus.registry import local_tracking_uri
-
         return self.mlflow_tracking_uri or local_tracking_uri(self.data_dir)
 
     @property

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from joynexus.connect import Cluster, connect
 from joynexus.core.tenants import Tenant
-from joynexus.master.workloads.manager import WorkloadStatus
+from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.settings import Settings
 
 
@@ -175,9 +175,9 @@ def write_demo_datasets(data_dir: Path, tenants: tuple[DemoTenant, ...] = DEMO_T
 
 @dataclass
 class DemoResult:
-    statuses: dict[str, WorkloadStatus]  # tenant_id -> its training workload's final status
+    statuses: dict[str, WorkloadInfo]  # tenant_id -> its training workload's final status
     losses: dict[str, list[float]]  # tenant_id -> loss per optimizer step in this run
-    evaluations: dict[str, dict[str, WorkloadStatus]]  # tenant_id -> {"before": ..., "after": ...}
+    evaluations: dict[str, dict[str, WorkloadInfo]]  # tenant_id -> {"before": ..., "after": ...}
     tenants: list[Tenant]
     backbone: dict[str, Any]
     seconds: float
@@ -255,7 +255,7 @@ def run_demo(
         cluster.close()
 
 
-def _wait_all(cluster: Cluster, workload_ids: list[str], timeout_s: float = 7200.0) -> list[WorkloadStatus]:
+def _wait_all(cluster: Cluster, workload_ids: list[str], timeout_s: float = 7200.0) -> list[WorkloadInfo]:
     deadline = time.monotonic() + timeout_s
     return [cluster.wait_workload(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
 
@@ -299,7 +299,7 @@ class _EventFollower:
             self._poll()  # the last events
 
 
-def _eval_line(status: WorkloadStatus) -> str:
+def _eval_line(status: WorkloadInfo) -> str:
     if status.result is None:
         return f"{status.state} ({status.error})"
     r = status.result
@@ -325,6 +325,19 @@ def main(
 ) -> None:
     """Run the main job: SFT, RL and evaluation side by side on one resident backbone per service."""
     settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+    result = _run_with_progress(
+        settings, jobs_per_tenant=jobs, samples_per_job=samples_per_job, simulators=simulators, rl_jobs=rl_jobs
+    )
+    failed = _print_results(result)
+    if result.evaluations:
+        console.print(_evaluations_table(result))
+    _print_where(result)
+    if failed:
+        raise typer.Exit(code=1)
+
+
+def _run_with_progress(settings: Settings, **demo_options: Any) -> DemoResult:
+    """`run_demo` with one progress bar per tenant, fed from the workloads' events."""
     progress = Progress(
         TextColumn("[bold]{task.fields[tenant]:<16}"),
         BarColumn(),
@@ -354,16 +367,11 @@ def main(
             bars[tenant] = progress.add_task("", total=int(words[4]), tenant=tenant, loss="   -   ", version=0)
 
     with progress:
-        result = run_demo(
-            settings,
-            jobs_per_tenant=jobs,
-            samples_per_job=samples_per_job,
-            simulators=simulators,
-            rl_jobs=rl_jobs,
-            on_event=on_event,
-            on_stage=on_stage,
-        )
+        return run_demo(settings, on_event=on_event, on_stage=on_stage, **demo_options)
 
+
+def _print_results(result: DemoResult) -> bool:
+    """The per-tenant table (and each failed workload's error); returns whether any workload failed."""
     table = Table(
         title=f"main job: {len(result.tenants)} tenants, {result.seconds:.1f} s, one backbone per model service"
     )
@@ -393,21 +401,29 @@ def main(
         if status.error:
             console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
     console.print(table)
-    if result.evaluations:
-        evals = Table(title="evaluation in the simulator (deterministic policy, one version per run)")
-        for column in ("tenant", "simulator / task", "before: version", "return", "success", "after: version",
-                       "return", "success"):  # fmt: skip
-            evals.add_column(column)
-        for tenant_id, pair in result.evaluations.items():
-            cells = [tenant_id]
-            for when in ("before", "after"):
-                r = pair[when].result
-                if when == "before":
-                    cells.append(f"{r['simulator']}/{r['task']}" if r else "-")
-                cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", f"{r['success_rate']:.0%}"] if r else [
-                    pair[when].state, "-", "-"]  # fmt: skip
-            evals.add_row(*cells)
-        console.print(evals)
+    return failed
+
+
+def _evaluations_table(result: DemoResult) -> Table:
+    """Before/after evaluation of each simulator tenant."""
+    evals = Table(title="evaluation in the simulator (deterministic policy, one version per run)")
+    for column in ("tenant", "simulator / task", "before: version", "return", "success", "after: version",
+                   "return", "success"):  # fmt: skip
+        evals.add_column(column)
+    for tenant_id, pair in result.evaluations.items():
+        cells = [tenant_id]
+        for when in ("before", "after"):
+            r = pair[when].result
+            if when == "before":
+                cells.append(f"{r['simulator']}/{r['task']}" if r else "-")
+            cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", f"{r['success_rate']:.0%}"] if r else [
+                pair[when].state, "-", "-"]  # fmt: skip
+        evals.add_row(*cells)
+    return evals
+
+
+def _print_where(result: DemoResult) -> None:
+    """The shared backbone, and where the store, checkpoints and MLflow runs are."""
     info = result.backbone
     console.print(
         f"backbone [bold]{info['model_id']}[/]: {info['parameter_count']:,} frozen parameters, "
@@ -422,8 +438,6 @@ def main(
         f"  .venv/bin/mlflow ui --backend-store-uri {s.resolved_mlflow_uri()} --port 5000\n"
         "  then open http://127.0.0.1:5000"
     )
-    if failed:
-        raise typer.Exit(code=1)
 
 
 if __name__ == "__main__":

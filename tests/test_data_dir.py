@@ -54,21 +54,21 @@ def test_settings_default_to_the_variable_and_else_to_var(env_dir, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["ray", "in-process"])
 def test_serve_uses_the_variable(env_dir, monkeypatch, mode):
-    from joynexus.api.services import ApiServices
+    import joynexus.connect
     from joynexus.cli import app
 
     seen: list[Settings] = []
-    monkeypatch.setattr(ApiServices, "ray" if mode == "ray" else "in_process", _recorder(seen))
+    monkeypatch.setattr(joynexus.connect, "connect" if mode == "ray" else "in_process", _recorder(seen))
     _invoke(app, ["serve"] if mode == "ray" else ["serve", "--services", mode])  # 'ray' is the default
     assert [s.data_dir for s in seen] == [env_dir.resolve()]
 
 
 def test_serve_data_dir_option_overrides_the_variable(env_dir, tmp_path, monkeypatch):
-    from joynexus.api.services import ApiServices
+    import joynexus.connect
     from joynexus.cli import app
 
     seen: list[Settings] = []
-    monkeypatch.setattr(ApiServices, "ray", _recorder(seen))
+    monkeypatch.setattr(joynexus.connect, "connect", _recorder(seen))
     _invoke(app, ["serve", "--data-dir", str(tmp_path / "given")])
     assert [s.data_dir for s in seen] == [(tmp_path / "given").resolve()]
 
@@ -99,7 +99,8 @@ def test_up_hands_its_data_dir_to_the_processes_it_starts(env_dir, tmp_path, mon
     """`up` starts the Ray head, servers and the driver that creates the actors with the data dir
     in their environment (the actors and `_create-services` build Settings() from it), and
     `status` / the flows find the recorded deployment of $JOYNEXUS_DATA_DIR."""
-    from joynexus.ops.supervisor import DeploymentState, _child_env, _write_state, effective_settings
+    from joynexus.ops.deployment_state import DeploymentState, effective_settings, write_state
+    from joynexus.ops.supervisor import _child_env
 
     given = Settings(data_dir=tmp_path / "given")
     env = _child_env(given)
@@ -118,6 +119,6 @@ def test_up_hands_its_data_dir_to_the_processes_it_starts(env_dir, tmp_path, mon
         processes=[],
         started_at=0.0,
     )
-    _write_state(settings, state)
+    write_state(settings, state)
     found = effective_settings()
     assert found.data_dir == given.data_dir and found.ray_address == "127.0.0.1:1"

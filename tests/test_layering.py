@@ -1,9 +1,10 @@
 """The package's layering, read from the source with ast (nothing is imported):
 
-* the lower layers never import the Master, the tenant API, ops, the connect/client side or the CLI
-  (imports inside functions count too);
+* every room (a top-level module or package of joynexus) sits on one floor of `FLOORS`, and no import
+  climbs to a higher floor (imports inside functions and under TYPE_CHECKING count too);
 * joynexus.protocol imports nothing of joynexus but itself;
-* the module-level imports among joynexus modules form no cycle;
+* the imports among joynexus modules form no cycle, whether they run at import time or inside a
+  function (only TYPE_CHECKING imports, which never run, are left out);
 * nothing in joynexus imports the `recipes` package.
 """
 
@@ -16,29 +17,30 @@ import joynexus
 
 PACKAGE_ROOT = Path(joynexus.__file__).resolve().parent
 
-LOWER_LAYERS = (
-    "joynexus.core",
-    "joynexus.models",
-    "joynexus.scheduling",
-    "joynexus.services",
-    "joynexus.envs",
-    "joynexus.data",
-    "joynexus.algorithms",
-    "joynexus.artifacts",
-    "joynexus.protocol",
-    "joynexus.spec",
-    "joynexus.schema",
-    "joynexus.settings",
-    "joynexus.actors",
-)
-UPPER_LAYERS = (
-    "joynexus.master",
-    "joynexus.api",
-    "joynexus.ops",
-    "joynexus.connect",
-    "joynexus.client",
-    "joynexus.cli",
-)
+# Floors, lowest first; docs/architecture.md names the same ones. A room may import its own floor
+# and the floors below it.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundation", ("joynexus.settings", "joynexus.schema", "joynexus.protocol", "joynexus.actors",
+                    "joynexus.extensions")),
+    ("models and simulators", ("joynexus.models", "joynexus.envs", "joynexus.algorithms")),
+    ("tenants, data, artifacts", ("joynexus.spec", "joynexus.core", "joynexus.data", "joynexus.artifacts",
+                                  "joynexus.registry")),
+    ("scheduling", ("joynexus.scheduling",)),
+    ("execution plane", ("joynexus.services",)),
+    ("master", ("joynexus.master",)),
+    ("access", ("joynexus.connect", "joynexus.ops", "joynexus.client", "joynexus.robot_client")),
+    ("tenant API and CLI", ("joynexus.api", "joynexus.cli")),
+)  # fmt: skip
+LOWER_LAYERS = tuple(room for _, rooms in FLOORS[:6] for room in rooms)
+UPPER_LAYERS = tuple(room for _, rooms in FLOORS[6:] for room in rooms)
+
+
+def _floor(module: str) -> int | None:
+    for level, (_, rooms) in enumerate(FLOORS):
+        if _within(module, rooms):
+            return level
+    return None
+
 
 # Known violations in the current tree, to be removed as they are fixed: (importer, imported).
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
@@ -111,11 +113,28 @@ def _is_type_checking(node: ast.AST) -> bool:
 IMPORTS = {name: _imports(name) for name in MODULES}
 
 
-def _edges(*, top_level_only: bool) -> set[tuple[str, str]]:
+def _type_checking_lines(name: str) -> set[int]:
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    return {
+        child.lineno
+        for node in ast.walk(tree)
+        if _is_type_checking(node)
+        for child in ast.walk(node)
+        if isinstance(child, ast.Import | ast.ImportFrom)
+    }
+
+
+TYPE_CHECKING_LINES = {name: _type_checking_lines(name) for name in MODULES}
+
+
+def _edges(*, top_level_only: bool, running_only: bool = False) -> set[tuple[str, str]]:
+    """Import edges between joynexus modules; `running_only` leaves out TYPE_CHECKING imports."""
     edges = set()
     for importer, found in IMPORTS.items():
-        for imported, _line, top in found:
+        for imported, line, top in found:
             if top_level_only and not top:
+                continue
+            if running_only and line in TYPE_CHECKING_LINES[importer]:
                 continue
             if imported.split(".")[0] == "joynexus" and imported != importer:
                 edges.add((importer, imported))
@@ -139,6 +158,22 @@ def test_lower_layers_never_import_the_upper_layers():
     )
     unexpected = [edge for edge in bad if edge not in ALLOWED_UPWARD]
     assert not unexpected, "lower layer imports an upper one:\n  " + "\n  ".join(_where(*e) for e in unexpected)
+
+
+def test_every_room_is_on_a_floor():
+    rooms = {".".join(name.split(".")[:2]) for name in MODULES if name != "joynexus"}
+    assert not sorted(room for room in rooms if _floor(room) is None), "rooms missing from FLOORS"
+
+
+def test_no_import_climbs_to_a_higher_floor():
+    bad = sorted(
+        (importer, imported)
+        for importer, imported in _edges(top_level_only=False)
+        if (low := _floor(importer)) is not None and (high := _floor(imported)) is not None and high > low
+    )
+    assert not bad, "imports that climb a floor:\n  " + "\n  ".join(
+        f"{_where(a, b)}: {FLOORS[_floor(a)][0]} -> {FLOORS[_floor(b)][0]}" for a, b in bad
+    )
 
 
 def test_the_protocol_imports_nothing_of_joynexus_but_itself():
@@ -200,7 +235,15 @@ def _cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
 
 
 def test_module_level_imports_form_no_cycle():
-    edges = {(a, b) for a, b in _edges(top_level_only=True) if b in MODULES and (a, b) not in ALLOWED_CYCLE_EDGES}
+    _assert_no_cycle(_edges(top_level_only=True))
+
+
+def test_imports_inside_functions_form_no_cycle_either():
+    _assert_no_cycle(_edges(top_level_only=False, running_only=True))
+
+
+def _assert_no_cycle(all_edges: set[tuple[str, str]]) -> None:
+    edges = {(a, b) for a, b in all_edges if b in MODULES and (a, b) not in ALLOWED_CYCLE_EDGES}
     cycles = _cycles(edges)
     lines = []
     for component in cycles:

@@ -8,13 +8,8 @@ import torch
 from mlflow.exceptions import MlflowException
 
 from joynexus.artifacts import TenantManifest, encode_tenant_payload
-from joynexus.registry import (
-    CANDIDATE_ALIAS,
-    CHAMPION_ALIAS,
-    ExperimentTracker,
-    local_tracking_uri,
-    promote,
-)
+from joynexus.registry import CANDIDATE_ALIAS, CHAMPION_ALIAS, ExperimentTracker, promote
+from joynexus.settings import local_tracking_uri
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,8 @@ from joynexus.artifacts import (  # noqa: E402
     decode_tenant_payload,
     encode_tenant_payload,
 )
-from joynexus.registry import (  # noqa: E402
-    ExperimentTracker,
-    RegistryError,
-    local_artifact_location,
-    local_tracking_uri,
-    registered_model_name,
-)
+from joynexus.registry import ExperimentTracker, RegistryError, registered_model_name
+from joynexus.settings import local_artifact_location, local_tracking_uri
 
 
 @pytest.fixture(scope="module")

@@ -258,7 +258,7 @@ def test_the_api_reads_checkpoints_through_the_store_on_s3(tmp_path, s3_endpoint
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import in_process
     from joynexus.settings import Settings
     from tests.helpers import TINY_MODEL_ID, sft_spec, write_dataset_for
 
@@ -267,15 +267,15 @@ def test_the_api_reads_checkpoints_through_the_store_on_s3(tmp_path, s3_endpoint
     spec = sft_spec("s3-api", tmp_path / "dataset", jobs=2, samples_per_job=8, base_model=TINY_MODEL_ID)
     spec["training"] = {**spec.get("training", {}), "checkpoint_every_jobs": 1}
     write_dataset_for(spec, episodes=2, length=8)
-    services = ApiServices.in_process(settings)
+    cluster = in_process(settings)
     admin = {"Authorization": "Bearer jnx_admin_s3test"}
     try:
-        with TestClient(create_app(services, admin_key="jnx_admin_s3test")) as client:
+        with TestClient(create_app(cluster, admin_key="jnx_admin_s3test")) as client:
             created = client.post("/v1/admin/tenants", json=spec, headers=admin)
             assert created.status_code == 201, created.text
             me = {"Authorization": f"Bearer {created.json()['key']['api_key']}"}
             submitted = client.post("/v1/workloads", json={"jobs": 2}, headers=me).json()
-            final = services.cluster.wait_workload(submitted["workload_id"], 300)
+            final = cluster.wait_workload(submitted["workload_id"], 300)
             assert final.state == "completed", final.error
             versions = client.get("/v1/versions", headers=me).json()
             checkpoints = {c["version"]: c for c in versions["checkpoints"]}
@@ -288,4 +288,4 @@ def test_the_api_reads_checkpoints_through_the_store_on_s3(tmp_path, s3_endpoint
             assert usage["storage_bytes"] >= sum(c["size_bytes"] for c in checkpoints.values())
         assert not (settings.checkpoint_root / "tenants").exists()  # nothing on local disk
     finally:
-        services.close()
+        cluster.close()

@@ -2,15 +2,15 @@
 
 | module | what |
 |---|---|
-| `app.py` | the FastAPI server: routes of the upper and lower layer, auth dependencies |
-| `gateway.py` | tenant-scoped operations behind the routes: schema checks, isolation, metering |
-| `services.py` | the services it runs on: in-process objects or a Ray deployment |
+| `app.py` | `create_app`: the FastAPI app over a `joynexus.connect.Cluster`, its middleware and routers |
+| `settings.py` | `ApiSettings` (quota defaults are the Master's) |
+| `routers/` | one `APIRouter` per concern: meta, admin, upper layer, workload event stream, lower layer |
+| `gateway/` | tenant-scoped operations behind the routes: schema checks, isolation, metering, per concern |
 | `auth.py` | API keys: random, stored hashed, constant-time verification; the admin key |
-| `usage.py` | usage metering (device-seconds, samples, env steps, storage) and quotas |
-| `wire.py` | tensors on the wire: dtype + shape + raw bytes (base64 in JSON, bin in msgpack) |
-| `schemas.py` | request / response models, shared with `joynexus.client` |
+| `streaming.py` | the robots' policy stream (/v1/stream, websocket) |
 | `errors.py`, `middleware.py` | JSON error bodies; body-size cap, idempotent replays, msgpack bodies |
 | `cli.py` | `joynexus serve / tenant / workload / versions / export / usage` |
 
-`wire` and `schemas` import neither torch nor FastAPI: the client uses them.
+Request / response models and the wire format are in `joynexus.protocol` (shared with `joynexus.client`),
+usage metering and quotas in `joynexus.master.usage`.
 """

@@ -98,7 +98,7 @@ def serve(
     import uvicorn
 
     from joynexus.api.app import ApiSettings, create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import connect, in_process
     from joynexus.settings import Settings
 
     if services not in ("ray", "in-process"):
@@ -106,8 +106,8 @@ def serve(
         raise typer.Exit(code=2)
     settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
     console.log(f"connecting to the services ({services}) of {settings.data_dir}")
-    api_services = ApiServices.ray(settings) if services == "ray" else ApiServices.in_process(settings)
-    app = create_app(api_services, ApiSettings(host=host, port=port, max_body_bytes=max_body_mb << 20))
+    cluster = connect(settings, mode="ray") if services == "ray" else in_process(settings)
+    app = create_app(cluster, ApiSettings(host=host, port=port, max_body_bytes=max_body_mb << 20))
     if app.state.generated_admin_key:
         console.print(
             "[bold yellow]admin key (shown once, only its hash is stored):[/] "
@@ -118,7 +118,7 @@ def serve(
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
-        api_services.close()
+        cluster.close()
 
 
 # -- tenants (admin) ------------------------------------------------------------------------------

@@ -91,11 +91,6 @@ class QuotaExceeded(ApiError):
     code = "quota_exceeded"
 
 
-class PayloadTooLarge(ApiError):
-    status_code = 413
-    code = "payload_too_large"
-
-
 class ServiceUnavailable(ApiError):
     status_code = 503
     code = "unavailable"

@@ -36,7 +36,8 @@ from joynexus.artifacts.codec import (
     encode_optimizer_state,
     validate_tenant_id,
 )
-from joynexus.artifacts.stores import blob_store_for
+from joynexus.artifacts.stores import blob_store_for, checkpoint_blobs
+from joynexus.settings import Settings
 
 # Per-tenant high-water mark of every policy version the Training Model Service has issued
 # (exported, published, returned), checkpointed or not: a restarted service never reuses one.
@@ -406,3 +407,8 @@ class CheckpointStore:
             except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: file {OPTIMIZER_JSON_FILE} is invalid: {exc}") from exc
         return manifest, module_state, optimizer_state
+
+
+def checkpoint_store(settings: Settings) -> CheckpointStore:
+    """The deployment's checkpoint store, as the Master and clients read it."""
+    return CheckpointStore(checkpoint_blobs(settings.checkpoint_location, settings.s3_endpoint_url))

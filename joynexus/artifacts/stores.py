@@ -17,3 +17,11 @@ def blob_store_for(location: str | Path | BlobStore) -> BlobStore:
     if isinstance(location, str) and location.startswith("s3://"):
         return S3BlobStore.from_uri(location)
     return LocalBlobStore(location)
+
+
+def checkpoint_blobs(location: str, endpoint_url: str | None = None) -> BlobStore:
+    """The blob store of a checkpoint location (`Settings.checkpoint_location`: a local folder or an
+    s3:// URI) opened in this process; the one place both the services and clients open it."""
+    if location.startswith("s3://"):
+        return S3BlobStore.from_uri(location, endpoint_url=endpoint_url)
+    return LocalBlobStore(location)

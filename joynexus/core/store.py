@@ -14,7 +14,6 @@ import datetime as dt
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -207,12 +206,6 @@ class WorkloadEventRecord(Base):
     kind: Mapped[str] = mapped_column(String(32))
     data: Mapped[dict] = mapped_column(JSON, default=dict)
     time: Mapped[float] = mapped_column(Float)
-
-
-def sqlite_url(data_dir: str | Path) -> str:
-    path = Path(data_dir).resolve() / "joynexus.db"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{path}"
 
 
 class ControlPlaneStore:

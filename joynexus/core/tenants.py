@@ -3,13 +3,21 @@ tenant as the control plane stores it. Every layer uses these; only the Master c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from joynexus.core.store import TenantRecord
 from joynexus.spec import WorkloadSpec
+
+
+def _default_lora_targets() -> tuple[str, ...]:
+    # Imported here, not at module level: the control plane and the API load transformers only when
+    # a capability record is made without asking a backbone (the default family's names).
+    from joynexus.models.backbone import default_lora_targets
+
+    return default_lora_targets()
 
 
 @dataclass(frozen=True)
@@ -23,8 +31,9 @@ class BaseModelCapabilities:
     max_state_dim: int = 128
     max_action_dim: int = 64
     max_action_chunk: int = 128
-    # Linear layers of the text model a LoRA adapter may target (Idefics3 / SmolVLM: a Llama decoder).
-    lora_target_modules: tuple[str, ...] = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    # Linear layers of the text model a LoRA adapter may target: by default the default backbone
+    # family's (Idefics3 / SmolVLM: a Llama decoder); `of_backbone` asks the backbone itself.
+    lora_target_modules: tuple[str, ...] = field(default_factory=_default_lora_targets)
     max_lora_rank: int = 64
 
     @classmethod

@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 import numpy as np
 import pydantic
 
+from joynexus.extensions import Registry
+
 __all__ = [
     "SIMULATORS",
     "AssetDownloadRefused",
@@ -75,37 +77,6 @@ class SimulatorUnavailable(RuntimeError):
     """The simulator cannot run on this host (missing system library, no Vulkan device, ...)."""
 
 
-SIMULATORS: dict[str, type[SimulatorAdapter]] = {}
-
-_A = TypeVar("_A", bound="type[SimulatorAdapter]")
-
-
-def register_simulator(name: str) -> Callable[[_A], _A]:
-    """Class decorator: make ``cls`` buildable from ``SimulatorConfig(simulator=name)``."""
-
-    def decorator(cls: _A) -> _A:
-        if not (isinstance(cls, type) and issubclass(cls, SimulatorAdapter)):
-            raise TypeError(f"@register_simulator({name!r}) must decorate a SimulatorAdapter subclass, got {cls!r}")
-        existing = SIMULATORS.get(name)
-        # Re-registering the same class (module reload, or a spawned worker re-importing) is fine.
-        if existing is not None and (existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"simulator {name!r} is already registered to {existing.__qualname__}")
-        cls.name = name
-        SIMULATORS[name] = cls
-        return cls
-
-    return decorator
-
-
-def available_simulators() -> list[str]:
-    """Registered simulator names, sorted."""
-    return sorted(SIMULATORS)
-
-
-def _unknown_simulator_error(name: str) -> ValueError:
-    return ValueError(f"simulator={name!r} is not a registered simulator; allowed simulators: {available_simulators()}")
-
-
 class SimulatorConfig(pydantic.BaseModel):
     """What a session runs. Frozen so it can be stored and shipped to a worker as JSON."""
 
@@ -129,8 +100,7 @@ class SimulatorConfig(pydantic.BaseModel):
     @pydantic.field_validator("simulator")
     @classmethod
     def _simulator_registered(cls, value: str) -> str:
-        if value not in SIMULATORS:
-            raise _unknown_simulator_error(value)
+        SIMULATORS.get(value)  # an unknown name raises, naming the allowed ones
         return value
 
     @pydantic.field_validator("cameras")
@@ -212,23 +182,6 @@ class SimulatorSpec:
             "reward_mode": self.reward_mode,
             "control_mode": self.control_mode,
         }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SimulatorSpec:
-        return cls(
-            simulator=data["simulator"],
-            task=data["task"],
-            instruction=data["instruction"],
-            cameras=tuple(data["cameras"]),
-            image_size=(int(data["image_size"][0]), int(data["image_size"][1])),
-            state_dim=int(data["state_dim"]),
-            action_dim=int(data["action_dim"]),
-            action_low=tuple(float(x) for x in data["action_low"]),
-            action_high=tuple(float(x) for x in data["action_high"]),
-            max_episode_steps=int(data["max_episode_steps"]),
-            reward_mode=data["reward_mode"],
-            control_mode=data.get("control_mode"),
-        )
 
 
 @dataclass
@@ -373,11 +326,26 @@ class SimulatorAdapter(abc.ABC):
         self.close()
 
 
+_A = TypeVar("_A", bound="type[SimulatorAdapter]")
+
+# Filled by @register_simulator where each adapter is defined.
+SIMULATORS: Registry[SimulatorAdapter] = Registry(
+    SimulatorAdapter, field="simulator", noun="simulator", plural="simulators", name_attribute="name"
+)
+
+
+def register_simulator(name: str) -> Callable[[_A], _A]:
+    """Class decorator: make ``cls`` buildable from ``SimulatorConfig(simulator=name)``."""
+    return SIMULATORS.register(name)
+
+
+def available_simulators() -> list[str]:
+    """Registered simulator names, sorted."""
+    return SIMULATORS.available()
+
+
 def build_simulator(config: SimulatorConfig | Mapping[str, Any]) -> SimulatorAdapter:
     """Instantiate the registered adapter for ``config.simulator`` (this loads the simulator)."""
     if not isinstance(config, SimulatorConfig):
         config = SimulatorConfig.model_validate(config)
-    cls = SIMULATORS.get(config.simulator)
-    if cls is None:  # only reachable for configs built with model_construct()
-        raise _unknown_simulator_error(config.simulator)
-    return cls(config)
+    return SIMULATORS.get(config.simulator)(config)

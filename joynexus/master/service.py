@@ -27,7 +27,8 @@ from joynexus.actors import named_actor
 from joynexus.core.tenants import Tenant
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
-from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager, WorkloadStatus
+from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
+from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
 from joynexus.settings import Settings
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
@@ -230,13 +231,6 @@ class MasterService:
             raise TenantUnavailable(tenant_id, tenant.status_reason or "unknown")
         return tenant
 
-    def retry_tenant(self, tenant_id: str) -> Tenant:
-        """Try to build an unhealthy tenant's slot again (e.g. after an operator repaired its
-        checkpoint); healthy again on success."""
-        tenant = self.deployment.creator.get(tenant_id)
-        self._restore_slot(tenant)
-        return self.deployment.creator.get(tenant_id)
-
     def delete_tenant(self, tenant_id: str, *, delete_artifacts: bool = False) -> dict[str, Any]:
         """Remove a tenant: its workloads are cancelled, its jobs released, its queue partitions,
         slots, serving states, sessions, keys, quota and usage rows removed; with
@@ -287,8 +281,8 @@ class MasterService:
         if tenant.status == UNHEALTHY:
             self.deployment.creator.mark_healthy(tenant.tenant_id)
 
-    # -- workloads --------------------------------------------------------------------------------
-    def submit_workload(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadStatus:
+    # -- workloads: the API's and Ray clients' names for the WorkloadManager's calls --------------
+    def submit_workload(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadInfo:
         self.check_tenant(tenant_id)
         return self.workloads.submit(tenant_id, jobs=jobs)
 
@@ -299,23 +293,23 @@ class MasterService:
         version: int | str = "latest",
         episodes: int = 4,
         environment: dict[str, Any] | None = None,
-    ) -> WorkloadStatus:
+    ) -> WorkloadInfo:
         self.check_tenant(tenant_id)
         return self.workloads.evaluate(tenant_id, version=version, episodes=episodes, environment=environment)
 
-    def get_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
+    def get_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadInfo:
         return self.workloads.get(workload_id, tenant_id)
 
-    def list_workloads(self, tenant_id: str | None = None) -> list[WorkloadStatus]:
+    def list_workloads(self, tenant_id: str | None = None) -> list[WorkloadInfo]:
         return self.workloads.list(tenant_id)
 
-    def cancel_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadStatus:
+    def cancel_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadInfo:
         return self.workloads.cancel(workload_id, tenant_id)
 
     def workload_events(self, workload_id: str, after: int = 0, tenant_id: str | None = None) -> list[dict[str, Any]]:
         return self.workloads.events(workload_id, after, tenant_id)
 
-    def wait_workload(self, workload_id: str, timeout_s: float = 30.0) -> WorkloadStatus:
+    def wait_workload(self, workload_id: str, timeout_s: float = 30.0) -> WorkloadInfo:
         """Wait up to min(timeout_s, options.max_wait_s) for the workload to end; clients loop."""
         return self.workloads.wait(workload_id, min(timeout_s, self.options.max_wait_s))
 

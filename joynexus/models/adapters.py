@@ -42,7 +42,6 @@ from torch import nn
 __all__ = [
     "ADAPTER_TENSOR_PREFIX",
     "BASE_ADAPTER",
-    "DEFAULT_LORA_TARGETS",
     "MAX_LORA_RANK",
     "BackboneAdapters",
     "LoraAdapterConfig",
@@ -53,8 +52,6 @@ __all__ = [
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 MAX_LORA_RANK = 64
-# Linear layers of the Llama decoder that Idefics3 / SmolVLM use as their text model.
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A tenant's state dict (what is versioned, checkpointed and exported) is its action module's
 # tensors under their own names plus the adapter's under this prefix; "/" never occurs in a module
 # attribute path, so the two can not collide, and a tenant without an adapter has exactly its
@@ -272,9 +269,6 @@ class BackboneAdapters:
         """Detached copies under peft's keys (those of ``get_peft_model_state_dict``), sorted."""
         with self.lock:
             return {k: p.detach().clone() for k, p in sorted(self._named_parameters(key), key=lambda kv: kv[0])}
-
-    def expected_shapes(self, key: Hashable) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(p.shape) for k, p in self._named_parameters(key)}
 
     def load_state_dict(self, key: Hashable, state: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state`` into the adapter's parameters in place (an optimizer holding them keeps

@@ -224,6 +224,14 @@ class JoyNexusCollector(Collector):
 
 
 def _master_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
+    yield from _job_metrics(snap)
+    yield from _workload_metrics(snap)
+    yield from _tenant_metrics(snap)
+    yield from _usage_metrics(snap)
+
+
+def _job_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Training jobs and the leases on them (Training Scheduler)."""
     jobs = GaugeMetricFamily(
         "joynexus_training_jobs", "Training jobs by tenant and state (Training Scheduler)", labels=["tenant", "state"]
     )
@@ -245,6 +253,9 @@ def _master_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
         lease_age.add_metric([state], age)
     yield lease_age
 
+
+def _workload_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Workloads by state and the admission queue."""
     workloads = GaugeMetricFamily(
         "joynexus_workloads", "Workloads by tenant, task and state", labels=["tenant", "task", "state"]
     )
@@ -271,6 +282,10 @@ def _master_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "joynexus_workloads_running", "Workloads the Master Service runs now", value=snap.get("running_workloads", 0)
     )
+
+
+def _tenant_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Tenants by status, the serving Master's start, and the per-tenant learning signals."""
     tenants = GaugeMetricFamily("joynexus_tenants", "Tenants by status", labels=["status"])
     by_status: dict[str, int] = {}
     for status in snap.get("tenants", {}).values():
@@ -293,7 +308,9 @@ def _master_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
                 families[key].add_metric([tenant], value)
     yield from families.values()
 
-    # metered usage: the store's view (survives service restarts)
+
+def _usage_metrics(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Metered usage: the store's view (survives service restarts)."""
     seconds = CounterMetricFamily(
         "joynexus_device_seconds",
         "Metered device-seconds by tenant and category (training: jobs and API calls; inference; environment)",

@@ -36,20 +36,28 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.settings import Settings
+from joynexus.connect import ray_cluster
+from joynexus.ops.deployment_state import (
+    ENV_FILE,
+    STATE_FILE,
+    DeployError,
+    DeploymentState,
+    ManagedProcess,
+    effective_settings,
+    read_state,
+    run_dir,
+    write_state,
+)
+from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
 
 __all__ = [
-    "DeploymentState",
     "ManagedProcess",
     "down",
-    "effective_settings",
     "free_port",
     "http_ok",
-    "read_state",
     "spawn_process",
     "status",
     "stop_process",
@@ -57,8 +65,6 @@ __all__ = [
     "wait_until",
 ]
 
-STATE_FILE = "services.json"
-ENV_FILE = "env.sh"
 SERVICE_ACTORS = (
     "joynexus.master",  # first: it stops leasing before the services it drives go away
     "joynexus.environment_service",  # first: its close_all stops simulator worker processes
@@ -69,47 +75,9 @@ SERVICE_ACTORS = (
 HOST = "127.0.0.1"
 
 
-class DeployError(RuntimeError):
-    """A service did not come up (the message carries the tail of its log) or the state is unusable."""
-
-
 # --------------------------------------------------------------------------------------------
 # Processes we start: one session each, recorded by PID
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ManagedProcess:
-    name: str
-    pid: int  # session leader; every process it spawns shares its session id (= pid)
-    create_time: float  # guards against PID reuse: a different process with the same PID is not ours
-    argv: list[str]
-    log: str
-    url: str | None = None
-    members: list[int] = field(default_factory=list)  # session members seen when `up` finished
-
-    def session_pids(self) -> list[int]:
-        """PIDs alive now in this process's session (the leader included), started after it."""
-        return _session_members(self.pid, self.create_time)
-
-    def alive(self) -> bool:
-        return bool(self.session_pids())
-
-
-def _session_members(sid: int, not_before: float) -> list[int]:
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid", "create_time", "status"]):
-        try:
-            if os.getsid(proc.pid) != sid or proc.info["create_time"] < not_before - 1.0:
-                continue
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue  # exited; only its parent's wait is missing
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-        found.append(proc.pid)
-    return sorted(found)
 
 
 def spawn_process(
@@ -205,85 +173,6 @@ def _executable(name: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The recorded state of a deployment on this host
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DeploymentState:
-    data_dir: str
-    ray_address: str
-    prefect_api_url: str
-    mlflow_tracking_uri: str
-    namespace: str
-    processes: list[ManagedProcess]
-    started_at: float
-
-    def process(self, name: str) -> ManagedProcess | None:
-        return next((p for p in self.processes if p.name == name), None)
-
-    def exports(self) -> dict[str, str]:
-        """What a shell (a flow, a worker, the CLI) exports to use this deployment."""
-        return {
-            "JOYNEXUS_DATA_DIR": self.data_dir,
-            "JOYNEXUS_RAY_ADDRESS": self.ray_address,
-            "JOYNEXUS_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
-            "PREFECT_API_URL": self.prefect_api_url,
-            "RAY_AUTH_MODE": "disabled",
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> DeploymentState:
-        raw = json.loads(text)
-        raw["processes"] = [ManagedProcess(**p) for p in raw["processes"]]
-        return cls(**raw)
-
-
-def run_dir(settings: Settings) -> Path:
-    return settings.data_dir / "run"
-
-
-def read_state(settings: Settings) -> DeploymentState | None:
-    path = run_dir(settings) / STATE_FILE
-    try:
-        return DeploymentState.from_json(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError, KeyError) as exc:
-        raise DeployError(f"{path} is not a deployment record ({exc}); remove it if nothing runs") from exc
-
-
-def _write_state(settings: Settings, state: DeploymentState) -> None:
-    folder = run_dir(settings)
-    tmp = folder / f".{STATE_FILE}.tmp"
-    tmp.write_text(state.to_json())
-    os.replace(tmp, folder / STATE_FILE)
-    lines = [f"export {k}={json.dumps(v)}" for k, v in state.exports().items()]
-    header = "# source this file to use the deployment `joynexus up` started\n"
-    (folder / ENV_FILE).write_text(header + "\n".join(lines) + "\n")
-
-
-def effective_settings(settings: Settings | None = None) -> Settings:
-    """Settings, completed with the endpoints `up` recorded in the data dir for the fields the
-    environment leaves unset (so a flow or CLI on this host finds the running deployment)."""
-    settings = settings or Settings()
-    state = read_state(settings)
-    if state is None:
-        return settings
-    update: dict[str, Any] = {}
-    if not settings.ray_address:
-        update["ray_address"] = state.ray_address
-    if not settings.mlflow_tracking_uri:
-        update["mlflow_tracking_uri"] = state.mlflow_tracking_uri
-    if not settings.prefect_api_url:
-        update["prefect_api_url"] = state.prefect_api_url
-    return settings.model_copy(update=update)
-
-
-# --------------------------------------------------------------------------------------------
 # up / down / status
 # --------------------------------------------------------------------------------------------
 
@@ -334,8 +223,6 @@ def up(
 ) -> DeploymentState:
     """Start what the settings do not point at, then the resident services; record it all.
     Idempotent: if this data dir's deployment is already up, returns its record."""
-    from joynexus.registry import local_tracking_uri
-
     settings = settings or Settings()
     existing = read_state(settings)
     if existing is not None:
@@ -347,74 +234,19 @@ def up(
         )
     folder = run_dir(settings)
     folder.mkdir(parents=True, exist_ok=True)
-    for given, port, variable in (
-        (settings.mlflow_tracking_uri, settings.mlflow_port, "JOYNEXUS_MLFLOW_PORT"),
-        (settings.prefect_api_url, settings.prefect_port, "JOYNEXUS_PREFECT_PORT"),
-        (settings.ray_address, settings.ray_port, "JOYNEXUS_RAY_PORT"),
-    ):
-        if not given and _port_open(HOST, port):
-            raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
+    _refuse_busy_ports(settings)
     started: list[ManagedProcess] = []
     try:
         # Slow starters first, in parallel: MLflow and Prefect servers, then the Ray head.
-        mlflow_uri = settings.mlflow_tracking_uri
-        if not mlflow_uri:
-            mlflow_uri = f"http://{HOST}:{settings.mlflow_port}"
-            artifacts = settings.mlflow_artifact_location or _local_artifacts(settings)
-            argv = [
-                _executable("mlflow"), "server", "--backend-store-uri", local_tracking_uri(settings.data_dir),
-                "--artifacts-destination", artifacts, "--host", HOST, "--port", str(settings.mlflow_port),
-                "--workers", "1",
-            ]  # fmt: skip
-            env = _child_env(settings, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-            if settings.s3_endpoint_url:
-                env.setdefault("MLFLOW_S3_ENDPOINT_URL", settings.s3_endpoint_url)
-            started.append(spawn_process("mlflow", argv, env, folder, url=mlflow_uri))
-            on_stage(f"MLflow server starting on {mlflow_uri}")
-        prefect_url = settings.prefect_api_url
-        if not prefect_url:
-            prefect_url = f"http://{HOST}:{settings.prefect_port}/api"
-            prefect_home = settings.data_dir / "prefect"
-            prefect_home.mkdir(parents=True, exist_ok=True)
-            argv = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(settings.prefect_port)]
-            env = _child_env(settings, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-            env.pop("PREFECT_API_URL", None)
-            started.append(spawn_process("prefect", argv, env, folder, url=prefect_url))
-            on_stage(f"Prefect server starting on {prefect_url.removesuffix('/api')}")
-        ray_address = settings.ray_address
-        if not ray_address:
-            ray_address = f"{HOST}:{settings.ray_port}"
-            temp_dir = _ray_temp_dir(settings)
-            argv = [
-                _executable("ray"), "start", "--head", "--block", f"--port={settings.ray_port}",
-                f"--node-ip-address={HOST}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
-                "--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-            ]  # fmt: skip
-            # `down` removes the actors before it stops the head: no drain wait on SIGTERM.
-            env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-            started.append(spawn_process("ray", argv, env, folder, url=ray_address))
-            on_stage(f"Ray head starting on {ray_address}")
-            host, port = ray_address.rsplit(":", 1)
-            wait_until(lambda: _port_open(host, int(port)), started[-1], "Ray head", timeout_s)
+        mlflow_uri = settings.mlflow_tracking_uri or _start_mlflow(settings, folder, started, on_stage)
+        prefect_url = settings.prefect_api_url or _start_prefect(settings, folder, started, on_stage)
+        ray_address = settings.ray_address or _start_ray_head(settings, folder, started, on_stage, timeout_s)
 
         processes = {p.name: p for p in started}
         if "mlflow" in processes:  # before the services: both would otherwise create its schema at once
             wait_until(lambda: http_ok(f"{mlflow_uri}/health"), processes["mlflow"], "MLflow server", timeout_s)
-
-        # The resident services, created by a short-lived driver so this process keeps no Ray.
         on_stage("creating the resident services (detached Ray actors) and loading the backbone")
-        try:
-            driver = subprocess.run(
-                [sys.executable, "-m", "joynexus.ops.supervisor", "_create-services"],
-                env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise DeployError(f"creating the resident services took more than {timeout_s:.0f} s") from exc
-        if driver.returncode != 0:
-            raise DeployError(f"creating the resident services failed:\n{driver.stderr[-3000:]}")
+        _run_create_services(settings, ray_address, mlflow_uri, timeout_s)
         if "prefect" in processes:
             wait_until(lambda: http_ok(f"{prefect_url}/health"), processes["prefect"], "Prefect server", timeout_s)
         for process in started:
@@ -428,7 +260,7 @@ def up(
             processes=started,
             started_at=time.time(),
         )
-        _write_state(settings, state)
+        write_state(settings, state)
         on_stage(f"up: recorded in {folder / STATE_FILE}")
         return state
     except BaseException:
@@ -437,17 +269,97 @@ def up(
         raise
 
 
-def _local_artifacts(settings: Settings) -> str:
-    from joynexus.registry import local_artifact_location
+def _refuse_busy_ports(settings: Settings) -> None:
+    """Fail before starting anything when a port `up` would listen on is taken."""
+    for given, port, variable in (
+        (settings.mlflow_tracking_uri, settings.mlflow_port, "JOYNEXUS_MLFLOW_PORT"),
+        (settings.prefect_api_url, settings.prefect_port, "JOYNEXUS_PREFECT_PORT"),
+        (settings.ray_address, settings.ray_port, "JOYNEXUS_RAY_PORT"),
+    ):
+        if not given and _port_open(HOST, port):
+            raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
 
+
+def _start_mlflow(
+    settings: Settings, folder: Path, started: list[ManagedProcess], on_stage: Callable[[str], None]
+) -> str:
+    """Spawn the MLflow server on the embedded store (appended to `started`); returns its URI."""
+    mlflow_uri = f"http://{HOST}:{settings.mlflow_port}"
+    artifacts = settings.mlflow_artifact_location or _local_artifacts(settings)
+    argv = [
+        _executable("mlflow"), "server", "--backend-store-uri", local_tracking_uri(settings.data_dir),
+        "--artifacts-destination", artifacts, "--host", HOST, "--port", str(settings.mlflow_port),
+        "--workers", "1",
+    ]  # fmt: skip
+    env = _child_env(settings, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    if settings.s3_endpoint_url:
+        env.setdefault("MLFLOW_S3_ENDPOINT_URL", settings.s3_endpoint_url)
+    started.append(spawn_process("mlflow", argv, env, folder, url=mlflow_uri))
+    on_stage(f"MLflow server starting on {mlflow_uri}")
+    return mlflow_uri
+
+
+def _start_prefect(
+    settings: Settings, folder: Path, started: list[ManagedProcess], on_stage: Callable[[str], None]
+) -> str:
+    """Spawn the Prefect server on SQLite under the data dir (appended to `started`); returns its API URL."""
+    prefect_url = f"http://{HOST}:{settings.prefect_port}/api"
+    prefect_home = settings.data_dir / "prefect"
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    argv = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(settings.prefect_port)]
+    env = _child_env(settings, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)
+    started.append(spawn_process("prefect", argv, env, folder, url=prefect_url))
+    on_stage(f"Prefect server starting on {prefect_url.removesuffix('/api')}")
+    return prefect_url
+
+
+def _start_ray_head(
+    settings: Settings,
+    folder: Path,
+    started: list[ManagedProcess],
+    on_stage: Callable[[str], None],
+    timeout_s: float,
+) -> str:
+    """Spawn a Ray head (appended to `started`) and wait until its port answers; returns its address."""
+    ray_address = f"{HOST}:{settings.ray_port}"
+    argv = [
+        _executable("ray"), "start", "--head", "--block", f"--port={settings.ray_port}",
+        f"--node-ip-address={HOST}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
+        "--include-dashboard=false", f"--temp-dir={_ray_temp_dir(settings)}", "--disable-usage-stats",
+    ]  # fmt: skip
+    # `down` removes the actors before it stops the head: no drain wait on SIGTERM.
+    env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    started.append(spawn_process("ray", argv, env, folder, url=ray_address))
+    on_stage(f"Ray head starting on {ray_address}")
+    host, port = ray_address.rsplit(":", 1)
+    wait_until(lambda: _port_open(host, int(port)), started[-1], "Ray head", timeout_s)
+    return ray_address
+
+
+def _run_create_services(settings: Settings, ray_address: str, mlflow_uri: str, timeout_s: float) -> None:
+    """The resident services, created by a short-lived driver so this process keeps no Ray."""
+    try:
+        driver = subprocess.run(
+            [sys.executable, "-m", "joynexus.ops.supervisor", "_create-services"],
+            env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise DeployError(f"creating the resident services took more than {timeout_s:.0f} s") from exc
+    if driver.returncode != 0:
+        raise DeployError(f"creating the resident services failed:\n{driver.stderr[-3000:]}")
+
+
+def _local_artifacts(settings: Settings) -> str:
     return local_artifact_location(settings.data_dir)
 
 
 def _create_services() -> None:
     """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
     import ray
-
-    from joynexus.connect import ray_cluster
 
     cluster = ray_cluster(Settings(), detached=True)  # the services and the ONE Master Service
     cluster.inference.stats()  # waits until its backbone is loaded

@@ -157,6 +157,8 @@ class WorkloadSubmit(_Request):
 
 
 class WorkloadInfo(_Response):
+    """A workload's state and progress: what the Master Service returns and the API serves."""
+
     workload_id: str
     tenant_id: str
     task: str
@@ -168,6 +170,8 @@ class WorkloadInfo(_Response):
     optimizer_steps: int = 0
     last_loss: float | None = None
     registered_version: int | None = None
+    # The workload's MLflow run, for the Master's own clients (flows, recipes); not in the API's JSON.
+    run_id: str | None = Field(default=None, exclude=True)
     error: str | None = None
     result: dict[str, Any] | None = None  # evaluation: success rate, returns, episode lengths
     created_at: str | None = None

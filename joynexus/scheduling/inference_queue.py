@@ -1,11 +1,18 @@
 """Inference Queue and Inference Scheduler (paper section 4.3, Appendix A.3).
 
-Requests from any tenant enter one FIFO queue. The scheduler takes the largest FIFO-compatible
-prefix: starting at the oldest request, it takes requests while they share the head's prefix key
-(same base model and canonical prefix shape — never tenant identity) and the batch stays within
-the target size B; it dispatches as soon as that prefix reaches B samples or the oldest request
-has waited T. The first incompatible request ends the prefix and becomes the head of the next
-batch, so it waits at most one batch longer and is never starved.
+`TenantFairQueue` is the queue the Inference Model Service runs. Requests from every tenant enter
+it; each tenant's requests (or the chunks of a split request) wait in that tenant's own FIFO. The
+scheduler forms a batch by taking one entry from each tenant in turn -- least recently served tenant
+first, ties by arrival -- and going round again while entries share the first entry's prefix key
+(same base model and canonical prefix shape, never tenant identity) and the batch stays within the
+target size B. It dispatches as soon as the batch reaches B samples, or an entry could not join it
+(waiting cannot grow it), or the oldest pending entry has waited T. An entry that could not join
+(another prefix key, or too large for what is left of B) sits out that batch only, its tenant's
+order kept. Every batch takes the first entry of the tenant served least recently, so a tenant with
+pending work leads a batch within (tenants with pending work) batches -- an incompatible entry with
+one tenant ahead of it waits at most one batch -- and none is starved. With a single tenant a batch
+is the paper's largest FIFO-compatible prefix. Tenant identity never decides what shares a batch,
+only the order in which tenants are offered a place in it.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,46 +61,82 @@ class InferenceQueueClosed(RuntimeError):
     pass
 
 
-class InferenceQueue:
-    """A thread-safe FIFO of requests; `collect_prefix` is the Inference Scheduler's batching rule."""
+def settle_future(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve a request's future unless its caller cancelled it meanwhile."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
+
+
+class TenantFairQueue:
+    """The Inference Queue, thread-safe; `collect_prefix` is the Inference Scheduler's batching rule.
+
+    Each tenant has its own FIFO of entries (requests, or chunks of split requests). A batch takes
+    one entry from each tenant in turn — least recently served tenant first, ties by arrival — and
+    goes round again while entries fit within B and share the first entry's prefix key. A tenant
+    whose next entry does not fit sits out the rest of that batch (its own order is kept). The
+    first entry is always taken, so every batch serves the tenant at the front, which then goes to
+    the back: a tenant with pending work is served within (tenants with pending work) batches.
+
+    Due: the batch holds >= B samples, or an entry could not join it
+    (waiting cannot grow it), or the oldest pending entry has waited T.
+    """
 
     def __init__(self) -> None:
-        self._items: deque[InferenceRequest] = deque()
+        self._tenants: dict[str, deque[InferenceRequest]] = {}
+        self._last_served: dict[str, int] = {}  # tenant -> number of the last batch that took from it
+        self._batches = 0
+        self._count = 0
         self._cond = threading.Condition()
         self._closed = False
 
     def enqueue(self, request: InferenceRequest) -> Future:
-        if request.size < 1:
-            raise ValueError("an inference request needs at least one observation")
+        self.enqueue_many([request])
+        return request.future
+
+    def enqueue_many(self, requests: list[InferenceRequest]) -> None:
+        """Enqueue all of them together (a split request's chunks), or none if the queue is closed."""
+        for request in requests:
+            if request.size < 1:
+                raise ValueError("an inference request needs at least one observation")
         with self._cond:
             if self._closed:
                 raise InferenceQueueClosed("the Inference Queue is closed")
-            self._items.append(request)
+            for request in requests:
+                self._tenants.setdefault(request.tenant_id, deque()).append(request)
+            self._count += len(requests)
             self._cond.notify_all()
-        return request.future
 
     def depth(self) -> int:
+        """Entries waiting (a split request counts once per unserved chunk). Cheap: the lock is
+        held while a batch is picked, never while one runs."""
         with self._cond:
-            return len(self._items)
+            return self._count
 
     def close(self) -> None:
         """Stop accepting work; pending requests fail so no caller waits forever."""
         with self._cond:
             self._closed = True
-            pending, self._items = list(self._items), deque()
+            pending = [request for entries in self._tenants.values() for request in entries]
+            self._tenants.clear()
+            self._count = 0
             self._cond.notify_all()
         for request in pending:
-            if not request.future.done():
-                request.future.set_exception(InferenceQueueClosed("the Inference Queue closed before serving this"))
+            settle_future(
+                request.future, exception=InferenceQueueClosed("the Inference Queue closed before serving this")
+            )
 
     def collect_prefix(
         self, max_batch_size: int, timeout_s: float, poll_s: float | None = None
     ) -> list[InferenceRequest]:
         """Block until a batch is due, then remove and return it (empty if the wait ends with no
         requests: `poll_s` bounds how long an idle call blocks, so workers can check for shutdown).
-
-        Due means: the FIFO-compatible prefix holds >= `max_batch_size` samples, or an incompatible
-        request stands behind it (the prefix cannot grow), or the head has waited `timeout_s`."""
+        The batch is the fair one described on the class; with one tenant, the largest
+        FIFO-compatible prefix."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         idle_deadline = None if poll_s is None else time.monotonic() + poll_s
@@ -101,30 +144,66 @@ class InferenceQueue:
             while True:
                 if self._closed:
                     return []
-                if self._items:
-                    take, size, blocked = self._prefix(max_batch_size)
-                    head_deadline = self._items[0].enqueued_at + timeout_s
+                plan = self._plan(max_batch_size)
+                if plan is not None:
+                    order, size, blocked, oldest = plan
+                    head_deadline = oldest + timeout_s
                     now = time.monotonic()
                     if size >= max_batch_size or blocked or now >= head_deadline:
-                        return [self._items.popleft() for _ in range(take)]
-                    wait = head_deadline - now
+                        return self._take(order)
+                    wait: float | None = head_deadline - now
                 else:
                     if idle_deadline is not None and time.monotonic() >= idle_deadline:
                         return []
                     wait = None if idle_deadline is None else idle_deadline - time.monotonic()
                 self._cond.wait(timeout=wait)
 
-    def _prefix(self, max_batch_size: int) -> tuple[int, int, bool]:
-        """(requests taken, samples taken, whether an incompatible or overflowing request ends it)."""
-        head = self._items[0]
-        take, size = 0, 0
-        for request in self._items:
-            if request.prefix_key != head.prefix_key:
-                return take, size, True
-            if take > 0 and size + request.size > max_batch_size:
-                return take, size, True
-            take += 1
-            size += request.size
-            if size >= max_batch_size:
-                return take, size, False
-        return take, size, False
+    def _plan(self, max_batch_size: int) -> tuple[list[str], int, bool, float] | None:
+        """The next batch as (tenant of each entry, in the order taken; samples; whether an entry
+        could not join; oldest pending entry's enqueue time), or None with nothing pending.
+        Drops entries cancelled by their callers on the way. Caller holds the lock."""
+        for tenant in [t for t, entries in self._tenants.items() if not entries]:
+            del self._tenants[tenant]
+        if not self._tenants:
+            return None
+        active = sorted(self._tenants, key=lambda t: (self._last_served.get(t, -1), self._tenants[t][0].request_id))
+        taken: dict[str, int] = {}
+        order: list[str] = []
+        size, blocked, key = 0, False, None
+        while active and size < max_batch_size:
+            again = []
+            for tenant in active:
+                if size >= max_batch_size:
+                    break
+                entries, n = self._tenants[tenant], taken.get(tenant, 0)
+                while n < len(entries) and entries[n].future.done():  # cancelled: never run it
+                    del entries[n]
+                    self._count -= 1
+                if n >= len(entries):
+                    continue
+                entry = entries[n]
+                key = entry.prefix_key if key is None else key
+                if entry.prefix_key != key or (size > 0 and size + entry.size > max_batch_size):
+                    blocked = True  # sits out this batch; its later entries wait behind it
+                    continue
+                taken[tenant] = n + 1
+                order.append(tenant)
+                size += entry.size
+                if n + 1 < len(entries):
+                    again.append(tenant)
+            active = again
+        heads = [entries[0].enqueued_at for entries in self._tenants.values() if entries]
+        if not heads:  # everything pending was cancelled
+            return None
+        return order, size, blocked, min(heads)
+
+    def _take(self, order: list[str]) -> list[InferenceRequest]:
+        """Remove the planned entries (each tenant's from its front, round-robin order kept)."""
+        batch = [self._tenants[tenant].popleft() for tenant in order]
+        for tenant in set(order):
+            self._last_served[tenant] = self._batches
+            if not self._tenants[tenant]:
+                del self._tenants[tenant]
+        self._batches += 1
+        self._count -= len(batch)
+        return batch

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from joynexus.actors import ServiceHandle, named_actor
+
 TRAINING_QUEUE_ACTOR_NAME = "joynexus.training_queue"
 
 Column = np.ndarray | list
@@ -232,8 +234,6 @@ def _concat(existing: Column, new: Column, name: str) -> Column:
 def training_queue_actor(namespace: str | None = None, detached: bool = False):  # type: ignore[no-untyped-def]
     """Get the deployment's named Training Queue actor, creating it if absent (Ray must be initialized).
     One call at a time (Ray's default actor concurrency), so partitions need no locks."""
-    from joynexus.actors import named_actor
-
     return named_actor(TrainingQueue, TRAINING_QUEUE_ACTOR_NAME, namespace=namespace, detached=detached)
 
 
@@ -241,8 +241,6 @@ class TrainingQueueClient:
     """The same synchronous API over a local TrainingQueue or its Ray actor handle."""
 
     def __init__(self, queue: Any):
-        from joynexus.actors import ServiceHandle
-
         self._service = ServiceHandle(queue)
 
     @property

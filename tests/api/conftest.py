@@ -1,5 +1,5 @@
 """One in-process API world for the whole tests/api session: every service a local object
-(`ApiServices.in_process`: SQLite store, local MLflow, tiny backbone) under a FastAPI TestClient.
+(`joynexus.connect.in_process`: SQLite store, local MLflow, tiny backbone) under a FastAPI TestClient.
 
 Tests create their own tenants (unique names) so they never depend on each other's state.
 """
@@ -50,7 +50,7 @@ class TenantHandle:
 class ApiWorld:
     app: Any
     client: Any
-    services: Any
+    cluster: Any  # joynexus.connect.Cluster: the services and the Master, in this process
     data_dir: Path
     _datasets: dict[str, Path] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -104,17 +104,18 @@ def api(tmp_path_factory) -> ApiWorld:
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import ApiSettings, create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import in_process
+    from joynexus.master.service import MasterOptions
     from joynexus.settings import Settings
 
     data_dir = tmp_path_factory.mktemp("api")
-    services = ApiServices.in_process(Settings(data_dir=data_dir), default_max_queued_workloads=3)
+    cluster = in_process(Settings(data_dir=data_dir), options=MasterOptions(default_max_queued_workloads=3))
     settings = ApiSettings(max_body_bytes=MAX_BODY_BYTES, default_max_queued_workloads=3, stream_poll_s=0.05)
-    app = create_app(services, settings, admin_key=ADMIN_KEY)
+    app = create_app(cluster, settings, admin_key=ADMIN_KEY)
     # raise_server_exceptions=False: a 500 comes back as the client would see it (no traceback).
     with TestClient(app, raise_server_exceptions=False) as client:
-        yield ApiWorld(app, client, services, data_dir)
-    services.close()
+        yield ApiWorld(app, client, cluster, data_dir)
+    cluster.close()
 
 
 def free_port() -> int:

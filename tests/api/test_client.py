@@ -332,7 +332,7 @@ def test_an_evaluation_workload_of_an_rl_tenant(api, live_server):
 
 
 def test_the_client_pages_through_versions(api, live_server, monkeypatch):
-    import joynexus.client as client_module
+    import joynexus.client.calls as client_module
 
     t = api.tenant("client-pages")
     with JoyNexusClient(live_server, t.api_key) as client:

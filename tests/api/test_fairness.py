@@ -25,7 +25,7 @@ def serve(api, **settings) -> Iterator[tuple[str, object]]:
 
     from joynexus.api.app import ApiSettings, create_app
 
-    app = create_app(api.services, ApiSettings(**settings), admin_key=ADMIN_KEY)
+    app = create_app(api.cluster, ApiSettings(**settings), admin_key=ADMIN_KEY)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn-fairness", daemon=True)

@@ -20,7 +20,7 @@ def test_health_reports_every_role(api):
 
 
 def test_a_dead_role_shows_until_it_is_restarted_in_place(api):
-    master = api.services.master
+    master = api.cluster.master
     manager = master.workloads
     health = master.health_manager
     health.stop()  # hold the next round so the report can be read while the role is down

@@ -97,7 +97,7 @@ async def _session(client: AsyncJoyNexusClient, tenant, rounds: int, predict_fan
 
 def test_two_tenants_hammering_at_once_get_what_they_get_alone(api, live_server, monkeypatch):
     # a wider batching window than the 5 ms default, so concurrent predicts surely share batches
-    monkeypatch.setattr(handle_of(api.services.inference_service).target, "max_wait_s", 0.05)
+    monkeypatch.setattr(handle_of(api.cluster.inference).target, "max_wait_s", 0.05)
     solo = {"arm": api.tenant("solo", "arm"), "flow": api.tenant("solo", "flow")}
     pair = {"arm": api.tenant("pair", "arm"), "flow": api.tenant("pair", "flow")}
 
@@ -114,7 +114,7 @@ def test_two_tenants_hammering_at_once_get_what_they_get_alone(api, live_server,
 
     alone = asyncio.run(run(solo, concurrently=False))
     together = asyncio.run(run(pair, concurrently=True))
-    service = api.services.training_service.target
+    service = api.cluster.training.target
     for kind in ("arm", "flow"):
         assert together[kind]["losses"] == alone[kind]["losses"], kind  # bit for bit
         assert together[kind]["queue"] == alone[kind]["queue"] == [0, 0, 1, 1, 2, 2]

@@ -45,7 +45,7 @@ def checkpointed(api):
     for i in range(1, 7):
         assert step(api, t, seed=i) == i
         digests[i] = save(api, t)["digest"]
-    kept = api.services.checkpoints.versions(t.tenant_id)
+    kept = api.cluster.checkpoints.versions(t.tenant_id)
     assert len(kept) >= 5 and kept[-1] == 6  # enough for three pages of two
     return t, {v: digests[v] for v in kept}
 
@@ -122,7 +122,7 @@ def test_load_weights_refuses_versions_that_were_never_issued(api):
     r = load(api, t, altered(current, policy_version=99))
     assert r.status_code == 422
     assert problems(r)["payload.manifest.version"] == "version 99 was never issued for your tenant (the newest is 1)"
-    assert api.services.inference_service.versions(t.tenant_id) == []  # nothing installed
+    assert api.cluster.inference.versions(t.tenant_id) == []  # nothing installed
     fresh = api.tenant("lw-fresh")  # nothing issued at all: only its initial version 0 exists
     r = load(api, fresh, altered(exported(api, fresh), policy_version=1))
     assert r.status_code == 422 and "never issued" in problems(r)["payload.manifest.version"]
@@ -141,7 +141,7 @@ def test_load_weights_refuses_a_manifest_the_service_did_not_issue_for_that_vers
     assert "differs from the one this service issued" in reason and "load it by version" in reason
     r = load(api, t, altered(current, extra={"optimizer_steps": 1000}))  # the current training version
     assert r.status_code == 422 and "differs from the one" in problems(r)["payload.manifest.version"]
-    assert api.services.inference_service.versions(t.tenant_id) == []
+    assert api.cluster.inference.versions(t.tenant_id) == []
     # what the service issued loads: the checkpoint's export and the current parameters' export
     assert load(api, t, checkpointed).json() == {"version": 1, "serving_versions": [1]}
     assert load(api, t, current).json() == {"version": 2, "serving_versions": [1, 2]}
@@ -158,7 +158,7 @@ def test_load_weights_refuses_non_finite_weights_naming_the_tensor(api, bad):
     r = load(api, t, altered(payload, tensors=poisoned))
     assert r.status_code == 422
     assert problems(r)["payload"] == f"tensor {name!r} holds NaN or infinite values"
-    assert api.services.inference_service.versions(t.tenant_id) == []
+    assert api.cluster.inference.versions(t.tenant_id) == []
     assert load(api, t, payload).json() == {"version": 0, "serving_versions": [0]}  # the finite original loads
 
 

@@ -21,7 +21,7 @@ def bad_tenant(api):
 
 
 def slot_state(api, tenant_id):
-    return api.services.training_service.target.tenant_state(tenant_id)
+    return api.cluster.training.target.tenant_state(tenant_id)
 
 
 def problems(response) -> dict[str, str]:
@@ -199,7 +199,7 @@ def test_load_weights_accepts_only_the_callers_own_module(api):
     assert r.status_code == 422
     expected = f"must be {mine.tenant_id!r} for your tenant, got {other.tenant_id!r}"
     assert problems(r)["payload.manifest.tenant_id"] == expected
-    assert api.services.inference_service.versions(other.tenant_id) == []  # nothing installed for anyone
+    assert api.cluster.inference.versions(other.tenant_id) == []  # nothing installed for anyone
 
     import base64
 

@@ -1,4 +1,4 @@
-"""The tenant API on the Ray serving path that `joynexus serve` uses by default (`ApiServices.ray`):
+"""The tenant API on the Ray serving path that `joynexus serve` uses by default (`connect(mode="ray")`):
 the workloads run in the ONE resident Master Service actor `joynexus.master`, predictions are
 answered by the resident Inference Model Service actor, metering is written by the services
 themselves, and two API servers over the same deployment share one Master without leasing jobs.
@@ -72,8 +72,8 @@ class Tenant:
 class RayApi:
     namespace: str
     data_dir: Path
-    services: Any  # server 1's ApiServices
-    services2: Any  # server 2's, over the same deployment
+    cluster: Any  # server 1's joynexus.connect.Cluster
+    cluster2: Any  # server 2's, over the same deployment
     client: Any  # TestClient of server 1
     client2: Any  # TestClient of server 2
 
@@ -114,7 +114,7 @@ def ray_api(tmp_path_factory) -> RayApi:
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import ApiSettings, create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import connect
     from joynexus.settings import Settings
 
     started_ray = not ray.is_initialized()  # other modules init and shut down their own Ray
@@ -122,19 +122,19 @@ def ray_api(tmp_path_factory) -> RayApi:
     data_dir = tmp_path_factory.mktemp("api-ray")
     settings = Settings(data_dir=data_dir, ray_namespace=namespace, torch_threads=1)
     api_settings = ApiSettings(stream_poll_s=0.05)
-    services = services2 = None
+    cluster = cluster2 = None
     try:
-        services = ApiServices.ray(settings)  # starts a local Ray here if none runs
-        services2 = ApiServices.ray(settings)  # a second API server over the same deployment
-        app = create_app(services, api_settings, admin_key=ADMIN_KEY)
-        app2 = create_app(services2, api_settings, admin_key=ADMIN_KEY)
+        cluster = connect(settings, mode="ray")  # starts a local Ray here if none runs
+        cluster2 = connect(settings, mode="ray")  # a second API server over the same deployment
+        app = create_app(cluster, api_settings, admin_key=ADMIN_KEY)
+        app2 = create_app(cluster2, api_settings, admin_key=ADMIN_KEY)
         with (
             TestClient(app, raise_server_exceptions=False) as client,
             TestClient(app2, raise_server_exceptions=False) as client2,
         ):
-            yield RayApi(namespace, data_dir, services, services2, client, client2)
+            yield RayApi(namespace, data_dir, cluster, cluster2, client, client2)
     finally:
-        for each in (services, services2):
+        for each in (cluster, cluster2):
             if each is not None:
                 each.close()
         if ray.is_initialized():
@@ -187,9 +187,9 @@ def test_the_api_runs_on_ray_in_its_own_namespace(ray_api: RayApi):
     named = ray.util.list_named_actors(all_namespaces=True)
     masters = [a for a in named if a["name"] == "joynexus.master" and a["namespace"] == ray_api.namespace]
     assert len(masters) == 1
-    for services in (ray_api.services, ray_api.services2):
-        assert services.cluster.mode == "ray"
-        for service in (services.master, services.training_service, services.inference_service):
+    for cluster in (ray_api.cluster, ray_api.cluster2):
+        assert cluster.mode == "ray"
+        for service in (cluster.master, cluster.training, cluster.inference):
             assert handle_of(service).is_remote
 
 
@@ -208,10 +208,10 @@ def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, tr
     ping = ray_api.master_ping()
     assert ping["running_workloads"] == 0 and ping["tenants"] >= 2 and not ping["unhealthy_tenants"]
     # Both servers reach the same incarnation of the Master: the actor, not a copy in this process.
-    assert ray_api.services.master.ping()["incarnation"] == ray_api.services2.master.ping()["incarnation"]
-    assert ray_api.services.master.ping()["incarnation"] == ping["incarnation"]
+    assert ray_api.cluster.master.ping()["incarnation"] == ray_api.cluster2.master.ping()["incarnation"]
+    assert ray_api.cluster.master.ping()["incarnation"] == ping["incarnation"]
     # Every training job was leased and completed by that Master's actor loop.
-    store = ControlPlaneStore(ray_api.services.settings.resolved_database_url())
+    store = ControlPlaneStore(ray_api.cluster.settings.resolved_database_url())
     try:
         scheduler = TrainingScheduler(store)
         for tenant in (trained.sft, trained.rl):
@@ -221,7 +221,9 @@ def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, tr
     finally:
         store.dispose()
     # The server process holds no WorkloadManager of this deployment (nor an actor loop).
-    local = [o for o in gc.get_objects() if type(o) is WorkloadManager and o.dep.settings.data_dir == ray_api.data_dir]
+    local = [
+        o for o in gc.get_objects() if type(o) is WorkloadManager and o.deployment.settings.data_dir == ray_api.data_dir
+    ]
     assert local == []
 
 
@@ -299,5 +301,5 @@ def test_two_api_servers_share_the_workloads_and_neither_leases_jobs(ray_api: Ra
     # "failed" too: a producer's error can race the cancel (see tests/api/test_client.py)
     assert final["state"] in ("cancelled", "failed") and final["completed_jobs"] < 50, final
     assert ray_api.master_ping()["running_workloads"] == 0
-    for services in (ray_api.services, ray_api.services2):
-        assert not hasattr(services, "workloads") and not hasattr(services.cluster, "workloads")
+    for cluster in (ray_api.cluster, ray_api.cluster2):
+        assert not hasattr(cluster, "workloads")

@@ -159,7 +159,7 @@ def test_per_connection_in_flight_and_per_tenant_connection_limits(api, arm):
     from joynexus.api.streaming import StreamSettings
 
     limits = StreamSettings(max_in_flight=1, max_connections_per_tenant=1)
-    app = create_app(api.services, ApiSettings(policy_stream=limits), admin_key=ADMIN_KEY)
+    app = create_app(api.cluster, ApiSettings(policy_stream=limits), admin_key=ADMIN_KEY)
     client = TestClient(app)
     headers = arm.headers
     with client.websocket_connect("/v1/stream", headers=headers) as first:
@@ -181,7 +181,7 @@ def test_per_connection_in_flight_and_per_tenant_connection_limits(api, arm):
 @contextmanager
 def batching_window(api, wait_s: float):
     """A longer Inference Queue wait, so concurrent requests surely meet in one batch."""
-    service = handle_of(api.services.inference_service).target
+    service = handle_of(api.cluster.inference).target
     before = service.max_wait_s
     service.max_wait_s = wait_s
     time.sleep(0.3)  # the worker's idle poll picks the new wait up

@@ -44,20 +44,20 @@ def spec_for(tenant_id: str, root: Path, **overrides: Any) -> dict[str, Any]:
 
 @contextmanager
 def serve(data_dir: Path) -> Iterator[tuple[Any, Any]]:
-    """A tenant API server (every service in process) over `data_dir`: (TestClient, ApiServices)."""
+    """A tenant API server (every service in process) over `data_dir`: (TestClient, its connect.Cluster)."""
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import ApiSettings, create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import in_process
     from joynexus.settings import Settings
 
-    services = ApiServices.in_process(Settings(data_dir=data_dir, torch_threads=1))
+    cluster = in_process(Settings(data_dir=data_dir, torch_threads=1))
     try:
-        app = create_app(services, ApiSettings(stream_poll_s=0.05), admin_key=ADMIN_KEY)
+        app = create_app(cluster, ApiSettings(stream_poll_s=0.05), admin_key=ADMIN_KEY)
         with TestClient(app, raise_server_exceptions=False) as client:
-            yield client, services
+            yield client, cluster
     finally:
-        services.close()
+        cluster.close()
 
 
 def create(client: Any, spec: dict[str, Any]) -> dict[str, str]:
@@ -108,7 +108,7 @@ def rows_of(store: Any, tenant_id: str) -> dict[str, int]:
 
 
 def test_a_spec_the_backend_cannot_build_is_refused_before_anything_is_written(tmp_path, dataset_root):
-    with serve(tmp_path / "data") as (client, services):
+    with serve(tmp_path / "data") as (client, cluster):
         create(client, spec_for("bystander", dataset_root))
         before = listed(client)
 
@@ -124,13 +124,13 @@ def test_a_spec_the_backend_cannot_build_is_refused_before_anything_is_written(t
         assert "tractable" in problems(r)["action_module.kind"]
 
         assert listed(client) == before
-        with services.store.transaction() as s:
+        with cluster.store.transaction() as s:
             assert s.scalar(select(func.count()).select_from(TenantRecord)) == 1
         for tenant_id in ("seedy", "flowy"):
-            assert set(rows_of(services.store, tenant_id).values()) == {0}
+            assert set(rows_of(cluster.store, tenant_id).values()) == {0}
             assert not (tmp_path / "data" / "checkpoints" / "tenants" / tenant_id).exists()
             with pytest.raises(KeyError):
-                services.training_service.tenant_status(tenant_id)
+                cluster.training.tenant_status(tenant_id)
         # No half-made tenant is left behind: the id is free for a spec that is fine.
         huge_seed["training"]["seed"] = 7
         create(client, huge_seed)
@@ -155,14 +155,14 @@ def test_a_corrupt_checkpoint_marks_only_its_tenant_unhealthy_and_the_server_ser
     data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # flip bytes of the tensor data
     module_file.write_bytes(bytes(data))
 
-    with serve(data_dir) as (client, services):  # the server starts
+    with serve(data_dir) as (client, cluster):  # the server starts
         assert client.get("/v1/health").status_code == 200
         tenants = listed(client)
         assert tenants["healthy"]["status"] == "active" and tenants["healthy"]["status_reason"] is None
         broken = tenants["broken"]
         assert broken["status"] == "unhealthy"
         assert "action_module.safetensors" in broken["status_reason"]
-        assert services.master.ping()["unhealthy_tenants"] == {"broken": broken["status_reason"]}
+        assert cluster.master.ping()["unhealthy_tenants"] == {"broken": broken["status_reason"]}
 
         for response in (
             predict(client, specs["broken"], keys["broken"]),
@@ -182,7 +182,7 @@ def test_a_corrupt_checkpoint_marks_only_its_tenant_unhealthy_and_the_server_ser
 def test_deleting_a_tenant_removes_its_keys_slot_queue_data_artifacts_and_rows(tmp_path, dataset_root):
     data_dir = tmp_path / "data"
     specs = {t: spec_for(t, dataset_root) for t in ("doomed", "kept")}
-    with serve(data_dir) as (client, services):
+    with serve(data_dir) as (client, cluster):
         keys = {t: create(client, spec) for t, spec in specs.items()}
         second_key = client.post("/v1/admin/tenants/doomed/keys", json={"label": "ci"}, headers=ADMIN)
         assert second_key.status_code == 201
@@ -194,12 +194,12 @@ def test_deleting_a_tenant_removes_its_keys_slot_queue_data_artifacts_and_rows(t
             r = client.post("/v1/queue/partitions/p1", json=columns, headers=keys[tenant_id])
             assert r.status_code == 200, r.text
         doomed_dir = data_dir / "checkpoints" / "tenants" / "doomed"
-        assert doomed_dir.is_dir() and services.inference_service.versions("doomed")
-        assert services.training_service.tenant_status("doomed")["version"] >= 1
-        assert "api/doomed/p1" in services.queue.partitions()
-        assert all(n > 0 for t, n in rows_of(services.store, "doomed").items() if t in ("tenants", "api_keys"))
-        kept_rows = rows_of(services.store, "kept")
-        kept_versions = services.checkpoints.versions("kept")
+        assert doomed_dir.is_dir() and cluster.inference.versions("doomed")
+        assert cluster.training.tenant_status("doomed")["version"] >= 1
+        assert "api/doomed/p1" in cluster.queue.partitions()
+        assert all(n > 0 for t, n in rows_of(cluster.store, "doomed").items() if t in ("tenants", "api_keys"))
+        kept_rows = rows_of(cluster.store, "kept")
+        kept_versions = cluster.checkpoints.versions("kept")
 
         r = client.delete("/v1/admin/tenants/doomed", params={"delete_artifacts": "true"}, headers=ADMIN)
         assert r.status_code == 200, r.text
@@ -208,18 +208,18 @@ def test_deleting_a_tenant_removes_its_keys_slot_queue_data_artifacts_and_rows(t
 
         for headers in doomed_keys:
             assert client.get("/v1/workloads", headers=headers).status_code == 401
-        assert not any(p.split("/")[1] == "doomed" for p in services.queue.partitions())
+        assert not any(p.split("/")[1] == "doomed" for p in cluster.queue.partitions())
         with pytest.raises(KeyError):
-            services.training_service.tenant_status("doomed")
-        assert services.inference_service.versions("doomed") == []
-        assert not doomed_dir.exists() and services.checkpoints.versions("doomed") == []
-        assert set(rows_of(services.store, "doomed").values()) == {0}
+            cluster.training.tenant_status("doomed")
+        assert cluster.inference.versions("doomed") == []
+        assert not doomed_dir.exists() and cluster.checkpoints.versions("doomed") == []
+        assert set(rows_of(cluster.store, "doomed").values()) == {0}
         assert "doomed" not in listed(client)
 
         # The other tenant is untouched.
-        assert rows_of(services.store, "kept") == kept_rows
-        assert services.checkpoints.versions("kept") == kept_versions
-        assert "api/kept/p1" in services.queue.partitions()
+        assert rows_of(cluster.store, "kept") == kept_rows
+        assert cluster.checkpoints.versions("kept") == kept_versions
+        assert "api/kept/p1" in cluster.queue.partitions()
         assert client.get("/v1/queue/partitions/p1", headers=keys["kept"]).json()["num_samples"] == 3
         assert predict(client, specs["kept"], keys["kept"]).status_code == 200
 
@@ -227,4 +227,4 @@ def test_deleting_a_tenant_removes_its_keys_slot_queue_data_artifacts_and_rows(t
         assert again.status_code == 404
         # The id is free again and starts with nothing of the old tenant.
         create(client, specs["doomed"])
-        assert services.training_service.tenant_status("doomed")["version"] == 0
+        assert cluster.training.tenant_status("doomed")["version"] == 0

@@ -97,7 +97,8 @@ def test_exports_of_one_version_are_byte_identical(trained, tenant, tmp_path):
 
 
 def test_export_directories_are_deterministic_and_their_digests_are_the_registry_tags(trained, tmp_path):
-    from joynexus.registry import ExperimentTracker, local_tracking_uri
+    from joynexus.registry import ExperimentTracker
+    from joynexus.settings import local_tracking_uri
 
     service = trained["service"]
     payload = service.export_params("lora")

@@ -1,7 +1,7 @@
 """Inference Model Service replicas on the real deployment (issue 12, part 3): the named actor
 `joynexus.inference_service` is a replica set of Ray replica actors (`create_service_actors` with
 `inference_scaling.max_replicas > 1`). Under concurrent predict load, through the Ray handle and the
-API's Ray path (`ApiServices.ray` + `/v1/predict`), it scales 1 -> 3 -> 1 by `scale_to` and again by
+API's Ray path (`connect(mode="ray")` + `/v1/predict`), it scales 1 -> 3 -> 1 by `scale_to` and again by
 the autoscaler reacting to the load, with zero failed requests; every Ray replica answers the
 pinned versions; a replica killed with `ray.kill(..., no_restart=False)` is restarted by Ray and gets
 its weights back from the set before it serves again; `/v1/health` reports the replicas.
@@ -41,7 +41,7 @@ POLICY = {
 @dataclass
 class RayReplicaWorld:
     namespace: str
-    services: Any  # ApiServices over the Ray deployment
+    cluster: Any  # joynexus.connect.Cluster over the Ray deployment
     client: Any  # TestClient of the API server
     specs: dict[str, dict[str, Any]]
     keys: dict[str, str]
@@ -66,7 +66,7 @@ def world(tmp_path_factory) -> RayReplicaWorld:
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import ApiSettings, create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import connect
     from joynexus.ops.supervisor import remove_service_actors
     from joynexus.settings import ScalingPolicy, Settings
 
@@ -81,10 +81,10 @@ def world(tmp_path_factory) -> RayReplicaWorld:
         # A quarter CPU each: three replicas and the Training Model Service fit a 2-CPU Ray.
         resources={"inference_service": {"num_cpus": 0.25}},
     )
-    services = None
+    cluster = None
     try:
-        services = ApiServices.ray(settings)  # starts a local Ray here if none runs
-        app = create_app(services, ApiSettings(), admin_key=ADMIN_KEY)
+        cluster = connect(settings, mode="ray")  # starts a local Ray here if none runs
+        app = create_app(cluster, ApiSettings(), admin_key=ADMIN_KEY)
         with TestClient(app, raise_server_exceptions=False) as client:
             specs, keys = {}, {}
             for name in ("alpha", "beta"):
@@ -93,10 +93,10 @@ def world(tmp_path_factory) -> RayReplicaWorld:
                 response = client.post("/v1/admin/tenants", json=spec, headers=ADMIN)
                 assert response.status_code == 201, response.text
                 specs[name], keys[name] = spec, response.json()["key"]["api_key"]
-            yield RayReplicaWorld(namespace, services, client, specs, keys)
+            yield RayReplicaWorld(namespace, cluster, client, specs, keys)
     finally:
-        if services is not None:
-            services.close()
+        if cluster is not None:
+            cluster.close()
         if ray.is_initialized():
             remove_service_actors(namespace)  # the set's replica actors go with it (it owns them)
             if started_ray:
@@ -132,7 +132,7 @@ class Load:
             self.sent += 1
 
     def _ray_caller(self, index: int) -> None:
-        inference = self.world.services.inference_service  # the ServiceHandle the API uses too
+        inference = self.world.cluster.inference  # the ServiceHandle the API uses too
         obs, version = observations(self.world.specs["alpha"], 1, index), self.pins[index]
         while not self.stop.is_set():
             self._count_sent()
@@ -173,7 +173,7 @@ class Load:
 
 
 def test_ray_replicas_scale_1_3_1_under_load_restart_with_weights_and_autoscale(world: RayReplicaWorld):
-    master = world.services.master
+    master = world.cluster.master
     started = time.monotonic()
     # Weights: alpha v0, then one train step (v1) published too; beta v0. Published to every replica.
     assert master.publish_weights("rr-alpha") == 0 and master.publish_weights("rr-beta") == 0

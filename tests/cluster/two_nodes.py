@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.ops.supervisor import ManagedProcess, free_port, spawn_process, stop_process
+from joynexus.ops.deployment_state import ManagedProcess
+from joynexus.ops.supervisor import free_port, spawn_process, stop_process
 
 HOST = "127.0.0.1"
 

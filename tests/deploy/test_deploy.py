@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from joynexus.ops import supervisor as deploy
-from joynexus.ops.supervisor import DeploymentState, ManagedProcess, spawn_process, stop_process
+from joynexus.ops.deployment_state import DeploymentState, ManagedProcess, write_state
+from joynexus.ops.supervisor import spawn_process, stop_process
 from joynexus.settings import Settings
 
 
@@ -67,7 +68,7 @@ def test_state_round_trip_and_settings_completed_from_it(tmp_path, monkeypatch):
         processes=[ManagedProcess("ray", dead, time.time(), ["ray"], "ray.log", members=[dead])], started_at=0.0,
     )  # fmt: skip
     (tmp_path / "run").mkdir()
-    deploy._write_state(settings, state)
+    write_state(settings, state)
     assert deploy.read_state(settings) == state
     env_sh = (tmp_path / "run" / "env.sh").read_text()
     assert 'export JOYNEXUS_RAY_ADDRESS="127.0.0.1:6390"' in env_sh and "RAY_AUTH_MODE" in env_sh

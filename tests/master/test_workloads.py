@@ -76,6 +76,17 @@ def test_a_second_workload_of_a_tenant_waits_with_a_position_then_runs(deploymen
     assert done[0].finished_at <= done[1].started_at
 
 
+def test_a_workload_of_more_jobs_than_the_specs_target_runs_them_all(deployment):
+    # The launch re-registers the tenant's training policy with THIS workload's target on top of the
+    # jobs completed before; the policy from tenant creation (spec target 3) would stop it at 3.
+    manager = WorkloadManager(deployment).start()
+    try:
+        status = manager.wait(manager.submit("alpha", jobs=4).workload_id, timeout_s=300)
+    finally:
+        manager.stop()
+    assert status.state == "completed" and status.completed_jobs == 4
+
+
 def test_cancel_stops_a_running_workload_and_releases_its_jobs(deployment):
     manager = WorkloadManager(deployment)  # actor loop not started: jobs stay pending
     queued = manager.submit("beta", jobs=2)

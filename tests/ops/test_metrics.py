@@ -30,15 +30,15 @@ def world(tmp_path_factory) -> Any:
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import create_app
-    from joynexus.api.services import ApiServices
+    from joynexus.connect import in_process
     from joynexus.settings import Settings
 
     data_dir = tmp_path_factory.mktemp("metrics")
-    services = ApiServices.in_process(Settings(data_dir=data_dir))
-    app = create_app(services, admin_key=ADMIN_KEY)
+    cluster = in_process(Settings(data_dir=data_dir))
+    app = create_app(cluster, admin_key=ADMIN_KEY)
     with TestClient(app, raise_server_exceptions=False) as client:
-        yield app, client, services, data_dir
-    services.close()
+        yield app, client, cluster, data_dir
+    cluster.close()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def trained(world) -> dict[str, Any]:
     """A tenant that ran a 1-job SFT workload and served one predict."""
     from joynexus.protocol.wire import tensor
 
-    _app, client, _services, data_dir = world
+    _app, client, _cluster, data_dir = world
     spec = sft_spec(TENANT, data_dir / "datasets" / TENANT, jobs=1, **SHAPE)
     write_dataset_for(spec, episodes=2, length=12)
     created = client.post("/v1/admin/tenants", json=spec, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
@@ -91,7 +91,7 @@ def value(families: dict[str, Any], name: str, sample: str | None = None, **labe
 
 
 def test_metrics_after_an_sft_job_and_a_predict(world, trained):
-    _app, client, _services, _ = world
+    _app, client, _cluster, _ = world
     families = scrape(client)
     # control
     assert value(families, "joynexus_training_jobs", tenant=TENANT, state="completed") == 1
@@ -120,14 +120,14 @@ def test_metrics_after_an_sft_job_and_a_predict(world, trained):
 
 
 def test_learning_signals_of_the_master(world, trained):
-    _app, _client, services, _ = world
-    signals = services.master.learning_signals()[TENANT]
+    _app, _client, cluster, _ = world
+    signals = cluster.master.learning_signals()[TENANT]
     assert math.isfinite(signals["loss"]) and signals["policy_version"] >= 1
     assert signals["updated_at"] > 0
 
 
 def test_a_failing_source_is_counted_not_fatal(world, trained):
-    app, client, _services, _ = world
+    app, client, _cluster, _ = world
     collector = app.state.metrics.collector
     calls = collector._calls
 
@@ -151,8 +151,8 @@ def test_metrics_can_need_the_admin_key(world):
 
     from joynexus.api.app import ApiSettings, create_app
 
-    _app, _client, services, _ = world
-    app = create_app(services, ApiSettings(metrics_public=False), admin_key=ADMIN_KEY)
+    _app, _client, cluster, _ = world
+    app = create_app(cluster, ApiSettings(metrics_public=False), admin_key=ADMIN_KEY)
     with TestClient(app, raise_server_exceptions=False) as client:
         assert client.get("/metrics").status_code == 401
         response = client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
@@ -171,7 +171,7 @@ def _promql_metric_names(expr: str) -> set[str]:
 
 
 def test_the_dashboard_uses_exposed_metrics(world, trained):
-    _app, client, _services, _ = world
+    _app, client, _cluster, _ = world
     families = scrape(client)
     exposed = {s.name for family in families.values() for s in family.samples} | set(families)
     # Families with no sample this scrape (no RL tenant here, no CUDA) still have a TYPE line.
@@ -200,7 +200,7 @@ def test_the_dashboard_uses_exposed_metrics(world, trained):
 
 def test_an_evaluation_is_a_learning_signal_and_a_metric(world):
     """An evaluation's success rate and return reach learning_signals and /metrics."""
-    _app, client, services, _ = world
+    _app, client, cluster, _ = world
     from tests.api.test_ray_services import rl_spec
 
     spec = rl_spec("metrics-eval")
@@ -218,7 +218,7 @@ def test_an_evaluation_is_a_learning_signal_and_a_metric(world):
         time.sleep(0.2)
     assert status["state"] == "completed", status
     result = status["result"]
-    signals = services.master.learning_signals()["metrics-eval"]
+    signals = cluster.master.learning_signals()["metrics-eval"]
     assert signals["eval_success_rate"] == result["success_rate"]
     assert signals["eval_mean_return"] == pytest.approx(result["mean_return"])
     assert signals["eval_policy_version"] == result["policy_version"]

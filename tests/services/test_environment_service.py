@@ -22,9 +22,8 @@ from joynexus.services.environment.service import (
     SessionFailed,
     SessionLimitExceeded,
     UnknownSession,
-    _pack,
-    _unpack,
 )
+from joynexus.services.environment.worker import pack_message, unpack_message
 
 PUSHT = {"simulator": "pusht", "task": "PushT-v0", "cameras": ["top"]}
 PUSHT_STATE = {"simulator": "pusht", "task": "PushT-v0"}
@@ -310,13 +309,13 @@ def test_errors_and_wire_codec_round_trip():
     assert str(pickle.loads(pickle.dumps(refused))) == str(refused)
 
     msg = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": [1, 2.5, None, True, "x"], "c": {"d": np.bool_(1)}}
-    out = _unpack(_pack(msg))
+    out = unpack_message(pack_message(msg))
     np.testing.assert_array_equal(out["a"], msg["a"])
     assert out["a"].dtype == np.float32 and out["b"] == [1, 2.5, None, True, "x"] and out["c"] == {"d": True}
     with pytest.raises(TypeError):
-        _pack({"f": lambda: 0})
+        pack_message({"f": lambda: 0})
     with pytest.raises(TypeError):
-        _pack(np.array([object()]))
+        pack_message(np.array([object()]))
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from joynexus.models.backbone import BackboneSource
-from joynexus.scheduling.inference_queue import InferenceQueueClosed, InferenceRequest, Observation
-from joynexus.services.inference.service import InferenceModelService, TenantFairQueue
+from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation
+from joynexus.services.inference.service import InferenceModelService
 from joynexus.services.training.service import TrainingModelService
 from tests.helpers import compiled_config
 
@@ -201,32 +201,6 @@ def test_batches_take_tenants_round_robin_and_fill_with_what_fits(payloads):
         ]
     finally:
         svc.close()
-
-
-def _entry(tenant: str, n: int = 1, key: str = "m") -> InferenceRequest:
-    obs = Observation(images=(), state=())
-    return InferenceRequest(tenant_id=tenant, schema_signature="s", prefix_key=(key,), observations=[obs] * n)
-
-
-def test_the_fair_queue_interleaves_tenants_keeps_each_tenants_order_and_drops_cancelled_entries():
-    q = TenantFairQueue()
-    a = [_entry("a") for _ in range(4)]
-    b = [_entry("b") for _ in range(2)]
-    c = _entry("c", key="other")  # another prefix key: never in a batch with the others
-    for r in [*a, *b, c]:
-        q.enqueue(r)
-    a[1].future.cancel()  # its caller gave up: dropped, never run
-    batch = q.collect_prefix(4, 60.0)  # due at once: the other prefix key cannot join
-    assert batch == [a[0], b[0], a[2], b[1]]
-    assert q.collect_prefix(4, 60.0) == [c]  # c never got a turn before, so it goes before a
-    assert q.collect_prefix(4, 0.0) == [a[3]]
-    assert q.depth() == 0 and q.collect_prefix(4, 60.0, poll_s=0.01) == []
-    q.enqueue(late := _entry("a"))
-    q.close()
-    with pytest.raises(InferenceQueueClosed):
-        late.future.result(timeout=1)
-    with pytest.raises(InferenceQueueClosed):
-        q.enqueue(_entry("a"))
 
 
 def test_a_failing_chunk_fails_the_request_once_and_its_other_chunks_are_not_run(service, monkeypatch):

@@ -11,7 +11,8 @@ import pytest
 from joynexus.master.deployment import Deployment
 from joynexus.master.loops.actor_loop import ActorLoop
 from joynexus.master.loops.advantage_stage import AdvantageStage
-from joynexus.master.loops.rollout import RolloutProducer, evaluate_policy
+from joynexus.master.loops.rollout import RolloutProducer
+from joynexus.master.workloads.evaluation import evaluate_policy
 from joynexus.settings import Settings
 from joynexus.spec import SpecError
 from tests.helpers import TINY_MODEL_ID

@@ -1,12 +1,11 @@
-"""RL rollout producer (paper Fig. 6 left, Appendix A.4) and evaluation (section 4.2).
+"""RL rollout producer (paper Fig. 6 left, Appendix A.4) and the environment sessions it acts in.
 
 The producer records the tenant's current serving version, reserves an RL job (sample count =
 envs x horizon), runs the rollout — every env step's observation goes through the Inference Queue,
 where it is group-batched with other tenants' requests — writes the trajectory partition with
 tenant, schema and behavior-version annotations, and marks it for the advantage stage.
 
-Evaluation runs episodes the same way at ONE resolved policy version with deterministic actions;
-it creates no training job and no partition and never changes the tenant's version.
+Evaluation (`joynexus.master.workloads.evaluation`) runs episodes in the same `EnvGroup`.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import numpy as np
 from joynexus.actors import handle_of
 from joynexus.core.tenants import TenantBackendConfig, simulator_config
 from joynexus.envs.base import unit_to_bounds
+from joynexus.master.loops.producer import Producer
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
@@ -99,7 +99,7 @@ class EpisodeStats:
         }
 
 
-class _EnvGroup:
+class EnvGroup:
     """A tenant's `n` environment sessions with their running episodes."""
 
     def __init__(self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0):
@@ -198,7 +198,9 @@ class _EnvGroup:
         self.ids = []
 
 
-class RolloutProducer:
+class RolloutProducer(Producer):
+    task_type = "rl"
+
     def __init__(
         self,
         config: TenantBackendConfig,
@@ -227,7 +229,7 @@ class RolloutProducer:
                 f"rl.group_size: {self.group_size} must be >= 2 and divide environment.num_envs ({self.num_envs})"
             )
         self.rollouts = 0  # rollouts produced by this producer (GRPO draws fresh group seeds per rollout)
-        self._envs: _EnvGroup | None = None
+        self._envs: EnvGroup | None = None
         self.stats = EpisodeStats()
 
     def produce_once(self) -> TrainingJob | None:
@@ -278,7 +280,7 @@ class RolloutProducer:
     def _rollout(self, version: int) -> dict[str, Any]:
         cfg = self.config
         if self._envs is None:
-            self._envs = _EnvGroup(self.env, cfg, f"{cfg.tenant_id}-{uuid.uuid4().hex[:8]}", self.num_envs)
+            self._envs = EnvGroup(self.env, cfg, f"{cfg.tenant_id}-{uuid.uuid4().hex[:8]}", self.num_envs)
         envs = self._envs
         env_group = np.arange(self.num_envs) // self.group_size
         if self.grpo:  # a group's G envs start from the same state, fresh states every rollout
@@ -354,111 +356,7 @@ class RolloutProducer:
         state = np.random.SeedSequence([base, self.rollouts, group]).generate_state(1, np.uint32)[0]
         return int(state) % MAX_ENVIRONMENT_SEED
 
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> int:
-        """Launch the next rollout as soon as the tenant has capacity; no cross-tenant barrier."""
-        produced = 0
-        try:
-            while not stop.is_set():
-                if self.produce_once() is not None:
-                    produced += 1
-                    continue
-                if self.target_reached():
-                    break
-                stop.wait(idle_wait_s)
-        finally:
-            self.close()
-        return produced
-
-    def target_reached(self) -> bool:
-        policy = self.scheduler.policy(self.config.tenant_id, "rl")
-        if policy.completion_target is None:
-            return False
-        return self.scheduler.counts(self.config.tenant_id).get("completed", 0) >= policy.completion_target
-
     def close(self) -> None:
         if self._envs is not None:
             self._envs.close()
             self._envs = None
-
-
-@dataclass(frozen=True)
-class EvaluationResult:
-    tenant_id: str
-    policy_version: int
-    simulator: str
-    task: str
-    episodes: int
-    success_rate: float
-    mean_return: float
-    mean_length: float
-    returns: tuple[float, ...]
-
-
-def evaluate_policy(
-    config: TenantBackendConfig,
-    environment: Any,
-    inference: Any,
-    *,
-    version: int | str = "latest",
-    episodes: int = 4,
-    num_envs: int | None = None,
-    seed_offset: int = 10_000,
-) -> EvaluationResult:
-    """Run `episodes` episodes of the tenant's environment task at ONE policy version, resolved
-    once here (so a benchmark never mixes revisions while the tenant keeps training).
-
-    Episode j starts from seed environment.seed + seed_offset + j, whatever the policy does, so two
-    evaluations of one tenant (before and after training) run the same episodes: env i of the `n`
-    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order."""
-    if episodes < 1:
-        raise ValueError(f"episodes: expected >= 1, got {episodes}")
-    if version == "latest":
-        resolved = inference.latest_version(config.tenant_id)
-        if resolved is None:
-            raise ValueError(f"version: tenant {config.tenant_id!r} has no policy version being served")
-    elif isinstance(version, int) and not isinstance(version, bool):
-        resolved = version
-    else:
-        raise ValueError(f"version: expected an int or 'latest', got {version!r}")
-    if config.environment is None:
-        raise ValueError(f"tenant {config.tenant_id!r} declares no environment to evaluate in")
-    n = min(episodes, num_envs or int(config.environment["num_envs"]))
-    base_seed = int(config.environment["seed"]) + seed_offset  # env i's first episode: session seed base + i
-    finished = [0] * n  # episodes env i has finished; its k-th is episode i + k * n
-    quota = [len(range(i, episodes, n)) for i in range(n)]
-    results: dict[int, tuple[float, int, bool]] = {}  # episode -> (return, length, success)
-    envs = _EnvGroup(environment, config, f"eval-{uuid.uuid4().hex[:8]}", n, seed_offset=seed_offset)
-    try:
-        while len(results) < episodes:
-            active = [finished[i] < quota[i] for i in range(n)]
-            # The episode an env starts after this one ends (unused when its quota is done).
-            envs.episode_seeds = [base_seed + i + (finished[i] + 1) * n for i in range(n)]
-            running = [i for i in range(n) if active[i]]
-            preds = predict_many(
-                inference, config.tenant_id, [envs.obs[i] for i in running], policy_version=resolved, sample=False,
-                session_ids=[envs.ids[i] for i in running], operation="evaluate",
-            )  # fmt: skip
-            chunks: list[np.ndarray | None] = [None] * n
-            for i, pred in zip(running, preds, strict=True):
-                chunks[i] = pred["actions"][0]
-            stats = EpisodeStats()
-            _, terminated, truncated = envs.act(chunks, stats, active=active)
-            ended = [i for i in range(n) if terminated[i] or truncated[i]]  # in the order act() recorded them
-            for i, ret, length, success in zip(ended, stats.returns, stats.lengths, stats.successes, strict=True):
-                results[i + finished[i] * n] = (ret, length, success)
-                finished[i] += 1
-    finally:
-        envs.close()
-    ordered = [results[j] for j in range(episodes)]
-    returns = [r for r, _, _ in ordered]
-    return EvaluationResult(
-        tenant_id=config.tenant_id,
-        policy_version=int(resolved),
-        simulator=config.environment["simulator"],
-        task=config.environment["task"],
-        episodes=len(returns),
-        success_rate=float(np.mean([s for _, _, s in ordered])),
-        mean_return=float(np.mean(returns)),
-        mean_length=float(np.mean([n_ for _, n_, _ in ordered])),
-        returns=tuple(returns),
-    )

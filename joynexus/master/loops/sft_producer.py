@@ -4,17 +4,19 @@ in-flight limit and completion target. It never touches the model."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig
+from joynexus.master.loops.producer import Producer
 from joynexus.scheduling.training_queue import TrainingQueueClient
 from joynexus.scheduling.training_scheduler import READY, TrainingJob, TrainingScheduler
 
 
-class SFTProducer:
+class SFTProducer(Producer):
+    task_type = "sft"
+
     def __init__(
         self,
         config: TenantBackendConfig,
@@ -87,22 +89,3 @@ class SFTProducer:
             "tenant_id": [cfg.tenant_id] * n,
             "schema_signature": [cfg.schema_signature] * n,
         }
-
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> int:
-        """Produce until the completion target is covered or `stop` is set; returns jobs produced."""
-        produced = 0
-        while not stop.is_set():
-            if self.produce_once() is not None:
-                produced += 1
-                continue
-            if self.target_reached():
-                break
-            stop.wait(idle_wait_s)  # in-flight bound reached: wait for the actor to make progress
-        return produced
-
-    def target_reached(self) -> bool:
-        policy = self.scheduler.policy(self.config.tenant_id, "sft")
-        if policy.completion_target is None:
-            return False
-        counts = self.scheduler.counts(self.config.tenant_id)
-        return counts.get("completed", 0) >= policy.completion_target

@@ -1,8 +1,9 @@
 """Inference Model Service replicas behind one front (paper 4.5: elastic inference).
 
-`InferenceReplicaSet` has the interface of `InferenceModelService` (submit / predict / load_weights
-/ versions / latest_version / tenants / remove_tenant / flush_usage / stats / heartbeat / close) and
-fronts N replicas of it, each a full service with its own backbone and its own batching queue:
+`InferenceReplicaSet` has the interface of `InferenceModelService` (`endpoint.InferenceEndpoint`:
+submit / predict / load_weights / versions / latest_version / tenants / remove_tenant / flush_usage /
+stats / heartbeat / close) and fronts N replicas of it, each a full service with its own backbone
+and its own batching queue:
 - routing: each request goes to the active replica with the fewest requests in flight (counted
   here, no call needed); that replica group-batches it with its other requests. A request whose
   replica died or closed under it is sent to another replica (a prediction has no side effect), and
@@ -41,13 +42,13 @@ import numpy as np
 from joynexus.actors import ServiceHandle, named_actor, role_unavailable
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
-from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation
+from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation, settle_future
+from joynexus.services.inference.endpoint import PredictBySubmit
+from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion
 from joynexus.services.inference.service import (
     DEFAULT_MAX_CHUNK_SAMPLES,
     INFERENCE_SERVICE_ACTOR_NAME,
-    InferenceError,
     InferenceModelService,
-    UnknownPolicyVersion,
 )
 from joynexus.settings import RoleResources, ScalingPolicy
 
@@ -137,7 +138,7 @@ class _Replica:
         }
 
 
-class InferenceReplicaSet:
+class InferenceReplicaSet(PredictBySubmit):
     def __init__(
         self,
         factory: ReplicaFactory,
@@ -202,30 +203,6 @@ class InferenceReplicaSet:
         self._dispatch(outer, tenant_id, list(observations), request, time.monotonic(), MAX_ATTEMPTS, set())
         return outer
 
-    def predict(
-        self,
-        tenant_id: str,
-        observations: list[Observation] | list[dict[str, Any]],
-        *,
-        policy_version: int | None = None,
-        session_id: str | None = None,
-        seeds: list[int] | None = None,
-        sample: bool = False,
-        timeout_s: float | None = 60.0,
-        operation: str = "predict",
-    ) -> dict[str, Any]:
-        observations = [o if isinstance(o, Observation) else Observation(**o) for o in observations]
-        future = self.submit(
-            tenant_id,
-            observations,
-            policy_version=policy_version,
-            session_id=session_id,
-            seeds=seeds,
-            sample=sample,
-            operation=operation,
-        )
-        return future.result(timeout=timeout_s)
-
     def _dispatch(
         self,
         outer: Future,
@@ -265,7 +242,7 @@ class InferenceReplicaSet:
             if error is None:
                 with self._cond:
                     self._latencies.append((time.monotonic(), time.monotonic() - started))
-                _settle(outer, result=finished.result())
+                settle_future(outer, result=finished.result())
                 return
             lost = self._lost_weights(replica, tenant_id, request["policy_version"], error)
             if (lost or _replica_gone(error)) and attempts > 1:
@@ -276,7 +253,7 @@ class InferenceReplicaSet:
                 return
             with self._cond:
                 self._counts["failed_requests"] += 1
-            _settle(outer, exception=error)
+            settle_future(outer, exception=error)
 
         inner.add_done_callback(done)
 
@@ -594,16 +571,6 @@ def _cause(error: BaseException | None) -> BaseException | None:
 def _replica_gone(error: BaseException) -> bool:
     """The replica died, was stopped or closed its queue: the request itself was fine."""
     return role_unavailable(error) or isinstance(error, InferenceQueueClosed | concurrent.futures.CancelledError)
-
-
-def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
-    try:
-        if exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:  # its caller cancelled it
-        pass
 
 
 def _merge_histograms(snapshots: list[dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
-"""The resident, frozen vision-language backbone shared by every tenant.
+"""The Idefics3 / SmolVLM backbone family: the resident, frozen vision-language backbone.
 
-One ``ResidentBackbone`` lives in a service process. It wraps a real transformers
+One ``ResidentBackbone`` (the ``idefics3`` family of `backbone.base`) lives in a service
+process. It wraps a real transformers
 Idefics3 model (the architecture of SmolVLM-256M/500M: SigLIP-style vision encoder,
 pixel-shuffle connector, Llama decoder), frozen and in eval mode. Tenants never
 train it; they train small action modules on the features it returns.
@@ -38,26 +39,15 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import hashlib
 import json
-import os
 import threading
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-# The service must never reach a model hub; set before transformers is imported.
-# Every load below also passes ``local_files_only=True``, so this is belt and braces.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from pydantic import BaseModel, ConfigDict  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+import torch.nn.functional as F
+from transformers import (
     AutoConfig,
     AutoModel,
     AutoTokenizer,
@@ -66,276 +56,44 @@ from transformers import (  # noqa: E402
     Idefics3Model,
     Idefics3Processor,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 
-from joynexus.models.placement import DevicePlacement  # noqa: E402
-
-if TYPE_CHECKING:
-    from joynexus.models.adapters import BackboneAdapters
-
-__all__ = [
-    "BackboneFeatures",
-    "ResidentBackbone",
-    "TinyBackboneSpec",
-    "METADATA_FILE",
-]
-
-METADATA_FILE = "joynexus_backbone.json"
-METADATA_FORMAT_VERSION = 1
-SUPPORTED_MODEL_TYPES = ("idefics3", "smolvlm")
-
-# Special tokens of the Idefics3 / SmolVLM prompt format.
-PAD_TOKEN = "<|pad|>"
-BOS_TOKEN = "<|im_start|>"
-EOS_TOKEN = "<|im_end|>"
-IMAGE_TOKEN = "<image>"
-FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
-GLOBAL_IMAGE_TOKEN = "<global-img>"
-END_OF_UTTERANCE_TOKEN = "<end_of_utterance>"
-SPECIAL_TOKENS = (
-    PAD_TOKEN,
-    BOS_TOKEN,
-    EOS_TOKEN,
+from joynexus.models.backbone.base import (
+    METADATA_FILE,
+    METADATA_FORMAT_VERSION,
+    BackboneFeatures,
+    register_backbone_family,
+)
+from joynexus.models.backbone.tiny import (
+    CHAT_TEMPLATE,
     END_OF_UTTERANCE_TOKEN,
     FAKE_IMAGE_TOKEN,
     GLOBAL_IMAGE_TOKEN,
     IMAGE_TOKEN,
+    TinyBackboneSpec,
+    spec_model_id,
+    train_tokenizer,
 )
-# Chat template matching the hand-built prompt in ``ResidentBackbone._prompt_ids``.
-CHAT_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
-    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
+from joynexus.models.placement import DevicePlacement
 
-# A few dozen robot instructions: enough for byte-level BPE to learn useful merges.
-_TOKENIZER_CORPUS = (
-    "pick up the red cube and place it in the bowl",
-    "push the green block to the left",
-    "open the top drawer",
-    "close the top drawer",
-    "put the apple on the plate",
-    "stack the blue cube on the red cube",
-    "pick up the sponge and wipe the table",
-    "move the gripper to the right",
-    "turn on the stove",
-    "turn off the faucet",
-    "place the mug on the coaster",
-    "insert the peg into the hole",
-    "pull the handle of the cabinet",
-    "push the button on the microwave",
-    "put the spoon in the cup",
-    "pick the banana from the basket",
-    "slide the box to the front of the table",
-    "rotate the knob clockwise",
-    "lift the lid off the pot",
-    "put the bottle in the fridge",
-    "grasp the pen and put it in the holder",
-    "fold the towel in half",
-    "pour water from the cup into the bowl",
-    "hang the cloth on the rack",
-    "sort the blocks by color",
-    "move the yellow sphere next to the green cube",
-    "reach the target position",
-    "push the t-shaped block into the goal region",
-    "pick up the cube",
-    "place the cube on the target",
-    "open the door",
-    "close the window",
-    "press the red button twice",
-    "put the carrot in the pot",
-    "pick up the bowl and put it in the sink",
-    "move the plate to the left side of the table",
-    "unstack the cubes",
-    "put the book on the shelf",
-    "grab the handle and pull it toward you",
-    "wipe the spill with the towel",
-    "User: Assistant: what action should the robot take?",
-    "0 1 2 3 4 5 6 7 8 9 step camera left right front wrist top",
-)
+if TYPE_CHECKING:
+    from joynexus.models.adapters import BackboneAdapters
+
+__all__ = ["LLAMA_DECODER_LINEARS", "SUPPORTED_MODEL_TYPES", "ResidentBackbone"]
+
+SUPPORTED_MODEL_TYPES = ("idefics3", "smolvlm")
+# Linear layers of the Llama decoder that Idefics3 / SmolVLM use as their text model: the family's
+# default LoRA targets (`BaseModelCapabilities` offers them when no backbone was asked).
+LLAMA_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@dataclass(frozen=True)
-class TinyBackboneSpec:
-    """Size of a randomly initialized backbone built in code (no hub)."""
-
-    name: str = "tiny"
-    vision_hidden_size: int = 32
-    vision_layers: int = 2
-    vision_heads: int = 2
-    patch_size: int = 8
-    image_size: int = 32
-    scale_factor: int = 2
-    text_hidden_size: int = 64
-    text_layers: int = 2
-    text_heads: int = 4
-    max_images: int = 3
-    max_position_embeddings: int = 512
-    max_instruction_tokens: int = 64
-    tokenizer_vocab_size: int = 512
-
-    def __post_init__(self) -> None:
-        if self.image_size % (self.patch_size * self.scale_factor) != 0:
-            raise ValueError(
-                f"TinyBackboneSpec.image_size={self.image_size} must be a multiple of "
-                f"patch_size*scale_factor={self.patch_size * self.scale_factor}"
-            )
-        if self.vision_hidden_size % self.vision_heads or self.text_hidden_size % self.text_heads:
-            raise ValueError("TinyBackboneSpec hidden sizes must be divisible by their head counts")
-        if self.max_images < 1:
-            raise ValueError(f"TinyBackboneSpec.max_images must be >= 1, got {self.max_images}")
-
-    @classmethod
-    def preset(cls, name: str) -> TinyBackboneSpec:
-        """Named sizes: "tiny" for tests, "small" for benchmarks."""
-        presets = _SPEC_PRESETS
-        if name not in presets:
-            raise ValueError(f"unknown backbone preset {name!r}; allowed presets: {sorted(presets)}")
-        return presets[name]
-
-    @property
-    def image_seq_len(self) -> int:
-        """Image tokens per camera after the pixel-shuffle connector."""
-        return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
-
-
-_SPEC_PRESETS: dict[str, TinyBackboneSpec] = {
-    "tiny": TinyBackboneSpec(),
-    "small": TinyBackboneSpec(
-        name="small",
-        vision_hidden_size=64,
-        vision_layers=2,
-        vision_heads=4,
-        image_size=64,
-        text_hidden_size=128,
-        text_layers=4,
-        text_heads=4,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class BackboneFeatures:
-    """Backbone output for a batch: per-token states, their mask and a pooled summary."""
-
-    tokens: torch.Tensor  # (B, L, D) float32, padded positions zeroed
-    mask: torch.Tensor  # (B, L) bool, True = real token
-    pooled: torch.Tensor  # (B, D) masked mean of tokens
-
-    def __post_init__(self) -> None:
-        # Cheap shape checks: features travel between processes/modules and a
-        # transposed tensor would otherwise fail far from its cause.
-        if self.tokens.ndim != 3:
-            raise ValueError(f"BackboneFeatures.tokens must be (B, L, D), got shape {tuple(self.tokens.shape)}")
-        b, length, d = self.tokens.shape
-        if self.mask.shape != (b, length) or self.mask.dtype != torch.bool:
-            raise ValueError(
-                f"BackboneFeatures.mask must be bool ({b}, {length}), got {self.mask.dtype} {tuple(self.mask.shape)}"
-            )
-        if self.pooled.shape != (b, d):
-            raise ValueError(f"BackboneFeatures.pooled must be ({b}, {d}), got {tuple(self.pooled.shape)}")
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.tokens.shape[-1]
-
-    def __len__(self) -> int:
-        return self.batch_size
-
-    def select(self, index: slice | torch.Tensor | list[int]) -> BackboneFeatures:
-        """Rows of the batch (sequence length is kept)."""
-        if isinstance(index, int):
-            index = [index]  # keep the batch dimension
-        if isinstance(index, list):
-            index = torch.as_tensor(index, dtype=torch.long, device=self.tokens.device)
-        return BackboneFeatures(tokens=self.tokens[index], mask=self.mask[index], pooled=self.pooled[index])
-
-    def trimmed(self) -> BackboneFeatures:
-        """Drop trailing sequence positions that are padding in every row."""
-        real_cols = self.mask.any(dim=0).nonzero()
-        length = int(real_cols.max()) + 1 if real_cols.numel() else 0
-        if length == self.tokens.shape[1]:
-            return self
-        return BackboneFeatures(self.tokens[:, :length], self.mask[:, :length], self.pooled)
-
-    def to(self, device: torch.device | str) -> BackboneFeatures:
-        return BackboneFeatures(self.tokens.to(device), self.mask.to(device), self.pooled.to(device))
-
-    def detach(self) -> BackboneFeatures:
-        """The same values without the autograd graph (features of an adapter-carrying forward)."""
-        return BackboneFeatures(self.tokens.detach(), self.mask, self.pooled.detach())
-
-    @staticmethod
-    def concat(parts: Sequence[BackboneFeatures]) -> BackboneFeatures:
-        """Join batches along B, right-padding L to the longest part (padding zeroed, masked out)."""
-        if not parts:
-            raise ValueError("BackboneFeatures.concat needs at least one part")
-        dims = {p.hidden_size for p in parts}
-        if len(dims) != 1:
-            raise ValueError(f"BackboneFeatures.concat: parts have different hidden sizes {sorted(dims)}")
-        if len(parts) == 1:
-            return parts[0]
-        max_len = max(p.tokens.shape[1] for p in parts)
-        tokens = [F.pad(p.tokens, (0, 0, 0, max_len - p.tokens.shape[1])) for p in parts]
-        masks = [F.pad(p.mask, (0, max_len - p.mask.shape[1]), value=False) for p in parts]
-        return BackboneFeatures(
-            tokens=torch.cat(tokens, dim=0),
-            mask=torch.cat(masks, dim=0),
-            pooled=torch.cat([p.pooled for p in parts], dim=0),
-        )
-
-
-def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained in code on robot instructions, with the VLM's special tokens.
-
-    Byte-level means every string tokenizes (no unknown token); training on a fixed
-    corpus is deterministic.
-    """
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
-    bos_id = tok.token_to_id(BOS_TOKEN)
-    # So that HF's own processor path (add_special_tokens=True) starts with BOS like ours.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[END_OF_UTTERANCE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, IMAGE_TOKEN],
-        padding_side="right",
-        model_max_length=4096,
-    )
-
-
-def _spec_model_id(spec: TinyBackboneSpec, seed: int) -> str:
-    """Readable id for presets at seed 0; otherwise suffixed with a digest of spec+seed,
-    so two backbones with different weights never share a prefix key."""
-    base = f"joynexus/{spec.name}-smolvlm"
-    if seed == 0 and _SPEC_PRESETS.get(spec.name) == spec:
-        return base
-    digest = hashlib.sha256(json.dumps([dataclasses.asdict(spec), seed], sort_keys=True).encode()).hexdigest()
-    return f"{base}-{digest[:10]}"
-
-
+@register_backbone_family("idefics3")
 class ResidentBackbone:
     """Frozen, memory-resident VLM that turns (camera images, instruction) into token features."""
+
+    family: ClassVar[str] = "idefics3"
+    model_types: ClassVar[tuple[str, ...]] = SUPPORTED_MODEL_TYPES
+    lora_targets: ClassVar[tuple[str, ...]] = LLAMA_DECODER_LINEARS
 
     instances_created: ClassVar[int] = 0
     _instances_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -379,27 +137,7 @@ class ResidentBackbone:
         # the config's image grid, so the canonical side decides the count.
         self.image_seq_len = (self.image_size // vision.patch_size) ** 2 // config.scale_factor**2
 
-        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN)}
-        for token, token_id in ids.items():
-            if token_id is None or token_id == tokenizer.unk_token_id:
-                raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
-        if ids[IMAGE_TOKEN] != config.image_token_id:
-            raise ValueError(
-                f"tokenizer image token id {ids[IMAGE_TOKEN]} != model config image_token_id {config.image_token_id}"
-            )
-        if tokenizer.pad_token_id is None:
-            raise ValueError(f"tokenizer of backbone {self.model_id!r} has no pad token")
-        self.pad_token_id = int(tokenizer.pad_token_id)
-        eou = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE_TOKEN)
-        bos = tokenizer.bos_token_id
-        # Prompt pieces as ids, computed once: <bos>User:{images}{instruction}<eou>\nAssistant:
-        self._prefix_ids = ([bos] if bos is not None else []) + self._text_ids("User:")
-        self._image_block_ids = (
-            [ids[FAKE_IMAGE_TOKEN], ids[GLOBAL_IMAGE_TOKEN]]
-            + [ids[IMAGE_TOKEN]] * self.image_seq_len
-            + [ids[FAKE_IMAGE_TOKEN]]
-        )
-        self._suffix_ids = ([eou] if eou is not None else []) + self._text_ids("\nAssistant:")
+        self._prepare_prompt_pieces(tokenizer, config.image_token_id)
         # Bounded LRU per instance (a decorated method would pin ``self`` in a global cache).
         self._prompt_ids = functools.lru_cache(maxsize=4096)(self._prompt_ids_uncached)
 
@@ -421,6 +159,31 @@ class ResidentBackbone:
         self._adapters: BackboneAdapters | None = None
         with ResidentBackbone._instances_lock:
             ResidentBackbone.instances_created += 1
+
+    def _prepare_prompt_pieces(self, tokenizer: PreTrainedTokenizerBase, image_token_id: int) -> None:
+        """Check the tokenizer's special tokens against the model config; keep the prompt's fixed
+        pieces as ids."""
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN)}
+        for token, token_id in ids.items():
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
+        if ids[IMAGE_TOKEN] != image_token_id:
+            raise ValueError(
+                f"tokenizer image token id {ids[IMAGE_TOKEN]} != model config image_token_id {image_token_id}"
+            )
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"tokenizer of backbone {self.model_id!r} has no pad token")
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        eou = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE_TOKEN)
+        bos = tokenizer.bos_token_id
+        # Prompt pieces as ids, computed once: <bos>User:{images}{instruction}<eou>\nAssistant:
+        self._prefix_ids = ([bos] if bos is not None else []) + self._text_ids("User:")
+        self._image_block_ids = (
+            [ids[FAKE_IMAGE_TOKEN], ids[GLOBAL_IMAGE_TOKEN]]
+            + [ids[IMAGE_TOKEN]] * self.image_seq_len
+            + [ids[FAKE_IMAGE_TOKEN]]
+        )
+        self._suffix_ids = ([eou] if eou is not None else []) + self._text_ids("\nAssistant:")
 
     def _cast_patch_inputs(self) -> None:
         """Pixels reach a reduced-precision vision tower in float32, cast to its dtype only at the
@@ -447,7 +210,7 @@ class ResidentBackbone:
         """Randomly initialized backbone from a small config (no files, no network). The weights are
         drawn on the CPU, then placed: the same seed gives the same backbone on every device."""
         spec = spec or TinyBackboneSpec.preset("tiny")
-        tokenizer = _train_tokenizer(spec.tokenizer_vocab_size)
+        tokenizer = train_tokenizer(spec.tokenizer_vocab_size)
         pad_id = tokenizer.pad_token_id
         text_config = {
             "model_type": "llama",
@@ -488,7 +251,7 @@ class ResidentBackbone:
         return cls(
             model,
             tokenizer,
-            model_id=_spec_model_id(spec, seed),
+            model_id=spec_model_id(spec, seed),
             image_size=spec.image_size,
             max_images=spec.max_images,
             max_instruction_tokens=spec.max_instruction_tokens,
@@ -823,21 +586,3 @@ class ResidentBackbone:
         return BackboneFeatures(
             tokens=features.tokens.clone(), mask=features.mask.clone(), pooled=features.pooled.clone()
         )
-
-
-class BackboneSource(BaseModel):
-    """Where the resident backbone comes from: a built-in random-weight preset, or a local directory."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    preset: str | None = "tiny"
-    path: str | None = None
-    seed: int = 0
-
-    def build(self, placement: DevicePlacement | None = None) -> ResidentBackbone:
-        """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
-        if self.path is not None:
-            return ResidentBackbone.from_pretrained(self.path, placement=placement)
-        if self.preset is None:
-            raise ValueError("BackboneSource needs either `preset` or `path`")
-        return ResidentBackbone.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)

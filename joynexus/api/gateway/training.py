@@ -1,0 +1,95 @@
+"""Lower-layer training primitives on the caller's slot: train_batch, forward_backward + optim_step,
+metered in device-seconds like the services meter their own calls."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, TypeVar
+
+from joynexus.actors import SerializedService, handle_of
+from joynexus.api.errors import InvalidInput
+from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.service_errors import service_errors
+from joynexus.api.gateway.tensors import float_array, sample_columns
+from joynexus.core.metering import TRAINING
+from joynexus.protocol import schemas as s
+from joynexus.services.training.service import TrainingModelService
+
+S = TypeVar("S")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def timed_call(
+    method: Callable[Concatenate[S, P], R], service: S, *args: P.args, **kwargs: P.kwargs
+) -> tuple[R, float]:
+    """Call `method` (the service class's function, e.g. `TrainingModelService.train_batch`) on
+    `service` (its handle): (result, seconds). A local serialized service reports the time the
+    method itself ran (not its wait for the lock); a Ray actor's includes its queue."""
+    handle = handle_of(service)
+    if isinstance(handle.target, SerializedService):
+        return handle.target.call_timed(method.__name__, *args, **kwargs)
+    started = time.perf_counter()
+    result = getattr(handle, method.__name__)(*args, **kwargs)
+    return result, time.perf_counter() - started
+
+
+class TrainingPrimitives(GatewayBase):
+    def train_batch(self, tenant_id: str, batch: s.SampleBatch) -> s.TrainStepResult:
+        tenant = self.tenant(tenant_id)
+        columns = sample_columns(tenant, batch, self.limits.max_samples_per_request)
+        self.check_admission(tenant_id)
+        with service_errors("batch"):
+            result, seconds = timed_call(TrainingModelService.train_batch, self.cluster.training, tenant_id, columns)
+        samples = len(columns["task"])
+        self.meter.record(tenant_id, TRAINING, "train_batch", device_seconds=seconds, samples=samples)
+        return s.TrainStepResult(
+            loss=result["loss"],
+            version=result["version"],
+            optimizer_steps=result["optimizer_steps"],
+            samples=samples,
+            device_seconds=seconds,
+        )
+
+    def forward_backward(self, tenant_id: str, request: s.ForwardBackwardRequest) -> s.ForwardBackwardResult:
+        tenant = self.tenant(tenant_id)
+        columns = sample_columns(tenant, request, self.limits.max_samples_per_request)
+        samples = len(columns["task"])
+        if request.loss != "default":
+            if request.advantages is None:
+                raise InvalidInput("advantages", f"required when loss is {request.loss!r}: one float per sample")
+            columns["advantages"] = float_array(request.advantages, "advantages", (samples,))
+        elif request.advantages is not None:
+            raise InvalidInput("advantages", "only used with loss 'advantage_weighted' or 'policy_gradient'")
+        self.check_admission(tenant_id)
+        with service_errors("batch"):
+            result, seconds = timed_call(
+                TrainingModelService.forward_backward, self.cluster.training, tenant_id, columns, request.loss
+            )
+        seconds = result.get("seconds", seconds)
+        self.meter.record(tenant_id, TRAINING, "forward_backward", device_seconds=seconds, samples=samples)
+        return s.ForwardBackwardResult(
+            loss=result["loss"],
+            samples=samples,
+            accumulated_microbatches=result["accumulated_microbatches"],
+            accumulated_samples=result["accumulated_samples"],
+            version=result["version"],
+            device_seconds=seconds,
+        )
+
+    def optim_step(self, tenant_id: str) -> s.OptimStepResult:
+        self.tenant(tenant_id)
+        with service_errors("tenant"):
+            result, seconds = timed_call(TrainingModelService.optim_step, self.cluster.training, tenant_id)
+        seconds = result.get("seconds", seconds)
+        self.meter.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
+        return s.OptimStepResult(
+            loss=result["loss"],
+            grad_norm=result["grad_norm"],
+            microbatches=result["microbatches"],
+            samples=result["samples"],
+            optimizer_steps=result["optimizer_steps"],
+            version=result["version"],
+            device_seconds=seconds,
+        )

@@ -1,0 +1,97 @@
+"""Workloads of the caller's tenant (upper layer): submit (training or eval), follow, cancel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from joynexus.api.errors import ApiError, InvalidInput, NotFound, QuotaExceeded
+from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.service_errors import invalid_from
+from joynexus.core.tenants import Tenant
+from joynexus.master.service import TenantUnavailable
+from joynexus.master.workloads.manager import AdmissionRefused
+from joynexus.protocol import schemas as s
+from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
+
+
+class WorkloadOperations(GatewayBase):
+    def submit_workload(self, tenant_id: str, request: s.WorkloadSubmit) -> s.WorkloadInfo:
+        tenant = self.tenant(tenant_id)
+        declared = tenant.spec.task.value
+        task = request.task or declared
+        if task not in (declared, "eval"):
+            reason = f"your tenant was created for {declared!r}: submit {declared!r} (training) or 'eval', got {task!r}"
+            raise InvalidInput("task", reason)
+        jobs = request.jobs
+        if request.spec is not None:
+            spec = self._check_submitted_spec(tenant, request.spec)
+            if jobs is None:
+                jobs = spec.scheduling.completion_target
+        try:
+            if task == "eval":
+                version: int | str = "latest" if request.version is None else request.version
+                status = self.master.evaluate(
+                    tenant_id, version=version, episodes=request.episodes, environment=request.environment
+                )
+            else:
+                status = self.master.submit_workload(tenant_id, jobs=jobs)
+        except AdmissionRefused as error:
+            field = next(
+                (f"quota.{name}" for name in ("max_queued_workloads", "max_storage_bytes") if name in str(error)),
+                "quota.max_device_seconds",
+            )
+            raise QuotaExceeded(str(error), [(field, str(error))]) from None
+        except TenantUnavailable as error:
+            raise ApiError(str(error), [("tenant", error.reason)]).with_status(409, "tenant_unhealthy") from None
+        except (ValueError, TypeError) as error:
+            raise invalid_from(error, "task") from None
+        return status
+
+    def _check_submitted_spec(self, tenant: Tenant, data: dict[str, Any]) -> WorkloadSpec:
+        try:
+            spec = parse_workload_spec(data)
+        except SpecError as error:
+            raise ApiError("invalid workload spec", [(f"spec.{f}", r) for f, r in error.problems]).with_status(
+                422, "invalid_spec"
+            ) from None
+        if spec.tenant != tenant.tenant_id:
+            raise InvalidInput("spec.tenant", f"must be your tenant {tenant.tenant_id!r}, got {spec.tenant!r}")
+        if spec.task != tenant.spec.task:
+            raise InvalidInput(
+                "spec.task",
+                f"tenant {tenant.tenant_id!r} was created for task {tenant.spec.task.value!r}, got {spec.task.value!r}",
+            )
+        signature = spec.vla_schema().signature
+        if signature != tenant.schema_signature:
+            raise InvalidInput(
+                "spec.observation",
+                f"the interface (schema signature {signature[:16]}) differs from the one tenant "
+                f"{tenant.tenant_id!r} was created with ({tenant.schema_signature[:16]}); a new interface needs a "
+                "new tenant",
+            )
+        return spec
+
+    def workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
+        try:
+            status = self.master.get_workload(workload_id, tenant_id)
+        except KeyError:
+            raise NotFound("workload", workload_id, "workload_id") from None
+        return status
+
+    def list_workloads(self, tenant_id: str) -> list[s.WorkloadInfo]:
+        return self.master.list_workloads(tenant_id)
+
+    def cancel_workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
+        try:
+            status = self.master.cancel_workload(workload_id, tenant_id)
+        except KeyError:
+            raise NotFound("workload", workload_id, "workload_id") from None
+        return status
+
+    def workload_events(self, tenant_id: str, workload_id: str, after: int) -> s.WorkloadEvents:
+        try:
+            events = self.master.workload_events(workload_id, after, tenant_id)
+        except KeyError:
+            raise NotFound("workload", workload_id, "workload_id") from None
+        info = self.workload(tenant_id, workload_id)
+        return s.WorkloadEvents(workload=info, events=[s.WorkloadEvent.model_validate(e) for e in events])

@@ -1,0 +1,43 @@
+"""Settings of the tenant API server (`create_app`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from joynexus.api.gateway import ApiLimits
+from joynexus.api.streaming import StreamSettings
+from joynexus.master.service import MasterOptions
+
+
+def _master_default(name: str) -> Any:
+    """The Master's default of a quota field: the API's admission checks on lower-layer calls and
+    the Master's own use the same defaults, so one change there changes both."""
+    return MasterOptions.model_fields[name].default
+
+
+class ApiSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8765, ge=0, le=65535)
+    max_body_bytes: int = Field(default=64 << 20, ge=1024)
+    # Quota defaults of tenants without their own quota row: the Master's (`MasterOptions`).
+    default_max_device_seconds: float | None = Field(default=_master_default("default_max_device_seconds"), ge=0)
+    default_max_queued_workloads: int | None = Field(default=_master_default("default_max_queued_workloads"), ge=0)
+    default_max_storage_bytes: int | None = Field(  # checkpoint bytes per tenant
+        default=_master_default("default_max_storage_bytes"), ge=0
+    )
+    stream_poll_s: float = Field(default=0.25, gt=0)
+    stream_heartbeat_s: float = Field(default=15.0, gt=0)
+    # Open Server-Sent Event streams per tenant: each polls the Master, so one tenant's thousands
+    # of idle streams must not crowd out everyone else's calls.
+    max_streams_per_tenant: int = Field(default=8, ge=1)
+    limits: ApiLimits = Field(default_factory=ApiLimits)
+    policy_stream: StreamSettings = Field(default_factory=StreamSettings)  # /v1/stream (websocket)
+    # GET /metrics (Prometheus text format). Public by default: Prometheus scrapes inside the cluster
+    # without credentials, and the page holds aggregate numbers only (tenant ids, no keys, no data);
+    # False: the admin key is needed (bearer_token in the scrape config).
+    metrics_public: bool = True
+    metrics_timeout_s: float = Field(default=3.0, gt=0, description="per-source limit of one scrape")

@@ -1,0 +1,302 @@
+"""Evaluation, in ONE home (paper 4.2): episodes through the Inference Queue and the Environment
+Service at ONE policy version, resolved once at the start. An evaluation creates no training job
+and no partition and never changes the tenant's version.
+
+* `evaluate_policy` runs the episodes (deterministic actions, seeded by episode index);
+* `Evaluations` is the part of the workload manager that runs it as an evaluation workload: checks
+  the environment, serves the version (from its checkpoint if need be), records the result in the
+  store and MLflow, and runs it again whole after a restart of the Master.
+
+Promotion by evaluation results is `joynexus.registry.promote`; `flows/periodic_evaluation.py`
+schedules evaluation workloads of each tenant's champion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from joynexus.artifacts import encode_tenant_payload
+from joynexus.core.store import WorkloadRecord, utcnow
+from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
+from joynexus.envs import available_simulators
+from joynexus.master.loops.rollout import EnvGroup, EpisodeStats, predict_many
+from joynexus.master.workloads.base import RUNNING, WORKLOAD_COMPLETED, WORKLOAD_FAILED, WorkloadBase
+from joynexus.protocol.schemas import WorkloadInfo
+from joynexus.spec import EnvironmentSpec
+
+log = logging.getLogger(__name__)
+
+
+class Evaluations(WorkloadBase):
+    def evaluate(
+        self,
+        tenant_id: str,
+        *,
+        version: int | str = "latest",
+        episodes: int = 4,
+        environment: dict[str, Any] | None = None,
+    ) -> WorkloadInfo:
+        """Start an evaluation workload (paper 4.2): episodes through the Inference Queue and the
+        Environment Service at ONE policy version, resolved once at the start. No training job,
+        no partition, no version change. `environment` overrides the tenant's declared one."""
+        deployment = self.deployment
+        tenant = deployment.creator.get(tenant_id)
+        config = self._evaluation_config(tenant, environment)
+        if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
+            raise ValueError(f"episodes: expected an int >= 1, got {episodes!r}")
+        if version != "latest" and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version: expected a policy version (an int >= 0) or 'latest', got {version!r}")
+        if self.admission_check is not None:
+            self.admission_check(tenant_id)
+        if deployment.inference_service.latest_version(tenant_id) is None:
+            # Never served yet (e.g. an SFT tenant): serve its current trained state, read-only.
+            deployment.training_service.add_tenant(tenant.backend_config)
+            self._publish_weights(tenant_id)
+        resolved = deployment.inference_service.latest_version(tenant_id) if version == "latest" else version
+        if resolved is None:
+            raise ValueError(f"version: tenant {tenant_id!r} has no policy version being served")
+        self._serve_version(tenant_id, resolved)
+        workload_id = f"ev-{uuid.uuid4().hex[:12]}"
+        with deployment.store.transaction() as s:
+            s.add(
+                WorkloadRecord(
+                    workload_id=workload_id, tenant_id=tenant_id, task="eval", state=RUNNING, target_jobs=0,
+                    version=resolved, started_at=utcnow(),
+                )
+            )  # fmt: skip
+        self._emit(workload_id, "started", version=resolved, episodes=episodes, environment=environment)
+        self._start_evaluation(workload_id, tenant_id, resolved, episodes, config)
+        return self.get(workload_id)
+
+    def _start_evaluation(
+        self, workload_id: str, tenant_id: str, resolved: int, episodes: int, config: TenantBackendConfig
+    ) -> None:
+        threading.Thread(
+            target=self._run_evaluation,
+            args=(workload_id, tenant_id, resolved, episodes, config),
+            name=f"evaluation-{tenant_id}",
+            daemon=True,
+        ).start()
+
+    def _run_evaluation(
+        self, workload_id: str, tenant_id: str, resolved: int, episodes: int, config: TenantBackendConfig
+    ) -> None:
+        """The evaluation thread: run the episodes, then record the result (or the failure)."""
+        tracker, run_id = self.deployment.tracker, None
+        try:
+            run_id = tracker.start_workload_run(
+                tenant_id,
+                workload_id,
+                {"policy_version": resolved, "episodes": episodes, **config.environment},
+                tags={"task": "eval"},
+            )
+
+            # Episodes are seeded by index, so an evaluation cut by a restarting service
+            # runs again whole with the same result it would have had.
+            def evaluate() -> EvaluationResult:
+                self._serve_version(tenant_id, resolved)  # a restarted service lost what it served
+                return evaluate_policy(
+                    config, self.deployment.environment_service, self.deployment.inference_service,
+                    version=resolved, episodes=episodes,
+                )  # fmt: skip
+
+            result = self._through_restarts(evaluate, tenant_id, "evaluation")
+            metrics = {
+                "eval/success_rate": result.success_rate,
+                "eval/mean_return": result.mean_return,
+                "eval/mean_length": result.mean_length,
+            }
+            tracker.log_metrics(run_id, metrics, step=resolved)
+            tracker.end_run(run_id, "FINISHED")
+            self._emit(workload_id, "evaluated", version=resolved, **metrics)  # a learning signal too
+            summary = {**dataclasses.asdict(result), "returns": list(result.returns)}
+            with self.deployment.store.transaction() as s:
+                record = s.get(WorkloadRecord, workload_id)
+                record.state, record.finished_at, record.result, record.run_id = (
+                    WORKLOAD_COMPLETED, utcnow(), summary, run_id,
+                )  # fmt: skip
+            self._emit(workload_id, WORKLOAD_COMPLETED, result=summary)
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}"
+            log.warning("evaluation %s failed: %s", workload_id, reason)
+            if run_id is not None:
+                tracker.end_run(run_id, "FAILED")
+            with self.deployment.store.transaction() as s:
+                record = s.get(WorkloadRecord, workload_id)
+                record.state, record.finished_at, record.error = WORKLOAD_FAILED, utcnow(), reason
+            self._emit(workload_id, WORKLOAD_FAILED, error=reason)
+
+    def _rerun_evaluation(self, workload_id: str) -> None:
+        """Run an evaluation a dead Master left `running` again, from what its `started` event says."""
+        started = [e for e in self.events(workload_id) if e["kind"] == "started"]
+        if not started or "episodes" not in started[-1]:
+            raise RuntimeError("its start was not recorded")
+        with self.deployment.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            tenant_id, resolved = record.tenant_id, record.version
+        tenant = self.deployment.creator.get(tenant_id)
+        config = self._evaluation_config(tenant, started[-1].get("environment"))
+        self._through_restarts(lambda: self._serve_version(tenant_id, resolved), tenant_id, "serving")
+        self._emit(workload_id, "resumed", version=resolved)
+        self._start_evaluation(workload_id, tenant_id, resolved, int(started[-1]["episodes"]), config)
+
+    def _evaluation_config(self, tenant: Tenant, environment: dict[str, Any] | None) -> TenantBackendConfig:
+        """The tenant's backend config with the environment to evaluate in, checked before anything
+        starts: the simulator is registered, the task exists, and the simulator renders the cameras
+        and gives the state / action dims the tenant's schema needs (an environment other than the
+        one the tenant creator probed at creation is probed here). ValueError("field: reason")."""
+        config = tenant.backend_config
+        if environment is None:
+            if config.environment is None:
+                raise ValueError(f"environment: tenant {tenant.tenant_id!r} declares none; pass one to evaluate in")
+            return config  # probed when the tenant was created
+        if not isinstance(environment, dict):
+            raise ValueError(f"environment: expected a mapping (simulator, task, ...), not {type(environment)}")
+        try:
+            spec = EnvironmentSpec(**environment)
+        except ValidationError as error:
+            item = error.errors()[0]
+            where = ".".join(str(part) for part in item["loc"])
+            raise ValueError(f"environment.{where}: {item['msg']}") from None
+        if spec.simulator not in available_simulators():
+            raise ValueError(
+                f"environment.simulator: {spec.simulator!r} is not a registered simulator; known: "
+                f"{available_simulators()}"
+            )
+        config = config.model_copy(update={"environment": spec.model_dump(mode="json")})
+        probe = getattr(getattr(self.deployment.creator, "compiler", None), "environment_probe", None)
+        if probe is not None:
+            _check_probed(config, spec, probe)
+        return config
+
+    def _serve_version(self, tenant_id: str, version: int) -> None:
+        """Make `version` servable for the evaluation: served already, or loaded from its checkpoint;
+        ValueError("version: ...") naming what exists otherwise."""
+        served = self.deployment.inference_service.versions(tenant_id)
+        if version in served:
+            return
+        store = getattr(self.deployment, "checkpoints", None)
+        checkpoints = store.versions(tenant_id) if store is not None else []
+        if version not in checkpoints:
+            raise ValueError(
+                f"version: tenant {tenant_id!r} has no policy version {version} (served: {served}, "
+                f"checkpoints: {checkpoints})"
+            )
+        manifest, module_state, _ = self.deployment.checkpoints.load_tenant(tenant_id, version)
+        self.deployment.inference_service.load_weights(encode_tenant_payload(module_state, manifest))
+
+
+def _check_probed(config: TenantBackendConfig, spec: EnvironmentSpec, probe: Any) -> None:
+    """Probe the simulator of an environment other than the tenant's: it must accept the task and
+    render the cameras, state and action dims the tenant's schema needs."""
+    try:
+        sim = probe(simulator_config(config))
+    except Exception as error:  # the adapter refused: a bad task, cameras it cannot render, ...
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        field = next(
+            (f for f in ("cameras", "control_mode", "reward_mode", "max_episode_steps") if text.startswith(f)),
+            "task",
+        )
+        raise ValueError(f"environment.{field}: {text}") from None
+    if tuple(sim["cameras"]) != tuple(config.cameras):
+        raise ValueError(
+            f"environment.cameras: the tenant's schema needs cameras {list(config.cameras)}, "
+            f"{spec.simulator}/{spec.task} renders {list(sim['cameras'])}"
+        )
+    for name, ours in (("state_dim", config.state_dim), ("action_dim", config.action_dim)):
+        if int(sim[name]) != ours:
+            raise ValueError(
+                f"environment.task: {spec.simulator}/{spec.task} gives {name} {sim[name]}, "
+                f"the tenant's schema needs {ours}"
+            )
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    tenant_id: str
+    policy_version: int
+    simulator: str
+    task: str
+    episodes: int
+    success_rate: float
+    mean_return: float
+    mean_length: float
+    returns: tuple[float, ...]
+
+
+def evaluate_policy(
+    config: TenantBackendConfig,
+    environment: Any,
+    inference: Any,
+    *,
+    version: int | str = "latest",
+    episodes: int = 4,
+    num_envs: int | None = None,
+    seed_offset: int = 10_000,
+) -> EvaluationResult:
+    """Run `episodes` episodes of the tenant's environment task at ONE policy version, resolved
+    once here (so a benchmark never mixes revisions while the tenant keeps training).
+
+    Episode j starts from seed environment.seed + seed_offset + j, whatever the policy does, so two
+    evaluations of one tenant (before and after training) run the same episodes: env i of the `n`
+    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order."""
+    if episodes < 1:
+        raise ValueError(f"episodes: expected >= 1, got {episodes}")
+    if version == "latest":
+        resolved = inference.latest_version(config.tenant_id)
+        if resolved is None:
+            raise ValueError(f"version: tenant {config.tenant_id!r} has no policy version being served")
+    elif isinstance(version, int) and not isinstance(version, bool):
+        resolved = version
+    else:
+        raise ValueError(f"version: expected an int or 'latest', got {version!r}")
+    if config.environment is None:
+        raise ValueError(f"tenant {config.tenant_id!r} declares no environment to evaluate in")
+    n = min(episodes, num_envs or int(config.environment["num_envs"]))
+    base_seed = int(config.environment["seed"]) + seed_offset  # env i's first episode: session seed base + i
+    finished = [0] * n  # episodes env i has finished; its k-th is episode i + k * n
+    quota = [len(range(i, episodes, n)) for i in range(n)]
+    results: dict[int, tuple[float, int, bool]] = {}  # episode -> (return, length, success)
+    envs = EnvGroup(environment, config, f"eval-{uuid.uuid4().hex[:8]}", n, seed_offset=seed_offset)
+    try:
+        while len(results) < episodes:
+            active = [finished[i] < quota[i] for i in range(n)]
+            # The episode an env starts after this one ends (unused when its quota is done).
+            envs.episode_seeds = [base_seed + i + (finished[i] + 1) * n for i in range(n)]
+            running = [i for i in range(n) if active[i]]
+            preds = predict_many(
+                inference, config.tenant_id, [envs.obs[i] for i in running], policy_version=resolved, sample=False,
+                session_ids=[envs.ids[i] for i in running], operation="evaluate",
+            )  # fmt: skip
+            chunks: list[np.ndarray | None] = [None] * n
+            for i, pred in zip(running, preds, strict=True):
+                chunks[i] = pred["actions"][0]
+            stats = EpisodeStats()
+            _, terminated, truncated = envs.act(chunks, stats, active=active)
+            ended = [i for i in range(n) if terminated[i] or truncated[i]]  # in the order act() recorded them
+            for i, ret, length, success in zip(ended, stats.returns, stats.lengths, stats.successes, strict=True):
+                results[i + finished[i] * n] = (ret, length, success)
+                finished[i] += 1
+    finally:
+        envs.close()
+    ordered = [results[j] for j in range(episodes)]
+    returns = [r for r, _, _ in ordered]
+    return EvaluationResult(
+        tenant_id=config.tenant_id,
+        policy_version=int(resolved),
+        simulator=config.environment["simulator"],
+        task=config.environment["task"],
+        episodes=len(returns),
+        success_rate=float(np.mean([s for _, _, s in ordered])),
+        mean_return=float(np.mean(returns)),
+        mean_length=float(np.mean([n_ for _, n_, _ in ordered])),
+        returns=tuple(returns),
+    )

@@ -1,0 +1,179 @@
+"""The supervisor of the Master's own roles: the shared actor loop, the advantage stage and the
+admission tick, each a thread that beats on every iteration and is restarted in place when it dies
+or stops beating (`check_roles`, called by the Health Manager)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from joynexus.master.loops.actor_loop import ActorLoop
+from joynexus.master.loops.advantage_stage import AdvantageStage
+from joynexus.master.workloads.base import WorkloadBase
+
+log = logging.getLogger(__name__)
+
+ROLE_NAMES = ("actor_loop", "advantage_stage", "admission")
+
+
+@dataclass(eq=False)
+class _Role:
+    """One of the Master's own roles: a thread that beats on every iteration."""
+
+    name: str
+    generation: int
+    restarts: int
+    stop: threading.Event
+    last_reason: str | None = None
+    owner: str = ""
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    beat: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+
+class RoleSupervisor(WorkloadBase):
+    _roles: dict[str, _Role]  # the Master's own roles, restartable in place
+
+    @property
+    def actor_owner(self) -> str:
+        return f"{self.owner}/actor"
+
+    @property
+    def stage_owner(self) -> str:
+        return f"{self.owner}/advantages"
+
+    def start(self) -> Self:
+        """Start the Master's own roles (actor loop, advantage stage, admission), each a thread that
+        beats on every iteration; `check_roles` restarts one that died or stopped beating."""
+        for name in ROLE_NAMES:
+            with self._lock:
+                running = name in self._roles and self._roles[name].thread.is_alive()
+            if not running:
+                self._start_role(name)
+        return self
+
+    def _start_role(self, name: str, *, reason: str | None = None) -> None:
+        with self._lock:
+            previous = self._roles.get(name)
+            generation = previous.generation + 1 if previous is not None else 0
+            restarts = previous.restarts + (1 if reason else 0) if previous is not None else 0
+            role = _Role(name, generation, restarts, threading.Event(), last_reason=reason)
+            role.owner = self._role_owner(name, generation)
+            step = self._role_step(role)
+            role.thread = threading.Thread(target=self._run_role, args=(role, step), name=name, daemon=True)
+            self._roles[name] = role
+        role.thread.start()
+
+    def _role_step(self, role: _Role) -> Callable[[], Any]:
+        """One iteration of the role's work."""
+        deployment = self.deployment
+        if role.name == "actor_loop":
+            actor = ActorLoop(
+                deployment.scheduler, deployment.training_service, owner=role.owner, on_outcome=self._on_outcome,
+                on_unavailable=self.on_unavailable, max_attempts=self.max_job_attempts,
+                service_restarting=self._service_restarting, retired=role.stop,
+            )  # fmt: skip
+            return lambda: actor.step(0.2)
+        if role.name == "advantage_stage":
+            stage = AdvantageStage(
+                deployment.scheduler,
+                deployment.queue,
+                lambda tenant_id: deployment.creator.get(tenant_id).backend_config,
+                owner=role.owner,
+            )
+
+            def advantage_step() -> None:
+                if stage.step() is None:
+                    role.stop.wait(0.05)
+
+            return advantage_step
+
+        def admission_step() -> None:
+            try:
+                self._admit()
+            except Exception:  # a store hiccup: the next tick tries again
+                log.exception("admission tick failed")
+            # Admit on a timer too, not only on submit/finish: the queue is the store, so
+            # work queued by another path (a restart, a raced finish) starts within a second.
+            role.stop.wait(1.0)
+
+        return admission_step
+
+    def _role_owner(self, name: str, generation: int) -> str:
+        base = {"actor_loop": self.actor_owner, "advantage_stage": self.stage_owner}.get(name, f"{self.owner}/{name}")
+        return base if generation == 0 else f"{base}#{generation}"
+
+    def _run_role(self, role: _Role, step: Callable[[], Any]) -> None:
+        """A role's loop: beat, do one step. An exception ends the thread (the Health Manager sees it
+        dead and restarts it in place); a role replaced while hung exits when it wakes up."""
+        try:
+            while not self._stop.is_set() and not role.stop.is_set():
+                role.beat = time.monotonic()
+                step()
+        except Exception as error:
+            role.error = f"{type(error).__name__}: {error}"
+            log.exception("role %s died", role.name)
+
+    def live_owners(self) -> set[str]:
+        """The lease owners of this Master's current roles."""
+        with self._lock:
+            return {role.owner for role in self._roles.values()}
+
+    def check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
+        """Restart in place each role that died, or stopped beating for `stale_after_s` (a hung
+        thread cannot be killed: a replacement with a new lease owner takes over, the hung one's
+        leases are re-queued, and whatever it finishes later is refused as a lost lease). Returns
+        each role's health, producers of running workloads included."""
+        now = time.monotonic()
+        restart: list[tuple[str, str]] = []
+        with self._lock:
+            if self._stop.is_set():
+                return {}
+            for name, role in self._roles.items():
+                if not role.thread.is_alive():
+                    restart.append((name, f"died: {role.error or 'the thread ended'}"))
+                elif now - role.beat > stale_after_s:
+                    restart.append((name, f"no heartbeat for {now - role.beat:.0f} s"))
+        for name, reason in restart:
+            log.warning("restarting role %s in place: %s", name, reason)
+            with self._lock:
+                self._roles[name].stop.set()
+            self._start_role(name, reason=reason)
+        if any("heartbeat" in reason for _, reason in restart):
+            self.deployment.scheduler.recover_orphans(
+                self.live_owners(), has_partition=self.deployment.queue.has_partition,
+                max_attempts=self.max_job_attempts,
+            )  # fmt: skip
+        report: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for name, role in self._roles.items():
+                report[name] = {
+                    "healthy": role.thread.is_alive() and now - role.beat <= stale_after_s,
+                    "last_beat_s": round(now - role.beat, 3),
+                    "restarts": role.restarts,
+                    "detail": role.last_reason or f"owner {role.owner}",
+                }
+        report["producers"] = self._producers_health()
+        return report
+
+    def _producers_health(self) -> dict[str, Any]:
+        with self._lock:
+            producers = [w.threads for w in self._running.values() if w.workload_id not in self._finishing]
+        alive = sum(1 for threads in producers if any(t.is_alive() for t in threads))
+        return {
+            "healthy": alive == len(producers),
+            "restarts": self._producer_restarts,
+            "detail": f"{alive} of {len(producers)} running workloads have a live producer",
+        }
+
+    def _stop_roles(self) -> None:
+        with self._lock:
+            roles = list(self._roles.values())
+        for role in roles:
+            role.stop.set()
+            if role.thread is not threading.current_thread():
+                role.thread.join(timeout=60)

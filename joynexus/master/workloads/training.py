@@ -1,0 +1,335 @@
+"""The training-workload lifecycle: launch (the tenant's slot, its training policy's target, the
+MLflow run, and a producer thread: SFT demonstrations or RL rollouts), the actor loop's outcomes,
+then finish: checkpoint, export, serve and register the tenant's policy as trained.
+
+The shared actor loop (roles.py) trains every tenant's ready jobs; `_on_outcome` counts them
+towards their workload. A restarted Master resumes a running workload from its recorded progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+from joynexus.artifacts import decode_tenant_payload
+from joynexus.core.store import WorkloadRecord, utcnow
+from joynexus.core.tenants import Tenant
+from joynexus.master.loops.actor_loop import ActorOutcome
+from joynexus.master.loops.producer import Producer
+from joynexus.master.loops.rollout import RolloutProducer
+from joynexus.master.loops.sft_producer import SFTProducer
+from joynexus.master.workloads.base import (
+    FINAL_WORKLOAD_STATES,
+    RUNNING,
+    WORKLOAD_COMPLETED,
+    WORKLOAD_FAILED,
+    WorkloadBase,
+    _RunningWorkload,
+)
+from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
+
+log = logging.getLogger(__name__)
+
+MAX_OUTAGE_RETRIES = 120  # a producer waits this many seconds at most for a restarting service
+
+
+class TrainingWorkloads(WorkloadBase):
+    _rollout_slots: threading.BoundedSemaphore  # the global concurrent-rollout limit
+
+    # -- launch -------------------------------------------------------------------------------------
+    def _resume(self, workload_id: str) -> None:
+        """Continue a workload a previous Master left `running`, from its recorded progress."""
+        with self.deployment.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            target, completed, version, steps, run_id, tenant_id = (
+                record.target_jobs, record.completed_jobs, record.version, record.optimizer_steps, record.run_id,
+                record.tenant_id,
+            )  # fmt: skip
+        # The scheduler is the truth for jobs: the dead Master may have completed one whose progress
+        # row it did not write yet; counting from the record alone would train one job too many.
+        done = sum(
+            1
+            for job in self.deployment.scheduler.jobs(tenant_id=tenant_id, states=[COMPLETED])
+            if job.metadata.get("workload_id") == workload_id
+        )
+        completed = max(completed, done)
+        tenant = self.deployment.creator.get(tenant_id)
+        if getattr(tenant, "status", "active") != "active":
+            raise RuntimeError(f"tenant {tenant_id!r} is {tenant.status}: {getattr(tenant, 'status_reason', '')}")
+        running = _RunningWorkload(workload_id, tenant, target, resumed=True)
+        running.completed_jobs, running.version, running.optimizer_steps = completed, version, steps
+        running.run_id = run_id
+        with self._lock:
+            self._running[workload_id] = running
+        if completed >= target:
+            self._finish(workload_id, WORKLOAD_COMPLETED)
+            return
+        try:
+            self._launch(running)
+        except Exception:
+            with self._lock:
+                self._running.pop(workload_id, None)
+            raise
+
+    def _launch(self, running: _RunningWorkload) -> None:
+        deployment, tenant = self.deployment, running.tenant
+        slot = deployment.training_service.add_tenant(tenant.backend_config)
+        running.version = slot["version"]
+        done = deployment.scheduler.counts(tenant.tenant_id).get(COMPLETED, 0)
+        sched = tenant.spec.scheduling
+        # The policy's completion target covers exactly this workload's remaining jobs on top of
+        # every completed one (a resumed workload has some of its own among them already); the
+        # policy registered at tenant creation has the spec's target, not this workload's.
+        deployment.scheduler.register_policy(
+            tenant.tenant_id,
+            tenant.spec.task.value,
+            priority=sched.priority,
+            max_in_flight=sched.max_in_flight_jobs,
+            completion_target=done + running.target_jobs - running.completed_jobs,
+            max_policy_staleness=sched.max_policy_staleness,
+        )
+        if running.run_id is None:
+            running.run_id = deployment.tracker.start_workload_run(
+                tenant.tenant_id,
+                running.workload_id,
+                _run_params(tenant, running.target_jobs),
+                tags={"task": tenant.spec.task.value},
+            )
+        with deployment.store.transaction() as s:
+            record = s.get(WorkloadRecord, running.workload_id)
+            record.state, record.run_id = RUNNING, running.run_id
+            record.started_at = record.started_at or utcnow()
+        running.producer = self._producer(running)
+        kind = "rollout" if isinstance(running.producer, RolloutProducer) else "sft"
+        thread = threading.Thread(
+            target=self._produce, args=(running,), name=f"{kind}-producer-{tenant.tenant_id}", daemon=True
+        )
+        running.threads.append(thread)
+        self._emit(running.workload_id, "resumed" if running.resumed else "started", version=running.version)
+        thread.start()
+
+    def _producer(self, running: _RunningWorkload) -> Producer:
+        """The producer of the workload's jobs: RL rollouts, or SFT partitions of the tenant's dataset."""
+        deployment, tenant = self.deployment, running.tenant
+        metadata = {"workload_id": running.workload_id}
+        if tenant.spec.task.value == "rl":
+            self._publish_weights(tenant.tenant_id)  # rollouts act with the current version
+            return RolloutProducer(
+                tenant.backend_config, deployment.scheduler, deployment.queue, deployment.environment_service,
+                deployment.inference_service, job_metadata=metadata, rollout_slots=self._rollout_slots,
+            )  # fmt: skip
+        assert tenant.spec.dataset is not None
+        return SFTProducer.from_dataset(
+            tenant.backend_config, deployment.scheduler, deployment.queue, tenant.spec.dataset.root,
+            tenant.spec.dataset.repo_id, job_metadata=metadata,
+        )  # fmt: skip
+
+    def _produce(self, running: _RunningWorkload) -> None:
+        """The producer thread: run the producer, waiting through restarting services, and start it
+        over after a failed rollout, up to the workload's failure budget."""
+        tenant_id, rl = running.tenant.tenant_id, running.tenant.spec.task.value == "rl"
+        assert running.producer is not None
+        failures = outages = 0
+        while not running.stop.is_set():
+            try:
+                running.producer.run(running.stop)
+                return
+            except Exception as error:
+                if running.stop.is_set():
+                    return  # the workload is ending; its jobs were released under it
+                if self._must_wait(error, tenant_id) and outages < MAX_OUTAGE_RETRIES:
+                    # A service it writes to (Training Queue, Environment, Inference) is restarting in
+                    # place or full: not the workload's fault, so not on its failure budget.
+                    outages += 1
+                    self._wait_for_service(running, error, rl=rl)
+                    continue
+                # A failed rollout (e.g. a crashed simulator worker) failed only its own job;
+                # the producer starts over with fresh sessions, up to the failure budget.
+                failures += 1
+                reason = f"producer: {type(error).__name__}: {error}"
+                log.warning("workload %s: %s", running.workload_id, reason)
+                self._emit(running.workload_id, "producer_failed", reason=reason)
+                if failures >= self.max_failures or not rl:
+                    self._finish(running.workload_id, WORKLOAD_FAILED, error=reason)
+                    return
+
+    def _wait_for_service(self, running: _RunningWorkload, error: Exception, *, rl: bool) -> None:
+        if rl:  # a restarted Inference Model Service may have lost the version the rollouts act with
+            with contextlib.suppress(Exception):
+                if self.deployment.inference_service.latest_version(running.tenant.tenant_id) is None:
+                    self._publish_weights(running.tenant.tenant_id)
+        with self._lock:
+            self._producer_restarts += 1
+        log.warning("workload %s: producer waits for a restarting service: %s", running.workload_id, error)
+        if self.on_unavailable is not None:
+            self.on_unavailable(f"producer: {type(error).__name__}")
+        running.stop.wait(1.0)
+
+    # -- outcomes -----------------------------------------------------------------------------------
+    def _on_outcome(self, outcome: ActorOutcome) -> None:
+        workload_id = outcome.job.metadata.get("workload_id")
+        with self._lock:
+            running = self._running.get(workload_id)
+        if running is None:
+            return  # a job of a cancelled or finished workload
+        finish: tuple[str, str | None] | None = None
+        trained = outcome.state == COMPLETED and outcome.metrics is not None
+        with self._lock:
+            if trained:
+                first = running.optimizer_steps
+                losses = outcome.metrics["losses"]
+                running.losses.extend(losses)
+                running.optimizer_steps += len(losses)
+                running.completed_jobs += 1
+                running.version = outcome.metrics["version"]
+            else:
+                running.failed_jobs += 1
+                running.failures.append(outcome.reason or outcome.state)
+            if running.completed_jobs >= running.target_jobs:
+                finish = (WORKLOAD_COMPLETED, None)
+            elif running.failed_jobs >= self.max_failures:
+                finish = (WORKLOAD_FAILED, f"{running.failed_jobs} training jobs failed; last: {running.failures[-1]}")
+        if trained:
+            self._record_trained_job(running, outcome, first, losses)
+        else:
+            self._emit(workload_id, "job_failed", job_id=outcome.job.job_id, reason=outcome.reason)
+        self._persist_progress(running)
+        if finish is not None:
+            self._finish(workload_id, *finish)
+
+    def _record_trained_job(
+        self, running: _RunningWorkload, outcome: ActorOutcome, first_step: int, losses: list[float]
+    ) -> None:
+        """Step events, one MLflow batch and (RL) the weight sync after a job trained."""
+        workload_id = running.workload_id
+        steps = [(first_step + i + 1, loss) for i, loss in enumerate(losses)]
+        self._emit_many(workload_id, [("step", {"step": step, "loss": loss}) for step, loss in steps])
+        # One MLflow batch per job (each batch is a store transaction on the actor loop's time).
+        points = [("train/loss", loss, step) for step, loss in steps]
+        points += [
+            ("policy_version", running.version, running.optimizer_steps),
+            ("jobs_completed", running.completed_jobs, running.optimizer_steps),
+        ]
+        if outcome.job.task_type == "rl":
+            self._publish_weights(running.tenant.tenant_id)  # later rollouts act with the update
+            producer = running.producer
+            rollout = producer.stats.drain() if isinstance(producer, RolloutProducer) else {}
+            rl_metrics = {**outcome.metrics.get("rl_stats", {})}
+            if rollout.get("episodes"):
+                rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})
+            points += [(key, value, running.optimizer_steps) for key, value in rl_metrics.items()]
+            self._emit(workload_id, "rl_update", version=running.version, **rl_metrics)
+        self.deployment.tracker.log_metric_points(running.run_id, points)
+        self._emit(
+            workload_id, "job_completed", job_id=outcome.job.job_id, version=running.version,
+            completed_jobs=running.completed_jobs, target_jobs=running.target_jobs,
+        )  # fmt: skip
+
+    def _persist_progress(self, running: _RunningWorkload) -> None:
+        with self.deployment.store.transaction() as s:
+            record = s.get(WorkloadRecord, running.workload_id)
+            record.completed_jobs = running.completed_jobs
+            record.version = running.version
+            record.optimizer_steps = running.optimizer_steps
+            record.last_loss = running.losses[-1] if running.losses else None
+
+    # -- finish -------------------------------------------------------------------------------------
+    def _finish(self, workload_id: str, state: str, error: str | None = None) -> None:
+        with self._lock:
+            if workload_id in self._finishing:
+                return  # another path (a cancel, the last job, a failing producer) is finishing it
+            running = self._running.pop(workload_id, None)
+            self._finishing[workload_id] = running.tenant.tenant_id if running is not None else ""
+        try:
+            self._finish_unguarded(workload_id, running, state, error)
+        finally:
+            with self._lock:
+                self._finishing.pop(workload_id, None)
+        self._admit()
+
+    def _finish_unguarded(
+        self, workload_id: str, running: _RunningWorkload | None, state: str, error: str | None
+    ) -> None:
+        if running is None and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
+            return  # finished already
+        registered = None
+        if running is not None:
+            running.stop.set()
+            # Let a producer finish the job it is writing, so none is marked ready after the release.
+            for thread in running.threads:
+                if thread is not threading.current_thread():
+                    thread.join(timeout=120)
+            self._release_pending_jobs(running, reason=error or state)
+            if running.completed_jobs:
+                try:
+                    registered = self._publish(running)
+                except Exception as publish_error:  # the training happened; say what failed after it
+                    log.exception("publishing workload %s failed", workload_id)
+                    state, error = WORKLOAD_FAILED, f"export/register: {type(publish_error).__name__}: {publish_error}"
+            if running.run_id is not None:
+                self.deployment.tracker.end_run(running.run_id, "FINISHED" if state == WORKLOAD_COMPLETED else "FAILED")
+            self._persist_progress(running)
+        with self.deployment.store.transaction() as s:
+            record = s.get(WorkloadRecord, workload_id)
+            if record is not None and record.state not in FINAL_WORKLOAD_STATES:
+                record.state, record.error, record.finished_at = state, error, utcnow()
+                record.registered_version = registered
+        self._emit(workload_id, state, error=error, registered_version=registered)
+
+    def _release_pending_jobs(self, running: _RunningWorkload, reason: str) -> None:
+        """Fail the workload's jobs that the actor has not leased yet (clearing their partitions)."""
+        scheduler = self.deployment.scheduler
+        for job in scheduler.jobs(tenant_id=running.tenant.tenant_id):
+            if job.metadata.get("workload_id") != running.workload_id or job.state in TERMINAL_STATES:
+                continue
+            try:  # a leased job too: the actor's outcome for it is then refused and ignored
+                scheduler.abandon(job.job_id, f"workload {running.workload_id} ended: {reason}")
+            except Exception:  # it finished concurrently
+                pass
+
+    def _publish(self, running: _RunningWorkload) -> int:
+        """Checkpoint, export, serve and register the tenant's policy as trained by this workload."""
+        tenant_id = running.tenant.tenant_id
+        training = self.deployment.training_service
+
+        def checkpoint_and_export() -> bytes:
+            training.save([tenant_id], True)
+            return training.export_params(tenant_id)
+
+        payload = self._through_restarts(checkpoint_and_export, tenant_id, "publishing")
+        _, manifest = decode_tenant_payload(payload)
+        inference = getattr(self.deployment, "inference_service", None)
+        if inference is not None:  # serve what was just trained
+            self._through_restarts(lambda: inference.load_weights(payload), tenant_id, "serving")
+        registered = self.deployment.tracker.register_tenant_payload(
+            run_id=running.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
+        )
+        # A registered version outlives checkpoint retention (the Training Model Service prunes
+        # all but the last K and the pinned versions); the pin is durable under the tenant's prefix.
+        checkpoints = getattr(self.deployment, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.pin(tenant_id, manifest.policy_version)
+        return registered
+
+
+def _run_params(tenant: Tenant, jobs: int) -> dict[str, object]:
+    cfg = tenant.backend_config
+    return {
+        "tenant_id": cfg.tenant_id,
+        "base_model_id": cfg.base_model_id,
+        "schema_signature": cfg.schema_signature,
+        "cameras": ",".join(cfg.cameras),
+        "image_size": "x".join(str(s) for s in cfg.image_size),
+        "state_dim": cfg.state_dim,
+        "action_dim": cfg.action_dim,
+        "action_chunk": cfg.action_chunk,
+        "action_module": cfg.action_module["kind"],
+        "action_module_size": cfg.action_module.get("size"),
+        "learning_rate": cfg.learning_rate,
+        "microbatch_size": cfg.microbatch_size,
+        "samples_per_job": cfg.samples_per_job,
+        "jobs": jobs,
+        "max_in_flight_jobs": tenant.spec.scheduling.max_in_flight_jobs,
+        "priority": tenant.spec.scheduling.priority,
+    }

@@ -1,0 +1,36 @@
+"""Tenant-private action modules: the shared base and registry (`base`), one file per kind.
+
+Importing this package registers the built-in kinds (``oft_mlp``, ``flow_matching``).
+"""
+
+from joynexus.models.action_modules.base import (
+    ACTION_MODULES,
+    SIZE_PRESETS,
+    ActionModule,
+    ActionModuleConfig,
+    SizePreset,
+    available_action_modules,
+    build_action_module,
+    register_action_module,
+)
+from joynexus.models.action_modules.flow_matching import (
+    FlowMatchingActionModule,
+    FlowMatchingConfig,
+    timestep_embedding,
+)
+from joynexus.models.action_modules.oft_mlp import OFTMLPActionModule
+
+__all__ = [
+    "ACTION_MODULES",
+    "SIZE_PRESETS",
+    "ActionModule",
+    "ActionModuleConfig",
+    "FlowMatchingActionModule",
+    "FlowMatchingConfig",
+    "OFTMLPActionModule",
+    "SizePreset",
+    "available_action_modules",
+    "build_action_module",
+    "register_action_module",
+    "timestep_embedding",
+]

@@ -1,0 +1,285 @@
+"""The action-module base: what every kind shares, and the registry of kinds.
+
+A tenant-private action module is trained on top of the frozen resident backbone. A LeRobot-style
+registry maps a config ``kind`` to a module class, so a kind is one file: its module class
+(``@register_action_module``), its own config class when it has knobs (``config_class``), and its
+grouped kernel (``kernel``, see `models.grouped_kernels`); nothing in shared code switches on kind
+names. The built-in kinds are `action_modules.oft_mlp` and `action_modules.flow_matching`.
+
+Actions are expected already normalized by the data pipeline (roughly zero mean,
+unit scale); the modules do not normalize.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import pydantic
+import torch
+from torch import nn
+
+from joynexus.extensions import Registry
+from joynexus.models.backbone import BackboneFeatures
+
+if TYPE_CHECKING:
+    from joynexus.models.grouped_kernels import Kernel
+
+__all__ = [
+    "ACTION_MODULES",
+    "SIZE_PRESETS",
+    "ActionModule",
+    "ActionModuleConfig",
+    "SizePreset",
+    "available_action_modules",
+    "build_action_module",
+    "register_action_module",
+]
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    width: int  # hidden width of the head
+    depth: int  # residual MLP blocks (oft_mlp) / transformer layers (flow_matching)
+    heads: int  # attention heads (must divide width)
+
+
+SIZE_PRESETS: dict[str, SizePreset] = {
+    "tiny": SizePreset(width=64, depth=2, heads=4),
+    "small": SizePreset(width=128, depth=3, heads=4),
+    "base": SizePreset(width=256, depth=4, heads=8),
+}
+
+_M = TypeVar("_M", bound="type[ActionModule]")
+
+# Fields the shared config carried before each kind had its own config class: a record stored then
+# (a compiled tenant, a checkpoint's metadata) still loads when its kind does not take them.
+_LEGACY_SHARED_FIELDS = ("num_inference_steps",)
+
+
+class ActionModuleConfig(pydantic.BaseModel):
+    """What a tenant picks for its head; frozen so it can key caches and be stored as-is.
+
+    The fields every kind shares. A kind with its own knobs declares a subclass (its module's
+    ``config_class``); ``ActionModuleConfig(kind=..., ...)`` and ``ActionModuleConfig.model_validate``
+    build the config class of the given kind, so callers never name the per-kind class."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    kind: str
+    feature_dim: int = pydantic.Field(ge=1, description="backbone hidden size D")
+    state_dim: int = pydantic.Field(ge=0, description="robot state size; 0 = no state input")
+    action_dim: int = pydantic.Field(ge=1)
+    action_chunk: int = pydantic.Field(ge=1, description="actions predicted per call")
+    size: str = "small"
+    value_head: bool = False
+    # A learned, state-independent log-std turns the head into a Gaussian policy with a tractable
+    # log-density, which PPO needs; only kinds with `supports_rl` accept it.
+    stochastic: bool = False
+
+    def __new__(cls, *args: Any, **data: Any) -> ActionModuleConfig:
+        # The kind's own config class, when it specializes this one (pickling and copying call
+        # __new__ without data: they keep the class).
+        return super().__new__(_config_class(cls, data.get("kind")))
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> ActionModuleConfig:  # type: ignore[override]
+        """Validate a mapping (or config) as the config class of its ``kind``."""
+        if isinstance(obj, Mapping):
+            target = _config_class(cls, obj.get("kind"))
+            known = target.model_fields
+            obj = {k: v for k, v in obj.items() if k in known or k not in _LEGACY_SHARED_FIELDS}
+            if target is not cls:
+                return target.model_validate(obj, **kwargs)
+        return super().model_validate(obj, **kwargs)
+
+    @pydantic.field_validator("kind")
+    @classmethod
+    def _kind_registered(cls, value: str) -> str:
+        ACTION_MODULES.get(value)  # an unknown kind raises, naming the allowed ones
+        return value
+
+    @pydantic.field_validator("size")
+    @classmethod
+    def _size_known(cls, value: str) -> str:
+        if value not in SIZE_PRESETS:
+            raise ValueError(f"size={value!r} is not a known preset; allowed sizes: {sorted(SIZE_PRESETS)}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _kind_takes_this_class(self) -> ActionModuleConfig:
+        expected = ACTION_MODULES.get(self.kind).config_class
+        if type(self) is not expected:
+            raise ValueError(f"kind={self.kind!r} takes a {expected.__name__}, not a {type(self).__name__}")
+        return self
+
+    @property
+    def preset(self) -> SizePreset:
+        return SIZE_PRESETS[self.size]
+
+    def architecture_fields(self) -> tuple[Any, ...]:
+        """This kind's own fields that must be equal for modules to run stacked (none here); a
+        kind's config adds its knobs (`models.module_batching.architecture_key` reads this)."""
+        return ()
+
+
+def _config_class(cls: type[ActionModuleConfig], kind: Any) -> type[ActionModuleConfig]:
+    """The registered config class of ``kind`` when it specializes ``cls``; else ``cls`` itself
+    (an unknown kind is then reported by the field validator)."""
+    module = ACTION_MODULES.get(kind, None) if isinstance(kind, str) else None
+    target = getattr(module, "config_class", cls)
+    return target if isinstance(target, type) and issubclass(target, cls) else cls
+
+
+def build_action_module(config: ActionModuleConfig | Mapping[str, Any]) -> ActionModule:
+    """Instantiate the registered class for ``config.kind`` (a mapping is validated by its kind)."""
+    if not isinstance(config, ActionModuleConfig):
+        config = ActionModuleConfig.model_validate(config)
+    return ACTION_MODULES.get(config.kind)(config)
+
+
+def _shape_error(name: str, expected: str, got: torch.Tensor) -> ValueError:
+    return ValueError(f"{name}: expected shape {expected}, got {tuple(got.shape)}")
+
+
+class ActionModule(nn.Module, abc.ABC):
+    """Base class: input validation, padded-step masking and the optional value head."""
+
+    kind: ClassVar[str] = ""
+    supports_rl: ClassVar[bool] = False  # has a tractable action density (policy_mean + log_std)
+    # predict integrates from drawn noise (the module then has `draw_noise`): the inference service
+    # draws it per request, so a request decodes the same alone or in a group.
+    uses_noise: ClassVar[bool] = False
+    # The kind's config class (a subclass of ActionModuleConfig when the kind has its own knobs).
+    config_class: ClassVar[type[ActionModuleConfig]] = ActionModuleConfig
+    # The kind's grouped kernel over stacked parameters (`models.grouped_kernels.Kernel`); None: the
+    # kind always runs per tenant through its own methods.
+    kernel: ClassVar[Kernel | None] = None
+    config: ActionModuleConfig
+
+    def __init__(self, config: ActionModuleConfig) -> None:
+        super().__init__()
+        if config.kind != type(self).kind:
+            raise ValueError(f"kind={config.kind!r} does not match {type(self).__name__} (kind {type(self).kind!r})")
+        if not isinstance(config, type(self).config_class):
+            expected = type(self).config_class.__name__
+            raise ValueError(f"{type(self).__name__} takes a {expected}, got {type(config).__name__}")
+        if config.stochastic and not type(self).supports_rl:
+            raise ValueError(
+                f"stochastic=True: kind={config.kind!r} has no tractable action density; "
+                f"kinds that support RL: {[k for k, c in ACTION_MODULES.items() if c.supports_rl]}"
+            )
+        self.config = config
+        self.log_std: nn.Parameter | None = None
+        if config.stochastic:
+            self.log_std = nn.Parameter(torch.full((config.action_dim,), -0.5))
+        width = config.preset.width
+        # Value head for PPO: a separate MLP on (pooled features, state) so value
+        # regression never pulls on the policy's own layers.
+        self.value_net: nn.Module | None = None
+        if config.value_head:
+            self.value_net = nn.Sequential(
+                nn.LayerNorm(config.feature_dim + config.state_dim),
+                nn.Linear(config.feature_dim + config.state_dim, width),
+                nn.GELU(),
+                nn.Linear(width, width),
+                nn.GELU(),
+                nn.Linear(width, 1),
+            )
+
+    # -------------------------------------------------------------- API
+    @abc.abstractmethod
+    def loss(
+        self,
+        features: BackboneFeatures,
+        state: torch.Tensor,
+        actions: torch.Tensor,
+        action_is_pad: torch.Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Scalar training loss; chunk steps with ``action_is_pad`` True are excluded."""
+
+    @abc.abstractmethod
+    def predict(
+        self, features: BackboneFeatures, state: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """(B, action_chunk, action_dim) actions; no autograd graph is built."""
+
+    def value(self, features: BackboneFeatures, state: torch.Tensor) -> torch.Tensor:
+        """(B,) state-value estimate; only for configs with ``value_head=True``."""
+        if self.value_net is None:
+            raise RuntimeError(f"{type(self).__name__} was built with value_head=False; it has no value head")
+        self._check_inputs(features, state)
+        return self.value_net(torch.cat([features.pooled, state], dim=-1)).squeeze(-1)
+
+    def policy_mean(self, features: BackboneFeatures, state: torch.Tensor) -> torch.Tensor:
+        """Differentiable mean action chunk of the Gaussian policy (kinds with `supports_rl`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tractable action density")
+
+    def action_distribution(self, features: BackboneFeatures, state: torch.Tensor) -> torch.distributions.Normal:
+        """The Gaussian policy over the (B, chunk, action_dim) action chunk; needs stochastic=True."""
+        if self.log_std is None:
+            raise RuntimeError(f"{type(self).__name__} was built with stochastic=False; it defines no policy density")
+        self._check_inputs(features, state)
+        mean = self.policy_mean(features, state)
+        std = self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
+        return torch.distributions.Normal(mean, std)
+
+    # -------------------------------------------------------------- helpers
+    def _check_inputs(
+        self,
+        features: BackboneFeatures,
+        state: torch.Tensor,
+        actions: torch.Tensor | None = None,
+        action_is_pad: torch.Tensor | None = None,
+    ) -> None:
+        cfg = self.config
+        if not isinstance(features, BackboneFeatures):
+            raise ValueError(f"features: expected BackboneFeatures, got {type(features).__name__}")
+        b = features.batch_size
+        if features.hidden_size != cfg.feature_dim:
+            raise _shape_error("features.tokens", f"(B, L, {cfg.feature_dim}) [feature_dim]", features.tokens)
+        if not bool(features.mask.any(dim=1).all()):
+            # Cross-attention over a row with no real token would produce NaNs.
+            raise ValueError("features.mask: every sample needs at least one real token")
+        if state.ndim != 2 or state.shape != (b, cfg.state_dim):
+            raise _shape_error("state", f"({b}, {cfg.state_dim}) [B, state_dim]", state)
+        if actions is not None and actions.shape != (b, cfg.action_chunk, cfg.action_dim):
+            raise _shape_error(
+                "actions", f"({b}, {cfg.action_chunk}, {cfg.action_dim}) [B, chunk, action_dim]", actions
+            )
+        if action_is_pad is not None:
+            if action_is_pad.shape != (b, cfg.action_chunk):
+                raise _shape_error("action_is_pad", f"({b}, {cfg.action_chunk}) [B, chunk]", action_is_pad)
+            if action_is_pad.dtype != torch.bool:
+                raise ValueError(f"action_is_pad: expected dtype torch.bool, got {action_is_pad.dtype}")
+
+    @staticmethod
+    def _masked_mean(per_element: torch.Tensor, action_is_pad: torch.Tensor | None) -> torch.Tensor:
+        """Mean over (B, chunk, action_dim) ignoring padded chunk steps."""
+        if action_is_pad is None:
+            return per_element.mean()
+        valid = (~action_is_pad).unsqueeze(-1)
+        # where(), not a multiply: NaN/inf in a padded step must not poison the mean.
+        kept = torch.where(valid, per_element, torch.zeros((), dtype=per_element.dtype, device=per_element.device))
+        denom = (valid.sum() * per_element.shape[-1]).clamp_min(1).to(per_element.dtype)
+        return kept.sum() / denom
+
+
+# Filled by @register_action_module where each kind is defined.
+ACTION_MODULES: Registry[ActionModule] = Registry(
+    ActionModule, field="kind", noun="action module", plural="kinds", name_attribute="kind"
+)
+
+
+def register_action_module(name: str) -> Callable[[_M], _M]:
+    """Class decorator: make ``cls`` buildable from ``ActionModuleConfig(kind=name)``."""
+    return ACTION_MODULES.register(name)
+
+
+def available_action_modules() -> list[str]:
+    """Registered kinds, sorted."""
+    return ACTION_MODULES.available()

@@ -1,0 +1,51 @@
+"""Where the resident backbone comes from (`BackboneSource`), and which family builds it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from joynexus.models.backbone.base import BACKBONE_FAMILIES, DEFAULT_FAMILY, Backbone, family_for_model_type
+from joynexus.models.backbone.tiny import TinyBackboneSpec
+from joynexus.models.placement import DevicePlacement
+
+__all__ = ["BackboneSource", "checkpoint_family"]
+
+
+def checkpoint_family(path: str | Path) -> type[Backbone]:
+    """The family of a checkpoint directory, from its ``config.json`` ``model_type``; a directory
+    without a readable config.json goes to the default family, whose loader says what is missing."""
+    config = Path(path).expanduser() / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return BACKBONE_FAMILIES.get(DEFAULT_FAMILY)
+    if not isinstance(model_type, str):
+        return BACKBONE_FAMILIES.get(DEFAULT_FAMILY)
+    try:
+        return family_for_model_type(model_type)
+    except ValueError as error:
+        raise ValueError(f"backbone checkpoint {str(path)!r} has {error}") from None
+
+
+class BackboneSource(BaseModel):
+    """Where the resident backbone comes from: a built-in random-weight preset, or a local directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str | None = "tiny"
+    path: str | None = None
+    seed: int = 0
+    # The family that builds a preset (a checkpoint's family comes from its config.json).
+    family: str = DEFAULT_FAMILY
+
+    def build(self, placement: DevicePlacement | None = None) -> Backbone:
+        """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
+        if self.path is not None:
+            return checkpoint_family(self.path).from_pretrained(self.path, placement=placement)
+        if self.preset is None:
+            raise ValueError("BackboneSource needs either `preset` or `path`")
+        family = BACKBONE_FAMILIES.get(self.family)
+        return family.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)

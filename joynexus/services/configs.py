@@ -1,0 +1,257 @@
+"""One construction object per execution-plane role (tinker-cookbook's config-that-builds habit).
+
+Each config is read from the `Settings` once (`from_settings`) and makes its service either as an
+object of this process (`build()`: tests, one-process embedding) or as the role's named Ray actor
+(`actor()`: the service is then built inside the actor's process, where its device resolves). A new
+service setting is one field here and one line in `from_settings`; `master/deployment.py` only wires
+the configs together.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from joynexus.actors import named_actor
+from joynexus.artifacts.s3 import ENDPOINT_ENV
+from joynexus.artifacts.stores import checkpoint_blobs
+from joynexus.models.backbone import BackboneSource
+from joynexus.models.placement import DevicePlacement
+from joynexus.scheduling.training_queue import TRAINING_QUEUE_ACTOR_NAME, TrainingQueue
+from joynexus.services.environment.service import (
+    ENVIRONMENT_SERVICE_ACTOR_NAME,
+    EnvironmentPool,
+    EnvironmentService,
+    LocalEnvironmentWorkers,
+    RayEnvironmentWorkers,
+)
+from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas, RayReplicas
+from joynexus.services.inference.service import (
+    DEFAULT_MAX_CHUNK_SAMPLES,
+    INFERENCE_SERVICE_ACTOR_NAME,
+    InferenceModelService,
+)
+from joynexus.services.residency import DEFAULT_MAX_RESIDENT_SERVING, DEFAULT_MAX_RESIDENT_TENANTS
+from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS
+from joynexus.services.training.service import TRAINING_SERVICE_ACTOR_NAME, TrainingModelService
+from joynexus.settings import RoleResources, ScalingPolicy, Settings
+
+
+def backbone_source(settings: Settings) -> BackboneSource:
+    """The resident backbone the settings name: a local checkpoint directory, else a preset."""
+    if settings.backbone_path:
+        return BackboneSource(preset=None, path=settings.backbone_path)
+    return BackboneSource(preset=settings.backbone_preset)
+
+
+@dataclass(frozen=True)
+class TrainingQueueConfig:
+    """The Training Queue: one call at a time (Ray's default actor concurrency), so partitions
+    need no locks."""
+
+    def build(self) -> TrainingQueue:
+        return TrainingQueue()
+
+    def actor(self, *, namespace: str | None = None, detached: bool = False) -> Any:
+        return named_actor(TrainingQueue, TRAINING_QUEUE_ACTOR_NAME, namespace=namespace, detached=detached)
+
+
+@dataclass(frozen=True)
+class TrainingServiceConfig:
+    """The Training Model Service: the resident backbone plus every tenant's training slot."""
+
+    backbone: BackboneSource
+    checkpoint_root: str  # a local folder or an s3:// URI (`Settings.checkpoint_location`)
+    s3_endpoint_url: str | None = None
+    num_threads: int = 1
+    keep_last: int | None = None
+    placement: DevicePlacement | None = None  # resolved in the process that builds the service
+    max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS
+    spill_dir: str | None = None
+    max_active_tenants: int = DEFAULT_MAX_ACTIVE_TENANTS
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TrainingServiceConfig:
+        return cls(
+            backbone=backbone_source(settings),
+            checkpoint_root=settings.checkpoint_location,
+            s3_endpoint_url=settings.s3_endpoint_url,
+            num_threads=settings.torch_threads,
+            keep_last=settings.checkpoint_keep_last,
+            placement=DevicePlacement.from_settings(settings),
+            max_resident_tenants=settings.max_resident_tenants,
+            spill_dir=str(settings.resolved_spill_dir),
+            max_active_tenants=settings.max_active_tenants,
+        )
+
+    def export_endpoint(self) -> None:
+        """An actor opens an s3:// root with the endpoint in JOYNEXUS_S3_ENDPOINT_URL: export it before
+        Ray starts, so a local Ray inherits it (a remote cluster's nodes must set it themselves)."""
+        if self.s3_endpoint_url and self.checkpoint_root.startswith("s3://"):
+            os.environ.setdefault(ENDPOINT_ENV, self.s3_endpoint_url)
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "keep_last": self.keep_last,
+            "placement": self.placement,
+            "max_resident_tenants": self.max_resident_tenants,
+            "spill_dir": self.spill_dir,
+            "max_active_tenants": self.max_active_tenants,
+        }
+
+    def build(self, queue: Any) -> TrainingModelService:
+        """The service in this process, reading partitions from `queue` (a TrainingQueue or its actor)."""
+        blobs = checkpoint_blobs(self.checkpoint_root, self.s3_endpoint_url)
+        return TrainingModelService(self.backbone, blobs, queue, self.num_threads, **self._options())
+
+    def actor(self, queue: Any, *, namespace: str | None = None, detached: bool = False) -> Any:
+        """Get or create the named actor; one call at a time, one CPU unless the role's resources say
+        otherwise. The actor opens an s3:// root itself (`export_endpoint` first)."""
+        return named_actor(
+            TrainingModelService,
+            TRAINING_SERVICE_ACTOR_NAME,
+            self.backbone,
+            self.checkpoint_root,
+            queue,
+            self.num_threads,
+            namespace=namespace,
+            detached=detached,
+            num_cpus=1,
+            **self._options(),
+        )
+
+
+@dataclass(frozen=True)
+class InferenceServiceConfig:
+    """The Inference Model Service: one service, or with `scaling.max_replicas > 1` a replica set
+    (its front, role `inference_router`, creates and owns the replicas, role `inference_service`)."""
+
+    backbone: BackboneSource
+    num_threads: int = 1
+    database_url: str | None = None  # the store it meters inference usage into (None: no metering)
+    placement: DevicePlacement | None = None
+    max_resident_serving: int = DEFAULT_MAX_RESIDENT_SERVING
+    spill_dir: str | None = None
+    max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
+    replica_resources: RoleResources | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> InferenceServiceConfig:
+        return cls(
+            backbone=backbone_source(settings),
+            num_threads=settings.torch_threads,
+            database_url=settings.resolved_database_url(),
+            placement=DevicePlacement.from_settings(settings),
+            max_resident_serving=settings.max_resident_serving,
+            spill_dir=str(settings.resolved_spill_dir),
+            scaling=settings.inference_scaling,
+            replica_resources=settings.resources.get("inference_service"),
+        )
+
+    @property
+    def replicated(self) -> bool:
+        return self.scaling.max_replicas > 1
+
+    def service_options(self) -> dict[str, Any]:
+        """The `InferenceModelService` keyword arguments (every replica gets the same)."""
+        return {
+            "num_threads": self.num_threads,
+            "database_url": self.database_url,
+            "max_chunk_samples": self.max_chunk_samples,
+            "placement": self.placement,
+            "max_resident_serving": self.max_resident_serving,
+            "spill_dir": self.spill_dir,
+        }
+
+    def build(self) -> InferenceModelService | InferenceReplicaSet:
+        if self.replicated:
+            return InferenceReplicaSet(LocalReplicas(self.backbone, self.service_options()), policy=self.scaling)
+        return InferenceModelService(self.backbone, **self.service_options())
+
+    def actor(self, *, namespace: str | None = None, detached: bool = False) -> Any:
+        """Get or create the named actor. A single service is threaded (many callers block in
+        `predict` while its worker batches them); a replica set's front only routes (no CPU)."""
+        if not self.replicated:
+            return named_actor(
+                InferenceModelService,
+                INFERENCE_SERVICE_ACTOR_NAME,
+                self.backbone,
+                namespace=namespace,
+                detached=detached,
+                num_cpus=1,
+                max_concurrency=64,
+                **self.service_options(),
+            )
+        replicas = RayReplicas(
+            self.backbone,
+            namespace=namespace,
+            resources=self.replica_resources or RoleResources(),
+            service_kwargs=self.service_options(),
+        )
+        return named_actor(
+            InferenceReplicaSet,
+            INFERENCE_SERVICE_ACTOR_NAME,
+            replicas,
+            namespace=namespace,
+            detached=detached,
+            num_cpus=0,
+            max_concurrency=256,
+            role="inference_router",
+            policy=self.scaling,
+        )
+
+
+@dataclass(frozen=True)
+class EnvironmentServiceConfig:
+    """The Environment Service: one service, or with `workers > 1` a pool whose front (role
+    `environment_service`) creates and owns the worker actors (role `environment_worker`)."""
+
+    database_url: str | None = None  # the store it meters environment steps into (None: no metering)
+    workers: int = 1
+    worker_resources: RoleResources | None = None
+    service_options: dict[str, Any] = field(default_factory=dict)  # further EnvironmentService arguments
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EnvironmentServiceConfig:
+        return cls(
+            database_url=settings.resolved_database_url(),
+            workers=settings.environment_workers,
+            worker_resources=settings.resources.get("environment_worker"),
+        )
+
+    def _service_kwargs(self) -> dict[str, Any]:
+        return {"database_url": self.database_url, **self.service_options}
+
+    def build(self) -> EnvironmentService | EnvironmentPool:
+        if self.workers > 1:
+            return EnvironmentPool(LocalEnvironmentWorkers(self._service_kwargs()), workers=self.workers)
+        return EnvironmentService(**self._service_kwargs())
+
+    def actor(self, *, namespace: str | None = None, detached: bool = False) -> Any:
+        """Get or create the named actor: threaded (several tenants' calls side by side), no CPU of its
+        own (the simulation runs in the session worker processes)."""
+        if self.workers <= 1:
+            return named_actor(
+                EnvironmentService,
+                ENVIRONMENT_SERVICE_ACTOR_NAME,
+                namespace=namespace,
+                detached=detached,
+                num_cpus=0,
+                max_concurrency=32,
+                **self._service_kwargs(),
+            )
+        factory = RayEnvironmentWorkers(
+            namespace=namespace, resources=self.worker_resources, service_kwargs=self._service_kwargs()
+        )
+        return named_actor(
+            EnvironmentPool,
+            ENVIRONMENT_SERVICE_ACTOR_NAME,
+            factory,
+            namespace=namespace,
+            detached=detached,
+            num_cpus=0,
+            max_concurrency=64,
+            workers=self.workers,
+        )

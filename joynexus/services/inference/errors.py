@@ -1,0 +1,21 @@
+"""Errors the Inference Model Service (and its replica set) raise to callers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InferenceError(RuntimeError):
+    pass
+
+
+class UnknownPolicyVersion(InferenceError, KeyError):
+    def __init__(self, tenant_id: str, version: int | None, available: list[int]):
+        what = "no serving state" if not available else f"no version {version} (loaded: {available})"
+        super().__init__(f"tenant {tenant_id!r} has {what} in this Inference Model Service")
+        self.tenant_id, self.version, self.available = tenant_id, version, list(available)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its own fields: the default (cls(*args)) fails on the one message argument,
+        # and Ray then hands callers an UnserializableException instead of this error.
+        return (type(self), (self.tenant_id, self.version, self.available))
