@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import joynexus.services.inference.service as inference_module
+import joynexus.services.inference.decode as inference_module
 import joynexus.services.training.grouped as grouped_training_module
 from joynexus.models.action_modules import (
     ActionModule,
