@@ -32,7 +32,7 @@ from joynexus.settings import Settings
 if TYPE_CHECKING:
     from joynexus.master.service import MasterOptions, MasterService
     from joynexus.protocol.schemas import WorkloadInfo
-    from joynexus.scheduling.training_queue import TrainingQueueClient
+    from joynexus.scheduling.training_queue import TrainingQueue
     from joynexus.services.environment.service import EnvironmentService
     from joynexus.services.inference.service import InferenceModelService
     from joynexus.services.training.service import TrainingModelService
@@ -52,7 +52,7 @@ class Cluster:
     training: TrainingModelService
     inference: InferenceModelService
     environment: EnvironmentService
-    queue: TrainingQueueClient
+    queue: TrainingQueue
     mode: str  # "ray" | "in-process"
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _checkpoints: CheckpointStore | None = field(default=None, repr=False)
@@ -138,7 +138,7 @@ def ray_cluster(
 
     from joynexus.master.deployment import create_service_actors
     from joynexus.master.service import MasterService, master_service_actor
-    from joynexus.scheduling.training_queue import TrainingQueueClient
+    from joynexus.scheduling.training_queue import TrainingQueue
     from joynexus.services.environment.service import EnvironmentService
     from joynexus.services.inference.service import InferenceModelService
     from joynexus.services.training.service import TrainingModelService
@@ -155,7 +155,7 @@ def ray_cluster(
         training=service_handle(TrainingModelService, training),
         inference=service_handle(InferenceModelService, inference),
         environment=service_handle(EnvironmentService, environment),
-        queue=TrainingQueueClient(queue),
+        queue=service_handle(TrainingQueue, queue),
         mode="ray",
     )
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import ray
 
-from joynexus.actors import init_ray
+from joynexus.actors import init_ray, service_handle
 from joynexus.registry import registered_model_name
-from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueClient, training_queue_actor
+from joynexus.scheduling.training_queue import TrainingQueue
+from joynexus.services.configs import TrainingQueueConfig
 from joynexus.settings import Settings
 from recipes.main_job import DEMO_TENANTS, run_demo
 
@@ -30,7 +31,7 @@ def _produce(partition_id: str, namespace: str) -> int:
 
 def test_the_training_queue_is_shared_between_processes(local_ray):
     namespace = f"test-{uuid.uuid4().hex[:8]}"
-    queue = TrainingQueueClient(training_queue_actor(namespace=namespace))
+    queue = service_handle(TrainingQueue, TrainingQueueConfig().actor(namespace=namespace))
     assert ray.get(_produce.remote("vla/t/sft/job1", namespace)) == 6  # written by a Ray worker process
     meta = queue.get_meta("vla/t/sft/job1", ["x"], batch_size=4)
     assert queue.get_data(meta)["x"].tolist() == [0, 1, 2, 3]

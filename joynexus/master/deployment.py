@@ -20,7 +20,7 @@ from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.registry import ExperimentTracker
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.services.configs import (
     EnvironmentServiceConfig,
@@ -44,7 +44,7 @@ class Deployment:
     settings: Settings
     store: ControlPlaneStore
     scheduler: TrainingScheduler
-    queue: TrainingQueueClient
+    queue: TrainingQueue
     training_service: TrainingModelService  # typed handles: a named Ray actor or a local object
     inference_service: InferenceModelService
     environment_service: EnvironmentService
@@ -61,7 +61,7 @@ class Deployment:
         queue_actor, service, inference, environment = create_service_actors(settings, detached=detached)
         return cls._assemble(
             settings,
-            TrainingQueueClient(queue_actor),
+            service_handle(TrainingQueue, queue_actor),
             service_handle(TrainingModelService, service),
             service_handle(InferenceModelService, inference),
             service_handle(EnvironmentService, environment),
@@ -78,7 +78,7 @@ class Deployment:
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
         return cls._assemble(
             settings,
-            TrainingQueueClient(queue),
+            service_handle(TrainingQueue, queue),
             service_handle(TrainingModelService, SerializedService(training)),
             service_handle(InferenceModelService, InferenceServiceConfig.from_settings(settings).build()),
             service_handle(EnvironmentService, EnvironmentServiceConfig.from_settings(settings).build()),
@@ -88,7 +88,7 @@ class Deployment:
     def _assemble(
         cls,
         settings: Settings,
-        queue: TrainingQueueClient,
+        queue: TrainingQueue,
         training: TrainingModelService,
         inference: InferenceModelService,
         environment: EnvironmentService,

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from joynexus.actors import named_actor
+from joynexus.actors import handle_of, named_actor
 from joynexus.core.tenants import Tenant
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
@@ -110,7 +110,7 @@ class MasterService:
         dep = self.deployment
         self.health_manager = HealthManager(
             {
-                "training_queue": dep.queue.handle,
+                "training_queue": handle_of(dep.queue).target,
                 "training_service": dep.training_service,
                 "inference_service": dep.inference_service,
                 "environment_service": dep.environment_service,

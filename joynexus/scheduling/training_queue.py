@@ -8,7 +8,8 @@ indices, and `put(data, metadata=meta)` writes derived fields (advantages, retur
 against the same samples.
 
 `TrainingQueue` is plain Python so its rules are unit-tested directly; in a deployment it runs as
-one named Ray actor (`training_queue_actor`) shared by producer, preprocessing and actor processes.
+one named Ray actor (`services.configs.TrainingQueueConfig.actor`) shared by producer, preprocessing and
+actor processes.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from joynexus.actors import ServiceHandle, named_actor
 
 TRAINING_QUEUE_ACTOR_NAME = "joynexus.training_queue"
 
@@ -229,56 +228,3 @@ def _concat(existing: Column, new: Column, name: str) -> Column:
             raise TrainingQueueError(f"field {name!r}: row shape {new.shape[1:]} differs from {existing.shape[1:]}")
         return np.concatenate([existing, new.astype(existing.dtype, copy=False)])
     return list(existing) + list(new)
-
-
-def training_queue_actor(namespace: str | None = None, detached: bool = False):  # type: ignore[no-untyped-def]
-    """Get the deployment's named Training Queue actor, creating it if absent (Ray must be initialized).
-    One call at a time (Ray's default actor concurrency), so partitions need no locks."""
-    return named_actor(TrainingQueue, TRAINING_QUEUE_ACTOR_NAME, namespace=namespace, detached=detached)
-
-
-class TrainingQueueClient:
-    """The same synchronous API over a local TrainingQueue or its Ray actor handle."""
-
-    def __init__(self, queue: Any):
-        self._service = ServiceHandle(queue)
-
-    @property
-    def handle(self) -> Any:
-        """The underlying TrainingQueue or Ray actor handle (to pass on to other services)."""
-        return self._service.target
-
-    def put(
-        self,
-        partition_id: str,
-        data: dict[str, Column],
-        metadata: BatchMeta | None = None,
-        annotations: dict[str, Any] | None = None,
-    ) -> int:
-        return self._service.put(partition_id, data, metadata, annotations)
-
-    def get_meta(
-        self, partition_id: str, fields: list[str] | tuple[str, ...], batch_size: int, task_name: str = "train"
-    ) -> BatchMeta | None:
-        return self._service.get_meta(partition_id, fields, batch_size, task_name)
-
-    def get_data(self, meta: BatchMeta) -> dict[str, Column]:
-        return self._service.get_data(meta)
-
-    def clear(self, partition_id: str) -> bool:
-        return self._service.clear(partition_id)
-
-    def clear_prefix(self, prefix: str) -> int:
-        return self._service.clear_prefix(prefix)
-
-    def clear_tenant(self, tenant_id: str) -> int:
-        return self._service.clear_tenant(tenant_id)
-
-    def describe(self, partition_id: str) -> dict[str, Any]:
-        return self._service.describe(partition_id)
-
-    def partitions(self) -> list[str]:
-        return self._service.partitions()
-
-    def has_partition(self, partition_id: str) -> bool:
-        return self._service.has_partition(partition_id)

@@ -322,12 +322,12 @@ def test_errors_and_wire_codec_round_trip():
 @pytest.mark.timeout(300)
 def test_environment_service_as_a_named_ray_actor():
     ray = pytest.importorskip("ray")
-    from joynexus.services.environment.service import environment_service_actor
+    from joynexus.services.configs import EnvironmentServiceConfig
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="joynexus-env-test")
     try:
-        actor = environment_service_actor(namespace="joynexus-env-test", step_timeout_s=20.0)
-        again = environment_service_actor(namespace="joynexus-env-test")
+        actor = EnvironmentServiceConfig(service_options={"step_timeout_s": 20.0}).actor(namespace="joynexus-env-test")
+        again = EnvironmentServiceConfig().actor(namespace="joynexus-env-test")
         assert actor._actor_id == again._actor_id  # get-or-create
         a, b = ray.get(
             [actor.open_session.remote("tenant-a", "r1", PUSHT), actor.open_session.remote("tenant-b", "r1", PUSHT)]

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from joynexus.actors import service_handle
 from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import BackboneSource
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.services.training.service import TenantSlotError, TrainingModelService, UnknownTenant
 from tests.helpers import assert_state_close as _assert_close
 from tests.helpers import assert_trained_state_close
@@ -50,7 +51,7 @@ def group(world, datasets):
         producer = SFTProducer.from_dataset(
             cfg,
             world["scheduler"],
-            TrainingQueueClient(world["queue"]),
+            service_handle(TrainingQueue, world["queue"]),
             base["dataset"]["root"],
             base["dataset"]["repo_id"],
         )

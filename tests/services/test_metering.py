@@ -14,12 +14,13 @@ import pytest
 import torch
 from sqlalchemy import select
 
+from joynexus.actors import service_handle
 from joynexus.core.metering import UsageMeter, split_group_seconds
 from joynexus.core.store import ControlPlaneStore, UsageRecord
 from joynexus.master.usage import UsageLedger
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation
-from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueClient, TrainingQueueError
+from joynexus.scheduling.training_queue import TrainingQueue, TrainingQueueError
 from joynexus.scheduling.training_scheduler import partition_id_for
 from joynexus.services.environment.service import EnvironmentService
 from joynexus.services.inference.service import InferenceModelService
@@ -299,7 +300,7 @@ def test_environment_meters_env_steps_per_tenant(tmp_path):
 @pytest.mark.parametrize("wrap", [False, True], ids=["queue", "client"])
 def test_training_queue_clears_by_prefix_and_by_tenant(wrap):
     queue = TrainingQueue()
-    q = TrainingQueueClient(queue) if wrap else queue
+    q = service_handle(TrainingQueue, queue) if wrap else queue
     ids = [
         "api/acme/p1",
         "api/acme/p2",

@@ -124,7 +124,7 @@ def test_an_advantage_failure_fails_the_job_and_clears_it(dep):
     _, producer, stage, _ = parts(dep, "broken")
     try:
         job = producer.produce_once()
-        dep.queue.handle._partitions[job.partition_id].fields.pop("reward")  # corrupt the rollout
+        handle_of(dep.queue).target._partitions[job.partition_id].fields.pop("reward")  # corrupt the rollout
         failed = stage.step()
         assert failed.state == FAILED and "advantages" in failed.terminal_reason
         assert not dep.queue.has_partition(job.partition_id)

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from joynexus.actors import service_handle
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.master.loops.actor_loop import ActorLoop
 from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import BackboneSource, ResidentBackbone
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, FAILED
 from joynexus.services.training.service import TenantSlotError, TrainingModelService
 
@@ -20,7 +21,11 @@ def producer(world, name):
     tenant = world["tenants"][name]
     spec = tenant.spec.dataset
     return SFTProducer.from_dataset(
-        tenant.backend_config, world["scheduler"], TrainingQueueClient(world["queue"]), spec.root, spec.repo_id
+        tenant.backend_config,
+        world["scheduler"],
+        service_handle(TrainingQueue, world["queue"]),
+        spec.root,
+        spec.repo_id,
     )
 
 

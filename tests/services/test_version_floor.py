@@ -8,12 +8,13 @@ import hashlib
 
 import pytest
 
+from joynexus.actors import service_handle
 from joynexus.artifacts import ACTION_MODULE_FILE, CheckpointError, CheckpointStore, decode_tenant_payload
 from joynexus.artifacts.blobs import LocalBlobStore
 from joynexus.master.loops.actor_loop import ActorLoop
 from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import BackboneSource
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED
 from joynexus.services.training.service import TrainingModelService, UnknownTenant
 
@@ -22,7 +23,11 @@ def producer(world, name):
     tenant = world["tenants"][name]
     spec = tenant.spec.dataset
     return SFTProducer.from_dataset(
-        tenant.backend_config, world["scheduler"], TrainingQueueClient(world["queue"]), spec.root, spec.repo_id
+        tenant.backend_config,
+        world["scheduler"],
+        service_handle(TrainingQueue, world["queue"]),
+        spec.root,
+        spec.repo_id,
     )
 
 

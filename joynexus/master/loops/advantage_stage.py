@@ -13,7 +13,7 @@ import numpy as np
 
 from joynexus.algorithms.rl import gae, grpo_advantages
 from joynexus.core.tenants import TenantBackendConfig
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import (
     COMPUTING_ADVANTAGES,
     NEEDS_ADVANTAGES,
@@ -59,7 +59,7 @@ class AdvantageStage:
     def __init__(
         self,
         scheduler: TrainingScheduler,
-        queue: TrainingQueueClient,
+        queue: TrainingQueue,
         tenant_config: Callable[[str], TenantBackendConfig],
         *,
         owner: str = "advantage-0",

@@ -23,7 +23,7 @@ from joynexus.core.tenants import TenantBackendConfig, simulator_config
 from joynexus.envs.base import unit_to_bounds
 from joynexus.master.loops.producer import Producer
 from joynexus.scheduling.inference_queue import Observation
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
 from joynexus.spec import MAX_ENVIRONMENT_SEED
 
@@ -205,7 +205,7 @@ class RolloutProducer(Producer):
         self,
         config: TenantBackendConfig,
         scheduler: TrainingScheduler,
-        queue: TrainingQueueClient,
+        queue: TrainingQueue,
         environment: Any,  # EnvironmentService or its Ray actor handle
         inference: Any,  # InferenceModelService or its Ray actor handle
         *,

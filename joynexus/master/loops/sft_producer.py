@@ -10,7 +10,7 @@ import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.master.loops.producer import Producer
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import READY, TrainingJob, TrainingScheduler
 
 
@@ -21,7 +21,7 @@ class SFTProducer(Producer):
         self,
         config: TenantBackendConfig,
         scheduler: TrainingScheduler,
-        queue: TrainingQueueClient,
+        queue: TrainingQueue,
         source: Any,  # joynexus.data.lerobot_dataset.LeRobotDemoSource or anything with .sample(n)
         job_metadata: dict[str, Any] | None = None,  # e.g. the workload id, carried on every job
     ):
@@ -36,7 +36,7 @@ class SFTProducer(Producer):
         cls,
         config: TenantBackendConfig,
         scheduler: TrainingScheduler,
-        queue: TrainingQueueClient,
+        queue: TrainingQueue,
         root: str,
         repo_id: str,
         job_metadata: dict[str, Any] | None = None,

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 from joynexus.actors import ServiceHandle, named_actor
 from joynexus.envs.base import SimulatorConfig
 from joynexus.services.environment.errors import SessionFailed, SessionLimitExceeded, UnknownSession, error_entry
-from joynexus.services.environment.sessions import ENVIRONMENT_SERVICE_ACTOR_NAME, EnvironmentService
+from joynexus.services.environment.sessions import EnvironmentService
 from joynexus.settings import RoleResources
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "EnvironmentWorkerFactory",
     "LocalEnvironmentWorkers",
     "RayEnvironmentWorkers",
-    "environment_pool_actor",
 ]
 
 log = logging.getLogger(__name__)
@@ -223,29 +222,3 @@ class EnvironmentPool:
                 log.warning("stopping an environment worker: %s", error)
 
 
-def environment_pool_actor(
-    workers: int,
-    *,
-    namespace: str | None = None,
-    detached: bool = False,
-    database_url: str | None = None,
-    worker_resources: Any = None,
-    **kwargs: Any,
-) -> Any:
-    """Get or create the deployment's Environment Service as a pool: the named actor
-    `joynexus.environment_service` (role `environment_service`, threaded) fronting `workers`
-    worker actors (role `environment_worker`, `worker_resources`) it creates and owns. `kwargs` go
-    to each worker's `EnvironmentService`."""
-    factory = RayEnvironmentWorkers(
-        namespace=namespace, resources=worker_resources, service_kwargs={"database_url": database_url, **kwargs}
-    )
-    return named_actor(
-        EnvironmentPool,
-        ENVIRONMENT_SERVICE_ACTOR_NAME,
-        factory,
-        namespace=namespace,
-        detached=detached,
-        num_cpus=0,
-        max_concurrency=64,
-        workers=workers,
-    )

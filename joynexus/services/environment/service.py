@@ -15,7 +15,7 @@ to a dead worker) is reported to the caller and the session stays usable.
 Tenant isolation: a session id is usable only by its owning tenant. Another tenant's id raises the
 same `UnknownSession` as an id that never existed, so ids do not leak across tenants.
 
-Deployed as a named Ray actor (`environment_service_actor`) with max_concurrency, so several
+Deployed as a named Ray actor (`services.configs.EnvironmentServiceConfig.actor`) with max_concurrency, so several
 tenants' calls run side by side (each session has its own lock; the session table has one).
 
 The package: `errors.py`, `worker.py` (the worker process and its codec), `sessions.py`
@@ -35,12 +35,10 @@ from joynexus.services.environment.pool import (
     EnvironmentWorkerFactory,
     LocalEnvironmentWorkers,
     RayEnvironmentWorkers,
-    environment_pool_actor,
 )
 from joynexus.services.environment.sessions import (
     ENVIRONMENT_SERVICE_ACTOR_NAME,
     EnvironmentService,
-    environment_service_actor,
 )
 
 __all__ = [
@@ -55,6 +53,4 @@ __all__ = [
     "SessionLimitExceeded",
     "SimulatorError",
     "UnknownSession",
-    "environment_pool_actor",
-    "environment_service_actor",
 ]

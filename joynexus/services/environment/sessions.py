@@ -1,5 +1,5 @@
 """`EnvironmentService`: sessions of simulators, each in its own worker process (`worker.py`),
-owned by (tenant, rollout); `environment_service_actor` runs one as the named Ray actor. See
+owned by (tenant, rollout); `services.configs.EnvironmentServiceConfig.actor` runs one as the named Ray actor. See
 `joynexus.services.environment.service` for the failure and tenant isolation it gives.
 """
 
@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.actors import named_actor
 from joynexus.core.metering import UsageMeter, build_meter
 from joynexus.envs.base import (
     MAX_IMAGE_PIXELS,
@@ -41,7 +40,7 @@ from joynexus.services.environment.errors import (
 )
 from joynexus.services.environment.worker import pack_message, unpack_message, worker_main
 
-__all__ = ["ENVIRONMENT_SERVICE_ACTOR_NAME", "EnvironmentService", "environment_service_actor"]
+__all__ = ["ENVIRONMENT_SERVICE_ACTOR_NAME", "EnvironmentService"]
 
 ENVIRONMENT_SERVICE_ACTOR_NAME = "joynexus.environment_service"
 
@@ -465,25 +464,3 @@ class EnvironmentService:
         self.close_all()
 
 
-def environment_service_actor(
-    namespace: str | None = None, detached: bool = False, database_url: str | None = None, **kwargs: Any
-) -> Any:
-    """Get or create the named Environment Service actor (Ray must be initialized).
-
-    ``kwargs`` go to `EnvironmentService`, except ``max_concurrency`` (default 32: calls from
-    several tenants run side by side on the actor's threads) and ``num_cpus`` (default 0: the
-    simulation runs in the session worker processes, not in the actor). `database_url`: the
-    control-plane store the actor meters env steps into (None: no metering).
-    """
-    max_concurrency = int(kwargs.pop("max_concurrency", 32))
-    num_cpus = float(kwargs.pop("num_cpus", 0))
-    return named_actor(
-        EnvironmentService,
-        ENVIRONMENT_SERVICE_ACTOR_NAME,
-        namespace=namespace,
-        detached=detached,
-        num_cpus=num_cpus,
-        max_concurrency=max_concurrency,
-        database_url=database_url,
-        **kwargs,
-    )

@@ -46,8 +46,6 @@ from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observatio
 from joynexus.services.inference.endpoint import PredictBySubmit
 from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion
 from joynexus.services.inference.service import (
-    DEFAULT_MAX_CHUNK_SAMPLES,
-    INFERENCE_SERVICE_ACTOR_NAME,
     InferenceModelService,
 )
 from joynexus.settings import RoleResources, ScalingPolicy
@@ -590,43 +588,3 @@ def _sum_known(values: list[int | None]) -> int | None:
     return sum(known) if known else None
 
 
-def inference_replica_set_actor(
-    backbone_source: BackboneSource,
-    policy: ScalingPolicy,
-    *,
-    namespace: str | None = None,
-    detached: bool = False,
-    replica_resources: RoleResources | None = None,
-    num_threads: int = 1,
-    database_url: str | None = None,
-    max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
-    **service_options: Any,
-) -> Any:
-    """Get or create the deployment's Inference Model Service as a replica set: the named actor
-    `joynexus.inference_service` (role `inference_router`, threaded: callers block in `predict`
-    while replicas serve), creating its replica actors (role `inference_service`) itself.
-    `service_options` are further `InferenceModelService` arguments every replica gets (placement,
-    residency bounds, spill folder); a placement is resolved in each replica's own process."""
-    service_kwargs: dict[str, Any] = {
-        "num_threads": num_threads,
-        "database_url": database_url,
-        "max_chunk_samples": max_chunk_samples,
-        **service_options,
-    }
-    factory = RayReplicas(
-        backbone_source,
-        namespace=namespace,
-        resources=replica_resources or RoleResources(),
-        service_kwargs=service_kwargs,
-    )
-    return named_actor(
-        InferenceReplicaSet,
-        INFERENCE_SERVICE_ACTOR_NAME,
-        factory,
-        namespace=namespace,
-        detached=detached,
-        num_cpus=0,  # it routes; the replicas compute
-        max_concurrency=256,
-        role="inference_router",
-        policy=policy,
-    )

@@ -62,7 +62,6 @@ __all__ = [
     "ServingState",
     "TenantFairQueue",
     "UnknownPolicyVersion",
-    "inference_service_actor",
 ]
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
@@ -477,41 +476,3 @@ def _device_memory_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
 
 
-def inference_service_actor(
-    backbone_source: BackboneSource,
-    *,
-    max_batch_size: int = 32,
-    max_wait_ms: float = 5.0,
-    num_threads: int = 1,
-    num_cpus: float = 1,
-    namespace: str | None = None,
-    detached: bool = False,
-    database_url: str | None = None,
-    max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES,
-    placement: DevicePlacement | None = None,
-    max_resident_serving: int = DEFAULT_MAX_RESIDENT_SERVING,
-    spill_dir: str | None = None,
-):  # type: ignore[no-untyped-def]
-    """Get or create the named Inference Model Service actor. It is a threaded actor: many callers
-    block in `predict` at once while its worker thread batches their requests together.
-    `database_url`: the control-plane store the actor meters inference usage into (None: no metering).
-    `max_resident_serving`, `spill_dir`: the resident bound of serving states and where the rest page out."""
-    from joynexus.actors import named_actor
-
-    return named_actor(
-        InferenceModelService,
-        INFERENCE_SERVICE_ACTOR_NAME,
-        backbone_source,
-        namespace=namespace,
-        detached=detached,
-        num_cpus=num_cpus,
-        max_concurrency=64,
-        max_batch_size=max_batch_size,
-        max_wait_ms=max_wait_ms,
-        num_threads=num_threads,
-        database_url=database_url,
-        max_chunk_samples=max_chunk_samples,
-        placement=placement,
-        max_resident_serving=max_resident_serving,
-        spill_dir=spill_dir,
-    )

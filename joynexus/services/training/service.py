@@ -6,7 +6,7 @@ that every sample carries the job's tenant and schema signature, runs the shared
 without gradients, then that tenant's loss, backward and optimizer step. `train_group` is the
 group-batched form (paper 5.2): one shared backbone forward over several tenants' microbatches,
 then each tenant's own update on its own rows. Nothing here is ever averaged or shared across
-tenants. Deployed as a named Ray actor (`training_service_actor`).
+tenants. Deployed as a named Ray actor (`services.configs.TrainingServiceConfig.actor`).
 
 A tenant may also own a LoRA adapter on the shared backbone (`TenantBackendConfig.adapter`): its
 parameters join the tenant's AdamW, its forward runs with autograd through the backbone's text model
@@ -43,13 +43,13 @@ from typing import Any
 
 import torch
 
-from joynexus.actors import named_actor
+from joynexus.actors import service_handle
 from joynexus.algorithms.losses import FORWARD_BACKWARD_LOSSES
 from joynexus.artifacts import CheckpointStore
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
 from joynexus.models.placement import DevicePlacement, cpu_copy
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.residency import DEFAULT_MAX_RESIDENT_TENANTS, ResidencyLimits, pins_during_call
 from joynexus.services.training.grouped import GroupTrainer
@@ -68,7 +68,6 @@ __all__ = [
     "TrainingModelService",
     "UnknownTenant",
     "microbatch_to_tensors",
-    "training_service_actor",
 ]
 
 TRAINING_SERVICE_ACTOR_NAME = "joynexus.training_service"
@@ -115,7 +114,7 @@ class TrainingModelService:
         self.backbone = source.build(self.placement)
         self.device = self.backbone.device
         self.checkpoints = CheckpointStore(checkpoint_root, keep_last=keep_last)
-        self.queue = TrainingQueueClient(queue) if queue is not None else None
+        self.queue = service_handle(TrainingQueue, queue) if queue is not None else None
         limits = ResidencyLimits(
             max_resident_tenants, max_resident_tenant_bytes, ("max_resident_tenants", "max_resident_tenant_bytes")
         )
@@ -307,38 +306,3 @@ class TrainingModelService:
         return self.primitives.optim_step(tenant_id)
 
 
-def training_service_actor(
-    backbone_source: BackboneSource,
-    checkpoint_root: str | Path,
-    queue: Any,
-    *,
-    num_threads: int = 1,
-    num_cpus: float = 1,
-    namespace: str | None = None,
-    detached: bool = False,
-    keep_last: int | None = None,
-    placement: DevicePlacement | None = None,
-    max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS,
-    spill_dir: str | None = None,
-    max_active_tenants: int = DEFAULT_MAX_ACTIVE_TENANTS,
-):  # type: ignore[no-untyped-def]
-    """Get or create the named Training Model Service actor (Ray must be initialized). `placement`
-    is resolved in the actor's process ("auto": a GPU if Ray gave the actor one, else the CPU).
-    `max_resident_tenants`, `spill_dir`: the resident bound of tenant slots and where the rest page out;
-    `max_active_tenants`: how many resident slots stay active (the others are packed)."""
-    return named_actor(
-        TrainingModelService,
-        TRAINING_SERVICE_ACTOR_NAME,
-        backbone_source,
-        str(checkpoint_root),
-        queue,
-        num_threads,
-        namespace=namespace,
-        detached=detached,
-        num_cpus=num_cpus,
-        keep_last=keep_last,
-        placement=placement,
-        max_resident_tenants=max_resident_tenants,
-        spill_dir=spill_dir,
-        max_active_tenants=max_active_tenants,
-    )

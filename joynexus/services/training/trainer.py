@@ -20,7 +20,7 @@ import torch
 from joynexus.algorithms.rl import PPOLoss, ppo_loss
 from joynexus.models.action_modules import ActionModule
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
-from joynexus.scheduling.training_queue import TrainingQueueClient
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.training.slot_table import SlotTable
 from joynexus.services.training.slots import (
@@ -90,7 +90,7 @@ def clip_gradients(slot: TenantSlot, params: list[torch.nn.Parameter] | None = N
 class SlotTrainer:
     """One tenant's updates on the shared frozen backbone (module docstring)."""
 
-    def __init__(self, backbone: ResidentBackbone, table: SlotTable, queue: TrainingQueueClient | None) -> None:
+    def __init__(self, backbone: ResidentBackbone, table: SlotTable, queue: TrainingQueue | None) -> None:
         self.backbone = backbone
         self.device = backbone.device
         self.table = table
@@ -227,7 +227,7 @@ class SlotTrainer:
         }
 
     def _train_sft_partition(
-        self, queue: TrainingQueueClient, slot: TenantSlot, job: TrainingJob
+        self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob
     ) -> tuple[list[float], int]:
         """One optimizer step per microbatch of an SFT partition: (losses, samples)."""
         losses: list[float] = []
@@ -242,7 +242,7 @@ class SlotTrainer:
             samples += meta.size
 
     def _train_rl_partition(
-        self, queue: TrainingQueueClient, slot: TenantSlot, job: TrainingJob
+        self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob
     ) -> tuple[list[float], int, dict[str, Any]]:
         """PPO over a rollout partition (paper A.6): `ppo_epochs` passes of clipped-surrogate updates
         in microbatches, each pass reading the partition through its own Training Queue cursor.
