@@ -520,7 +520,7 @@ def measure_env_steps(cluster: Any, tenant_id: str, rollouts: int) -> list[float
 
     config = cluster.master.get_tenant(tenant_id).backend_config
     env = cluster.environment
-    n, horizon, chunk = int(config.environment["num_envs"]), int(config.environment["horizon"]), config.action_chunk
+    n, horizon, chunk = config.environment.num_envs, config.environment.horizon, config.action_chunk
     rng = np.random.default_rng(1)
     ids = [env.open_session(tenant_id, "trace", simulator_config(config, seed_offset=i)) for i in range(n)]
     try:

@@ -131,7 +131,7 @@ def train(tenant_id: str, jobs: int | None, timeout_s: float) -> dict[str, Any]:
     status = _wait(submitted.workload_id, timeout_s)
     if status.registered_version is None:
         raise WorkloadError(f"workload {status.workload_id} completed but registered no policy version")
-    return status.model_dump()
+    return {**status.model_dump(), "run_id": status.run_id}  # run_id: the Master's, not on the API's wire
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=_transient, cache_policy=NO_CACHE)

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from joynexus.core.store import TenantRecord
-from joynexus.spec import WorkloadSpec
+from joynexus.spec import EnvironmentSpec, RLSpec, WorkloadSpec
 
 
 def _default_lora_targets() -> tuple[str, ...]:
@@ -80,8 +80,8 @@ class TenantBackendConfig(BaseModel):
     samples_per_job: int
     checkpoint_every_jobs: int
     seed: int
-    environment: dict[str, Any] | None = None  # an EnvironmentSpec as a dict (RL tenants)
-    rl: dict[str, Any] | None = None  # an RLSpec as a dict (RL tenants)
+    environment: EnvironmentSpec | None = None  # RL tenants (and evaluations) run here
+    rl: RLSpec | None = None  # RL tenants
     # A LoraAdapterConfig as a dict (joynexus.models.adapters): the tenant's LoRA adapter on the
     # shared backbone, trained, versioned and exported with its action module; None: no adapter.
     adapter: dict[str, Any] | None = None
@@ -101,22 +101,20 @@ def simulator_config(spec: WorkloadSpec | TenantBackendConfig, seed_offset: int 
     """The Environment Service session config of a tenant's environment (a SimulatorConfig dict)."""
     if isinstance(spec, WorkloadSpec):
         env, cameras, image_size = spec.environment, spec.observation.cameras, spec.observation.image_size
-        env = env.model_dump() if env is not None else None
     else:
         env, cameras, image_size = spec.environment, spec.cameras, spec.image_size
     if env is None:
         raise ValueError("environment: this tenant declares no simulator environment")
-    config = {
-        "simulator": env["simulator"],
-        "task": env["task"],
-        "seed": env["seed"] + seed_offset,
+    return {
+        "simulator": env.simulator,
+        "task": env.task,
+        "seed": env.seed + seed_offset,
         "image_size": list(image_size),
         "cameras": list(cameras),
-        "max_episode_steps": env["max_episode_steps"],
-        "reward_mode": env["reward_mode"],
-        "control_mode": env["control_mode"],
+        "max_episode_steps": env.max_episode_steps,
+        "reward_mode": env.reward_mode,
+        "control_mode": env.control_mode,
     }
-    return config
 
 
 def tenant_of(record: TenantRecord) -> Tenant:

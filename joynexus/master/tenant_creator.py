@@ -145,8 +145,8 @@ class SpecCompiler:
             samples_per_job=spec.training.samples_per_job,
             checkpoint_every_jobs=spec.training.checkpoint_every_jobs,
             seed=spec.training.seed,
-            environment=spec.environment.model_dump(mode="json") if spec.environment else None,
-            rl=spec.rl.model_dump(mode="json") if spec.task is TaskType.RL else None,
+            environment=spec.environment,
+            rl=spec.rl if spec.task is TaskType.RL else None,
             adapter=_adapter_config(spec),
         )
 

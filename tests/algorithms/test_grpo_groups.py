@@ -8,6 +8,7 @@ import pytest
 
 from joynexus.algorithms.rl import attempt_returns, gae, grpo_advantages
 from joynexus.master.loops.advantage_stage import compute_advantages
+from joynexus.spec import RLSpec
 
 
 def test_grpo_normalizes_each_group_against_its_own_attempts_only():
@@ -87,7 +88,7 @@ def test_gae_does_not_carry_the_next_episode_across_a_truncation():
 
 
 def test_the_advantage_stage_reads_truncation_and_groups_from_the_partition():
-    rl = {"advantage": "gae", "gamma": 0.9, "gae_lambda": 1.0}
+    rl = RLSpec(advantage="gae", gamma=0.9, gae_lambda=1.0)
     # time-major rows: t0 (env0, env1), t1 (env0, env1)
     data = {
         "reward": np.array([1.0, 1.0, 1.0, 1.0]),
@@ -102,7 +103,7 @@ def test_the_advantage_stage_reads_truncation_and_groups_from_the_partition():
     del data["truncated"]
     assert compute_advantages(data, num_envs=2, horizon=2, rl=rl)["advantage"][0] == pytest.approx(1.0)
 
-    grpo = {"advantage": "grpo", "gamma": 1.0}
+    grpo = RLSpec(advantage="grpo", gamma=1.0)
     data = {"reward": np.array([1.0, 2.0, 5.0, 5.0]), "done": np.ones(4, dtype=bool), "group": np.array([0, 0, 1, 1])}
     out = compute_advantages(data, num_envs=4, horizon=1, rl=grpo)
     assert out["advantage"][0] < 0 < out["advantage"][1] and list(out["advantage"][2:]) == [0.0, 0.0]

@@ -408,7 +408,7 @@ def test_ppo_trains_an_rl_tenants_adapter(tmp_path):
         update={
             "task_type": "rl",
             "action_module": {**base.action_module, "stochastic": True, "value_head": True},
-            "rl": RLSpec(ppo_epochs=2).model_dump(mode="json"),
+            "rl": RLSpec(ppo_epochs=2),
             "microbatch_size": 4,
         }
     )

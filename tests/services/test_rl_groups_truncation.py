@@ -118,7 +118,7 @@ def test_evaluation_runs_the_same_episodes_whatever_the_policy_does(dep):
     dep.creator.create(spec("judged-twice", advantage="gae", num_envs=2, horizon=2))
     producer_of(dep, "judged-twice").close()
     config = dep.creator.get("judged-twice").backend_config
-    short = config.model_copy(update={"environment": {**config.environment, "max_episode_steps": 4}})
+    short = config.model_copy(update={"environment": config.environment.model_copy(update={"max_episode_steps": 4})})
     first = evaluate_policy(short, dep.environment_service, dep.inference_service, episodes=3, num_envs=2)
     one_env = evaluate_policy(short, dep.environment_service, dep.inference_service, episodes=3, num_envs=1)
     # episode j has seed base + j however the envs split them (float noise of the batch shape aside)

@@ -22,6 +22,7 @@ from joynexus.scheduling.training_scheduler import (
     TrainingJob,
     TrainingScheduler,
 )
+from joynexus.spec import RLSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ ADVANTAGE_INPUT_FIELDS = ("reward", "value", "done", "bootstrap_value")
 OPTIONAL_ADVANTAGE_FIELDS = ("truncated", "group")
 
 
-def compute_advantages(data: dict[str, np.ndarray], num_envs: int, horizon: int, rl: dict) -> dict[str, np.ndarray]:
+def compute_advantages(data: dict[str, np.ndarray], num_envs: int, horizon: int, rl: RLSpec) -> dict[str, np.ndarray]:
     """Rows are time-major (row = t * num_envs + env); returns flat `advantage` and `return`.
 
     `done` marks an episode end (the env was reset after the step); `truncated` the ends that were
@@ -41,15 +42,15 @@ def compute_advantages(data: dict[str, np.ndarray], num_envs: int, horizon: int,
     shape = (horizon, num_envs)
     rewards = np.asarray(data["reward"], dtype=np.float32).reshape(shape)
     dones = np.asarray(data["done"], dtype=bool).reshape(shape)
-    if rl["advantage"] == "grpo":
+    if rl.advantage == "grpo":
         groups = np.asarray(data["group"], dtype=np.int64).reshape(shape) if "group" in data else None
-        advantages, returns = grpo_advantages(rewards, dones, groups, gamma=rl["gamma"])
+        advantages, returns = grpo_advantages(rewards, dones, groups, gamma=rl.gamma)
     else:
         values = np.asarray(data["value"], dtype=np.float32).reshape(shape)
         bootstrap = np.asarray(data["bootstrap_value"], dtype=np.float32).reshape(shape)
         truncated = np.asarray(data["truncated"], dtype=bool).reshape(shape) if "truncated" in data else None
         advantages, returns = gae(
-            rewards, values, dones, bootstrap[-1], gamma=rl["gamma"], lam=rl["gae_lambda"],
+            rewards, values, dones, bootstrap[-1], gamma=rl.gamma, lam=rl.gae_lambda,
             truncated=truncated, truncation_values=bootstrap,
         )  # fmt: skip
     return {"advantage": advantages.reshape(-1), "return": returns.reshape(-1)}

@@ -219,11 +219,11 @@ class RolloutProducer(Producer):
         self.env, self.inference = environment, inference
         self.job_metadata = dict(job_metadata or {})
         self.rollout_slots = rollout_slots
-        self.num_envs = int(config.environment["num_envs"])
-        self.horizon = int(config.environment["horizon"])
+        self.num_envs = config.environment.num_envs
+        self.horizon = config.environment.horizon
         # GRPO: num_envs = groups x group_size; every rollout resets a group's envs from one seed.
-        self.grpo = config.rl["advantage"] == "grpo"
-        self.group_size = int(config.rl.get("group_size") or self.num_envs)
+        self.grpo = config.rl.advantage == "grpo"
+        self.group_size = config.rl.group_size or self.num_envs
         if self.grpo and (self.group_size < 2 or self.num_envs % self.group_size):
             raise ValueError(
                 f"rl.group_size: {self.group_size} must be >= 2 and divide environment.num_envs ({self.num_envs})"
@@ -352,7 +352,7 @@ class RolloutProducer(Producer):
         """The initial-state seed of a GRPO group in this rollout: fixed by the environment seed,
         the rollout's index and the group, and spread over the seed range (evaluation episodes
         use environment.seed + 10_000 + i, which these practically never hit)."""
-        base = int(self.config.environment["seed"])
+        base = self.config.environment.seed
         state = np.random.SeedSequence([base, self.rollouts, group]).generate_state(1, np.uint32)[0]
         return int(state) % MAX_ENVIRONMENT_SEED
 

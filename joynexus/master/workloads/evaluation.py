@@ -95,7 +95,7 @@ class Evaluations(WorkloadBase):
             run_id = tracker.start_workload_run(
                 tenant_id,
                 workload_id,
-                {"policy_version": resolved, "episodes": episodes, **config.environment},
+                {"policy_version": resolved, "episodes": episodes, **config.environment.model_dump(mode="json")},
                 tags={"task": "eval"},
             )
 
@@ -171,7 +171,7 @@ class Evaluations(WorkloadBase):
                 f"environment.simulator: {spec.simulator!r} is not a registered simulator; known: "
                 f"{available_simulators()}"
             )
-        config = config.model_copy(update={"environment": spec.model_dump(mode="json")})
+        config = config.model_copy(update={"environment": spec})
         probe = getattr(getattr(self.deployment.creator, "compiler", None), "environment_probe", None)
         if probe is not None:
             _check_probed(config, spec, probe)
@@ -260,8 +260,8 @@ def evaluate_policy(
         raise ValueError(f"version: expected an int or 'latest', got {version!r}")
     if config.environment is None:
         raise ValueError(f"tenant {config.tenant_id!r} declares no environment to evaluate in")
-    n = min(episodes, num_envs or int(config.environment["num_envs"]))
-    base_seed = int(config.environment["seed"]) + seed_offset  # env i's first episode: session seed base + i
+    n = min(episodes, num_envs or config.environment.num_envs)
+    base_seed = config.environment.seed + seed_offset  # env i's first episode: session seed base + i
     finished = [0] * n  # episodes env i has finished; its k-th is episode i + k * n
     quota = [len(range(i, episodes, n)) for i in range(n)]
     results: dict[int, tuple[float, int, bool]] = {}  # episode -> (return, length, success)
@@ -292,8 +292,8 @@ def evaluate_policy(
     return EvaluationResult(
         tenant_id=config.tenant_id,
         policy_version=int(resolved),
-        simulator=config.environment["simulator"],
-        task=config.environment["task"],
+        simulator=config.environment.simulator,
+        task=config.environment.task,
         episodes=len(returns),
         success_rate=float(np.mean([s for _, _, s in ordered])),
         mean_return=float(np.mean(returns)),

@@ -32,6 +32,7 @@ from joynexus.services.training.slots import (
     loss_generator,
     microbatch_to_tensors,
 )
+from joynexus.spec import RLSpec
 
 __all__ = [
     "MAX_GRAD_NORM",
@@ -255,7 +256,7 @@ class SlotTrainer:
         features_cache: dict[tuple[int, ...], BackboneFeatures] = {}
         module = slot.module
         samples = 0
-        for epoch in range(rl["ppo_epochs"]):
+        for epoch in range(rl.ppo_epochs):
             while True:
                 meta = queue.get_meta(job.partition_id, RL_FIELDS, slot.config.microbatch_size, f"ppo-epoch-{epoch}")
                 if meta is None:
@@ -292,7 +293,7 @@ class _PpoObjective:
     def __init__(
         self,
         module: ActionModule,
-        rl: dict[str, Any],
+        rl: RLSpec,
         features: BackboneFeatures,
         batch: Microbatch,
         data: dict[str, Any],
@@ -316,10 +317,10 @@ class _PpoObjective:
             values=values,
             returns=self.returns if values is not None else None,
             entropy=dist.entropy().sum(dim=(-1, -2)),
-            clip=rl["clip"],
-            value_coef=rl["value_coef"],
-            entropy_coef=rl["entropy_coef"],
+            clip=rl.clip,
+            value_coef=rl.value_coef,
+            entropy_coef=rl.entropy_coef,
             # GRPO advantages are normalized within their groups already (0 outside them).
-            normalize_advantages=rl["advantage"] != "grpo",
+            normalize_advantages=rl.advantage != "grpo",
         )
         return self.last.total
