@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from joynexus.models.adapters import LoraAdapterConfig, split_tenant_state
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion
 from joynexus.services.inference.pager import ServingPager
-from joynexus.services.residency import ResidencyLimits, TenantResidency, UnknownEntry
+from joynexus.services.residency import LruCache, ResidencyLimits, TenantResidency, UnknownEntry
 
 
 @dataclass
@@ -72,7 +71,7 @@ class ServingStates:
         self.max_versions = max_versions_per_tenant
         # Each tenant's loaded versions, least recently used first (the per-tenant version bound);
         # the serving states themselves, resident or paged out, are in `residency`, by (tenant, version).
-        self.versions_of: dict[str, OrderedDict[int, None]] = {}
+        self.versions_of: dict[str, LruCache[int, None]] = {}  # per tenant, least recently used first
         self.lock = threading.RLock()  # guards versions_of; never held while a batch runs
         # Lock order: the residency's lock, then `lock` or the backbone's adapter lock (its pager
         # takes them); so the residency is never called with `lock` held.
@@ -109,9 +108,8 @@ class ServingStates:
         # least recently used serving states beyond the bound page out.
         replaced = self.residency.add((tenant_id, version), state)
         with self.lock:
-            versions = self.versions_of.setdefault(tenant_id, OrderedDict())
-            versions[version] = None
-            versions.move_to_end(version)
+            versions = self.versions_of.setdefault(tenant_id, LruCache())
+            versions.put(version, None)
             evicted = self._evict(versions)
         dropped = [s for s in (self.residency.remove((tenant_id, v)) for v in evicted) if s is not None]
         if replaced is not None:
@@ -173,14 +171,14 @@ class ServingStates:
         """Whether `state` is what its version serves now (not evicted, replaced, or paged out)."""
         return self.residency.peek((state.tenant_id, state.version)) is state
 
-    def _evict(self, versions: OrderedDict[int, None]) -> list[int]:
+    def _evict(self, versions: LruCache[int, None]) -> list[int]:
         """Drop the least recently used versions beyond the bound (never the latest); returns them."""
         latest = max(versions)
         dropped = []
         while len(versions) > self.max_versions:
-            victim = next(v for v in versions if v != latest)  # least recently used first
-            del versions[victim]
-            dropped.append(victim)
+            victim = versions.evict_least_recent(unless=lambda version, _: version == latest)
+            assert victim is not None  # more than max_versions >= 1 entries: one is not the latest
+            dropped.append(victim[0])
         return dropped
 
     # -- reading ------------------------------------------------------------------------------
@@ -196,7 +194,7 @@ class ServingStates:
         """Forget every serving state of the tenant (tenant deletion), resident or paged out (its
         spill files too); returns how many versions."""
         with self.lock:
-            versions = list(self.versions_of.pop(tenant_id, {}))
+            versions = list(self.versions_of.pop(tenant_id, ()))
         states = [s for s in (self.residency.remove((tenant_id, v)) for v in versions) if s is not None]
         self.drop_adapters(states)  # a paged-out state's adapter left the backbone with its page-out
         return len(versions)
@@ -211,7 +209,7 @@ class ServingStates:
             key = max(versions) if version is None else version
             if key not in versions:
                 raise UnknownPolicyVersion(tenant_id, version, sorted(versions))
-            versions.move_to_end(key)
+            versions.touch(key)
         try:
             state = self.residency.use((tenant_id, key))  # outside `lock` (lock order, see __init__)
         except UnknownEntry:  # evicted or removed since the check
