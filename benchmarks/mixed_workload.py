@@ -1040,7 +1040,7 @@ def stop_profile(sampler: Any) -> None:
 
 def _step_call_lines() -> dict[int, str]:
     """Lines of ActorLoop.step that call the Training Model Service, read from this tree's source."""
-    source = Path(__file__).resolve().parents[1] / "joynexus" / "services" / "actor_loop.py"
+    source = Path(__file__).resolve().parents[1] / "joynexus" / "master" / "loops" / "actor_loop.py"
     lines: dict[int, str] = {}
     for number, line in enumerate(source.read_text().splitlines(), start=1):
         if "self.service.train_job(" in line:
