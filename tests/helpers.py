@@ -192,3 +192,23 @@ def interface_config(name: str, caps: Any, kind: str, seed: int, adapter: dict[s
         spec["adapter"] = adapter
     config = SpecCompiler(BackendCapabilities.single(caps)).compile(parse_workload_spec(spec))
     return config.model_copy(update={"task_type": "sft", "seed": seed})
+
+
+def padded_microbatch(
+    name: str, schema: dict[str, Any], cfg: Any, rows: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """A microbatch of random data in an observation `schema`'s shapes, drawn from a shared `rng`,
+    whose first sample's last chunk step is padding (excluded from the loss in every path)."""
+    h, w = schema["image_size"]
+    chunk, dim = schema["action_chunk"], schema["action_dim"]
+    pad = np.zeros((rows, chunk), dtype=bool)
+    pad[0, -1] = True
+    return {
+        "images": rng.random((rows, len(schema["cameras"]), 3, h, w), dtype=np.float32),
+        "state": rng.standard_normal((rows, schema["state_dim"])).astype(np.float32),
+        "action": rng.standard_normal((rows, chunk, dim)).astype(np.float32),
+        "action_is_pad": pad,
+        "task": [f"task {i % 3}" * (1 + i % 2) for i in range(rows)],
+        "tenant_id": [name] * rows,
+        "schema_signature": [cfg.schema_signature] * rows,
+    }

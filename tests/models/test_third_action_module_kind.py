@@ -31,7 +31,7 @@ from joynexus.models.module_batching import architecture_key
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
 from joynexus.services.training.service import TrainingModelService
-from tests.helpers import assert_trained_state_close, compiled_config
+from tests.helpers import assert_trained_state_close, compiled_config, padded_microbatch
 
 KIND = "test_linear_head"
 ATOL = 1e-5
@@ -163,20 +163,7 @@ def _tenant_configs(capabilities: Any) -> dict[str, Any]:
 
 
 def _microbatch(name: str, cfg: Any, rows: int, rng: np.random.Generator) -> dict[str, Any]:
-    schema = TENANTS[name][0]
-    h, w = schema["image_size"]
-    chunk, dim = schema["action_chunk"], schema["action_dim"]
-    pad = np.zeros((rows, chunk), dtype=bool)
-    pad[0, -1] = True  # one padded step: excluded from the loss in both paths
-    return {
-        "images": rng.random((rows, len(schema["cameras"]), 3, h, w), dtype=np.float32),
-        "state": rng.standard_normal((rows, schema["state_dim"])).astype(np.float32),
-        "action": rng.standard_normal((rows, chunk, dim)).astype(np.float32),
-        "action_is_pad": pad,
-        "task": [f"task {i % 3}" * (1 + i % 2) for i in range(rows)],
-        "tenant_id": [name] * rows,
-        "schema_signature": [cfg.schema_signature] * rows,
-    }
+    return padded_microbatch(name, TENANTS[name][0], cfg, rows, rng)
 
 
 def test_the_kind_trains_grouped_beside_the_built_in_kinds_equal_to_serial_steps(tmp_path, monkeypatch):
