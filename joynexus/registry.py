@@ -38,6 +38,8 @@ from joynexus.artifacts import (
     payload_digest,
     validate_tenant_id,
 )
+from joynexus.artifacts.codec import NORMALIZATION_FILE
+from joynexus.data.normalization import Normalizer
 
 __all__ = [
     "CANDIDATE_ALIAS",
@@ -250,6 +252,7 @@ class ExperimentTracker:
 
         artifact_path = f"{PAYLOAD_ARTIFACT_DIR}/v{manifest.policy_version:06d}"
         name = registered_model_name(tenant_id)
+        normalizer = Normalizer.from_dict(manifest.extra.get("normalization"))
         with self._register_lock:
             if self.client.list_artifacts(run_id, artifact_path):
                 raise ValueError(
@@ -259,6 +262,8 @@ class ExperimentTracker:
             with tempfile.TemporaryDirectory(prefix="joynexus-payload-") as tmp:
                 (Path(tmp) / ACTION_MODULE_FILE).write_bytes(bytes(payload))
                 (Path(tmp) / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+                if normalizer is not None:  # the statistics that turn the module's actions into dataset units
+                    (Path(tmp) / NORMALIZATION_FILE).write_text(normalizer.to_json(), encoding="utf-8")
                 self.client.log_artifacts(run_id, tmp, artifact_path=artifact_path)
             source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
             self._ensure_registered_model(name, tenant_id)
@@ -273,6 +278,7 @@ class ExperimentTracker:
                     "base_model_id": manifest.base_model_id,
                     "manifest_digest": manifest.digest,
                     "payload_sha256": payload_digest(payload),
+                    **(normalizer.tags() if normalizer is not None else {}),
                 },
                 description=f"tenant {tenant_id} policy_version {manifest.policy_version}",
             )

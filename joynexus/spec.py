@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from joynexus.data.normalization import check_modes
 from joynexus.envs.base import image_size_problem
 from joynexus.schema import VLASchema
 
@@ -169,6 +170,17 @@ class WorkloadSpec(_Strict):
     rl: RLSpec = RLSpec()
     scheduling: SchedulingSpec = SchedulingSpec()
     training: TrainingSpec = TrainingSpec()
+    # LeRobot feature type (VISUAL / STATE / ACTION) -> NormalizationMode (MEAN_STD / MIN_MAX /
+    # IDENTITY); types left out keep LeRobot's defaults (joynexus.data.normalization.DEFAULT_MODES).
+    normalization: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("normalization", mode="before")
+    @classmethod
+    def _normalization_modes(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # pydantic reports the type
+        check_modes(value)  # raises naming the bad feature type or mode
+        return {str(k).upper(): str(v).upper() for k, v in value.items()}
 
     @field_validator("dataset")
     @classmethod

@@ -21,6 +21,7 @@ from joynexus.artifacts.codec import (
     ACTION_MODULE_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
+    NORMALIZATION_FILE,
     OPTIMIZER_JSON_FILE,
     OPTIMIZER_TENSORS_FILE,
     CheckpointError,
@@ -131,6 +132,8 @@ class CheckpointStore:
             opt_tensors, opt_doc = encode_optimizer_state(optimizer_state)
             files[OPTIMIZER_TENSORS_FILE] = _save_tensors(opt_tensors, small_meta)
             files[OPTIMIZER_JSON_FILE] = json.dumps(opt_doc, allow_nan=False).encode()  # keep key order
+        if (extra or {}).get("normalization"):  # beside the weights, readable without JoyNexus
+            files[NORMALIZATION_FILE] = json.dumps(extra["normalization"], indent=2, sort_keys=True).encode()
 
         manifest = TenantManifest(
             tenant_id=tenant_id,

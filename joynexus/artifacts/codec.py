@@ -23,6 +23,7 @@ ACTION_MODULE_FILE = "action_module.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON_FILE = "optimizer.json"
 MANIFEST_FILE = "manifest.json"
+NORMALIZATION_FILE = "normalization.json"  # a version's normalizer (joynexus.data.normalization), beside its weights
 LATEST_FILE = "LATEST"
 
 # Key under which the manifest JSON travels inside a payload's safetensors metadata.

@@ -7,6 +7,7 @@ export_params`` payload, or ``checkpoint_payload`` of a checkpointed version) as
       joynexus_export.json          manifest, its digest, the payload's sha256, every file's sha256
       action_module/config.json     the action-module config (+ tenant, version, schema, base model)
       action_module/model.safetensors
+      action_module/normalization.json  the version's normalizer (modes + statistics), when it has one
       adapter/adapter_config.json   LoRA tenants only: a PEFT adapter directory for the backbone's
       adapter/adapter_model.safetensors  text model
 
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors.torch import load_file
 
 from joynexus.artifacts.codec import (
+    NORMALIZATION_FILE,
     TenantManifest,
     _prepare_tensors,
     _save_tensors,
@@ -140,6 +142,9 @@ def export_files(payload: bytes, *, base_model_path: str | None = None) -> tuple
     files[f"{ACTION_MODULE_DIR}/{ACTION_MODULE_WEIGHTS_FILE}"] = _save_tensors(
         _prepare_tensors(module_state, "module_state"), dict(_ST_METADATA)
     )
+    normalization = manifest.extra.get("normalization")
+    if normalization:  # the version's normalizer: whoever runs the module un-normalizes its actions with it
+        files[f"{ACTION_MODULE_DIR}/{NORMALIZATION_FILE}"] = _json_bytes(normalization)
     adapter = manifest.extra.get("adapter")
     if adapter is not None or adapter_state:
         if adapter is None or not adapter_state:

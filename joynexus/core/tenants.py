@@ -85,6 +85,9 @@ class TenantBackendConfig(BaseModel):
     # A LoraAdapterConfig as a dict (joynexus.models.adapters): the tenant's LoRA adapter on the
     # shared backbone, trained, versioned and exported with its action module; None: no adapter.
     adapter: dict[str, Any] | None = None
+    # A joynexus.data.normalization.Normalizer as a dict (modes + statistics): how the tenant's state
+    # and actions are normalized for its module; versioned with every checkpoint. None: raw units.
+    normalization: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -117,12 +117,36 @@ class SpecCompiler:
             problems.extend(backend_build_problems(config))
         if spec.dataset is not None and not problems:
             problems.extend(self._dataset_problems(spec))
+        probed: dict[str, Any] = {}  # the simulator's spec, when the Environment Service was asked
         if spec.environment is not None and not problems:
-            problems.extend(self._environment_problems(spec))
+            problems.extend(self._environment_problems(spec, probed))
+        normalization = None
+        if not problems:
+            normalization, trouble = self._normalization(spec, probed)
+            problems.extend(trouble)
         if problems:
             raise SpecError(problems)
         assert config is not None
-        return config
+        return config.model_copy(update={"normalization": normalization})
+
+    def _normalization(
+        self, spec: WorkloadSpec, probed: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+        """The tenant's normalizer (joynexus.data.normalization): from its dataset's statistics
+        (meta/stats.json, or computed and cached); for an RL tenant MIN_MAX over the simulator's
+        action bounds when the Environment Service is asked (the rollout applies those)."""
+        from joynexus.data.normalization import Normalizer, StatsError, dataset_normalizer
+
+        obs = spec.observation
+        if spec.dataset is not None and spec.task is TaskType.SFT:
+            try:
+                normalizer = dataset_normalizer(spec.dataset.root, spec.normalization, obs.state_dim, obs.action_dim)
+            except (StatsError, OSError) as error:
+                return None, [("normalization", f"dataset statistics: {_first_line(error)}")]
+            return normalizer.to_dict(), []
+        if spec.task is TaskType.RL and "action_low" in probed and "action_high" in probed:
+            return Normalizer.for_simulator(probed["action_low"], probed["action_high"]).to_dict(), []
+        return None, []
 
     @staticmethod
     def _backend_config(spec: WorkloadSpec, module_config: ActionModuleConfig) -> TenantBackendConfig:
@@ -150,7 +174,7 @@ class SpecCompiler:
             adapter=_adapter_config(spec),
         )
 
-    def _environment_problems(self, spec: WorkloadSpec) -> list[tuple[str, str]]:
+    def _environment_problems(self, spec: WorkloadSpec, probed: dict[str, Any] | None = None) -> list[tuple[str, str]]:
         """The tenant's observation interface must be what the simulator task produces."""
         from joynexus.envs import available_simulators
 
@@ -167,6 +191,8 @@ class SpecCompiler:
             if "config.image_size:" in message:  # the Environment Service's image limits
                 return [("observation.image_size", message.split("config.image_size:", 1)[1].strip())]
             return [("environment.task", message)]
+        if probed is not None:
+            probed.update(sim)
         problems = []
         if tuple(sim["cameras"]) != tuple(obs.cameras):
             problems.append(("observation.cameras", f"{obs.cameras} but the simulator renders {list(sim['cameras'])}"))

@@ -303,3 +303,33 @@ def test_two_api_servers_share_the_workloads_and_neither_leases_jobs(ray_api: Ra
     assert ray_api.master_ping()["running_workloads"] == 0
     for cluster in (ray_api.cluster, ray_api.cluster2):
         assert not hasattr(cluster, "workloads")
+
+
+def test_predict_on_ray_answers_in_the_datasets_units(ray_api: RayApi):
+    """Normalization on the Ray path: a tenant whose action dimensions are 1,000x apart trains one
+    job in normalized units; the resident Inference Model Service answers in the dataset's units
+    (each dimension near the data by its own scale), and the version's registry tags name the modes."""
+    from joynexus.data.normalization import compute_stats
+    from joynexus.protocol.wire import Tensor
+    from joynexus.registry import ExperimentTracker
+    from joynexus.settings import local_tracking_uri
+    from tests.data.scaled_dataset import dataset_frames, write_scaled_dataset
+
+    root = write_scaled_dataset(ray_api.data_dir / "datasets" / "ray-units", "test/ray-units", episodes=2, length=10)
+    spec = sft_spec("ray-units", root, cameras=(), state_dim=4, action_dim=2, action_chunk=1, jobs=1)
+    spec["dataset"]["repo_id"] = "test/ray-units"
+    tenant = ray_api.create_tenant(spec)
+    assert ray_api.wait(tenant, ray_api.submit(tenant, jobs=1))["state"] == "completed"
+
+    states, actions = dataset_frames(root)
+    body = {"observations": wire({"state": states[:4]})}
+    response = ray_api.client.post("/v1/predict", json=body, headers=tenant.headers)
+    assert response.status_code == 200, response.text
+    predicted = Tensor.model_validate(response.json()["actions"]).to_numpy()[:, 0, :]
+    stats = compute_stats(root)["action"]
+    mean, std = np.asarray(stats["mean"]), np.asarray(stats["std"])
+    assert (np.abs(predicted - mean) < 4 * std).all(), (predicted, mean, std)  # each dim on its own scale
+    assert (np.abs(predicted[:, 1]) > 50).all() and (np.abs(predicted[:, 0]) < 5).all(), predicted
+    tags = ExperimentTracker(local_tracking_uri(ray_api.data_dir)).model_version_tags("ray-units", 1)
+    assert tags["normalization.action"] == "MEAN_STD" and tags["normalization.source"] == "meta/stats.json", tags
+    assert actions.std(0)[1] > 300 * actions.std(0)[0]

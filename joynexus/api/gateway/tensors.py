@@ -13,6 +13,7 @@ import numpy as np
 
 from joynexus.api.errors import InvalidInput
 from joynexus.core.tenants import Tenant
+from joynexus.data.normalization import SIMULATOR_BOUNDS_SOURCE, Normalizer
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 
@@ -60,6 +61,10 @@ def sample_columns(tenant: Tenant, batch: s.SampleBatch, max_samples: int) -> di
         pad = np.zeros((n, cfg.action_chunk), dtype=bool)
     else:
         pad = checked_array(batch.action_is_pad, "action_is_pad", (n, cfg.action_chunk), MASK_DTYPES).astype(bool)
+    normalizer = Normalizer.from_dict(cfg.normalization)
+    if normalizer is not None and normalizer.source != SIMULATOR_BOUNDS_SOURCE:
+        # Callers send dataset units, as predict returns them; the module learns normalized values.
+        state, action = normalizer.normalize_state(state), normalizer.normalize_action(action)
     return {
         "images": images,
         "state": state,

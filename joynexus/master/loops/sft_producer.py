@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig
+from joynexus.data.normalization import Normalizer
 from joynexus.master.loops.producer import Producer
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import READY, TrainingJob, TrainingScheduler
@@ -30,6 +31,9 @@ class SFTProducer(Producer):
         self.scheduler = scheduler
         self.queue = queue
         self.source = source
+        # The tenant's normalizer (compiled from its dataset's statistics): the module learns, and the
+        # Inference Model Service un-normalizes, in its units. None: raw units.
+        self.normalizer = Normalizer.from_dict(config.normalization)
 
     @classmethod
     def from_dataset(
@@ -77,12 +81,15 @@ class SFTProducer(Producer):
         cfg = self.config
         batch = self.source.sample(n)
         state = np.asarray(batch["state"], dtype=np.float32)
+        action = np.asarray(batch["action"], dtype=np.float32)
         if cfg.state_dim == 0:
             state = np.zeros((n, 0), dtype=np.float32)
+        if self.normalizer is not None:
+            state, action = self.normalizer.normalize_state(state), self.normalizer.normalize_action(action)
         return {
             "images": np.asarray(batch["images"], dtype=np.float32),
             "state": state,
-            "action": np.asarray(batch["action"], dtype=np.float32),
+            "action": action,
             "action_is_pad": np.asarray(batch["action_is_pad"], dtype=bool),
             "task": [str(t) or cfg.instruction for t in batch["task"]],
             # Every model-facing sample carries its tenant and schema (paper A.4).

@@ -72,7 +72,7 @@ class BatchDecoder:
                 log.debug("batched decode of %d requests fell back to per-request: %s", len(members), error)
                 for request, rows in members:
                     outcomes[id(request)] = self._decode_alone(request, features, images, rows)
-        return [(request, outcomes[id(request)]) for request, _ in live]
+        return [(request, _in_dataset_units(request, outcomes[id(request)])) for request, _ in live]
 
     def _decode_alone(
         self, request: InferenceRequest, features: BackboneFeatures, images: list, rows: slice
@@ -189,3 +189,13 @@ class BatchDecoder:
             "log_probs": None if log_probs is None else log_probs.cpu().numpy(),
             "batch_samples": len(images),
         }
+
+
+def _in_dataset_units(request: InferenceRequest, outcome: dict[str, Any] | Exception) -> dict[str, Any] | Exception:
+    """A deterministic request's actions un-normalized with its version's normalizer (the dataset's
+    units). Sampled requests (RL rollouts) keep the module's units: their log-probabilities are of those."""
+    pinned: Pinned = request.context
+    normalizer = pinned.state.normalizer
+    if isinstance(outcome, Exception) or normalizer is None or pinned.sample:
+        return outcome
+    return {**outcome, "actions": normalizer.unnormalize_action(outcome["actions"])}

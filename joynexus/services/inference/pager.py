@@ -76,6 +76,7 @@ class ServingPager:
             "manifest_digest": state.manifest_digest,
             "module_config": state.module.config.model_dump(mode="json"),
             "adapter": None if state.adapter is None else state.adapter.model_dump(mode="json"),
+            "normalization": None if state.normalizer is None else state.normalizer.to_dict(),
         }
         return tensors, meta
 

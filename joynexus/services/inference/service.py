@@ -27,6 +27,7 @@ caller: the same actions as unsplit (per-observation seeds draw the same noise w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -225,6 +226,10 @@ class InferenceModelService(PredictBySubmit):
             raise ValueError(f"sample: tenant {tenant_id!r}'s module is not a stochastic policy (not an RL tenant)")
         observations = [o if isinstance(o, Observation) else Observation(**o) for o in observations]
         self._check_observations(state, observations)
+        if state.normalizer is not None:  # the module sees the state normalized, as it was trained
+            observations = [
+                dataclasses.replace(o, state=state.normalizer.normalize_state(o.state)) for o in observations
+            ]
         if seeds is not None and len(seeds) != len(observations):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(observations)} observations")
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from joynexus.artifacts import decode_tenant_payload
+from joynexus.data.normalization import SIMULATOR_BOUNDS_SOURCE, Normalizer
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig, build_action_module
 from joynexus.models.adapters import LoraAdapterConfig, split_tenant_state
 from joynexus.models.backbone import ResidentBackbone
@@ -50,6 +51,8 @@ class ServingState:
     adapter: LoraAdapterConfig | None = None
     adapter_state: dict[str, torch.Tensor] | None = None
     adapter_key: tuple[Any, ...] | None = None
+    # The version's normalizer when the service applies it (state in, actions out); None: raw units.
+    normalizer: Normalizer | None = None
 
 
 class ServingStates:
@@ -100,8 +103,9 @@ class ServingStates:
         module.load_state_dict(module_tensors, strict=True)
         module.eval().requires_grad_(False).to(self.device)  # payloads are CPU tensors; serve on our device
         state = ServingState(
-            manifest.tenant_id, manifest.policy_version, manifest.schema_signature, module, manifest.digest
-        )
+            manifest.tenant_id, manifest.policy_version, manifest.schema_signature, module, manifest.digest,
+            normalizer=served_normalizer(manifest.extra.get("normalization")),
+        )  # fmt: skip
         self._install_adapter(state, manifest.extra.get("adapter"), adapter_tensors)
         tenant_id, version = manifest.tenant_id, manifest.policy_version
         # Into the residency first, then listed: a listed version always resolves. Resident now; the
@@ -155,8 +159,9 @@ class ServingStates:
         """A paged-in serving state from what `ServingPager.spill` wrote: a NEW object (and adapter
         key), so a request still holding the old one keeps serving from it."""
         state = ServingState(
-            meta["tenant_id"], int(meta["version"]), meta["schema_signature"], module, meta["manifest_digest"]
-        )
+            meta["tenant_id"], int(meta["version"]), meta["schema_signature"], module, meta["manifest_digest"],
+            normalizer=served_normalizer(meta.get("normalization")),
+        )  # fmt: skip
         if meta["adapter"] is not None:
             self.attach_adapter(state, LoraAdapterConfig.model_validate(meta["adapter"]), adapter_tensors)
         return state
@@ -219,3 +224,12 @@ class ServingStates:
 
     def close(self) -> None:
         self.residency.close()  # the spill folder goes with the service
+
+
+def served_normalizer(data: dict[str, Any] | None) -> Normalizer | None:
+    """The normalizer the service applies for a version: its manifest's, except an RL tenant's
+    simulator bounds, which the rollout and the evaluation apply when they step the simulator."""
+    normalizer = Normalizer.from_dict(data)
+    if normalizer is None or normalizer.source == SIMULATOR_BOUNDS_SOURCE:
+        return None
+    return normalizer

@@ -291,4 +291,6 @@ def _extra(slot: TenantSlot) -> dict[str, Any]:
     }
     if slot.adapter is not None:
         extra["adapter"] = slot.adapter.model_dump(mode="json")
+    if slot.config.normalization is not None:  # the statistics travel with every version
+        extra["normalization"] = slot.config.normalization
     return extra
