@@ -63,11 +63,26 @@ def _lerobot_policy(out: Path) -> tuple[Any, Any, Any]:
     return policy, pre, post
 
 
-@pytest.mark.parametrize("shape", ["arm", "flow"])  # oft_mlp on two cameras; flow_matching on one
+LORA = {"kind": "lora", "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _tenant(api, case: str) -> Any:
+    from tests.api.conftest import TenantHandle
+
+    if case != "lora":
+        return api.tenant("lr", case)
+    spec = {**api.spec("lr-lora", "arm"), "adapter": LORA}
+    r = api.client.post("/v1/admin/tenants", json=spec, headers=api.admin)
+    assert r.status_code == 201, r.text
+    return TenantHandle(spec["tenant"], r.json()["key"]["api_key"], spec)
+
+
+# oft_mlp on two cameras; flow_matching on one; oft_mlp with a LoRA adapter on the backbone
+@pytest.mark.parametrize("shape", ["arm", "flow", "lora"])
 def test_lerobot_loads_an_export_and_matches_our_predict(api, base_model_dir, tmp_path, shape):
     from lerobot_policy_joynexus import write_lerobot_policy
 
-    tenant = api.tenant("lr", shape)
+    tenant = _tenant(api, shape)
     version, payload = _train_and_export(api, tenant)
     cameras = tenant.spec["observation"]["cameras"]
     out = write_lerobot_policy(
@@ -89,6 +104,9 @@ def test_lerobot_loads_an_export_and_matches_our_predict(api, base_model_dir, tm
     assert r.status_code == 200, r.text
     ours = Tensor.model_validate(r.json()["actions"]).to_numpy()
 
+    if shape == "lora":  # stock peft finds the base model the adapter names: the export's backbone/
+        peft_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert Path(peft_config["base_model_name_or_path"]) == (out / "backbone").resolve()
     policy, pre, post = _lerobot_policy(out)
     assert policy.config.policy_version == version and policy.config.tenant_id == tenant.tenant_id
     observation = {f"observation.images.{c}": torch.from_numpy(sample["images"][:, i]) for i, c in enumerate(cameras)}
