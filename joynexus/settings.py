@@ -194,6 +194,9 @@ class Settings(BaseModel):
     backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))
     backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
     ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
+    # Admin dataset paths (spec dataset.root) must lie under one of these (os.pathsep-separated
+    # absolute paths; joynexus.data.sources); blank: any path. S3 datasets go to data_dir/datasets.
+    dataset_roots: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_DATASET_ROOTS", ""))
     torch_threads: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")), ge=1)
     # Device placement of the model services (joynexus.models.placement.DevicePlacement): "auto" takes
     # a GPU when the service's process sees one, else the CPU; dtype is the backbone's.

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from joynexus.data.normalization import check_modes
 from joynexus.envs.base import image_size_problem
@@ -111,10 +111,22 @@ class ObservationSpec(_Strict):
 
 
 class DatasetSpec(_Strict):
-    """A LeRobot-format dataset on local disk (image mode)."""
+    """A LeRobot-format dataset (image mode): a server directory (`root`, under the operator's
+    JOYNEXUS_DATASET_ROOTS when set) or an S3 prefix (`uri`) the Master fetches into its
+    content-addressed cache (`joynexus.data.sources`); `sha256` pins (or, after a fetch, records)
+    the fetched content."""
 
-    root: str
+    root: str | None = None
+    uri: str | None = Field(default=None, pattern=r"^s3://[^/]+(/.*)?$")
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     repo_id: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        # Both only once fetched: the Master records the cache directory and the content digest.
+        if (self.root is None) == (self.uri is None) and not (self.uri and self.sha256):
+            raise ValueError("give exactly one of dataset.root (a server path) and dataset.uri (s3://...)")
+        return self
 
 
 class EnvironmentSpec(_Strict):

@@ -27,7 +27,7 @@ from joynexus.api.auth import ApiKeyStore, admin_key_from_env
 from joynexus.api.errors import install_exception_handlers
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware
-from joynexus.api.routers import admin, lower, meta, stream, upper
+from joynexus.api.routers import admin, base_model, datasets, lower, meta, stream, upper
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import PolicyStream, TenantCounter
 from joynexus.connect import Cluster
@@ -84,6 +84,8 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.include_router(meta.metrics_router(public=settings.metrics_public))
     for router in (meta.router, admin.router, upper.router, stream.router, lower.router):
         app.include_router(router)
+    app.include_router(base_model.router)  # GET /v1/base_model: exports run outside JoyNexus
+    app.include_router(datasets.router)  # /v1/datasets: tenant dataset uploads
     app.include_router(PolicyStream(gateway, keys, settings.policy_stream).router())  # robots: /v1/stream
     return app
 

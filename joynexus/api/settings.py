@@ -23,6 +23,8 @@ class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
+    # POST /v1/datasets: an archive is at most max_body_bytes; it may unpack to at most this many.
+    max_dataset_unpacked_bytes: int = Field(default=4 << 30, ge=1024)
     # Quota defaults of tenants without their own quota row: the Master's (`MasterOptions`).
     default_max_device_seconds: float | None = Field(default=_master_default("default_max_device_seconds"), ge=0)
     default_max_queued_workloads: int | None = Field(default=_master_default("default_max_queued_workloads"), ge=0)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.actors import handle_of, named_actor
 from joynexus.core.tenants import Tenant
+from joynexus.data.sources import resolve_dataset_source
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
@@ -208,6 +209,7 @@ class MasterService:
         half-made tenant is left behind."""
         if not isinstance(spec, WorkloadSpec):
             spec = parse_workload_spec(spec)
+        spec = resolve_dataset_source(spec, self.settings)
         tenant = self.deployment.creator.create(spec)
         try:
             self.deployment.training_service.add_tenant(tenant.backend_config)

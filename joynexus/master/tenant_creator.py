@@ -209,6 +209,8 @@ class SpecCompiler:
         from joynexus.data.validation import DatasetExpectation, validate_dataset
 
         assert spec.dataset is not None
+        if spec.dataset.root is None:  # MasterService.create_tenant fetches a dataset.uri first
+            return [("dataset.uri", "not fetched: create the tenant through the Master Service")]
         root = Path(spec.dataset.root)
         if not root.is_dir():
             return [("dataset.root", f"directory {str(root)!r} does not exist")]
