@@ -27,6 +27,7 @@ from joynexus.api.auth import ApiKeyStore, admin_key_from_env
 from joynexus.api.errors import install_exception_handlers
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware
+from joynexus.api.openpi import OpenPiStream
 from joynexus.api.routers import admin, lower, meta, stream, upper
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import PolicyStream, TenantCounter
@@ -84,7 +85,10 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.include_router(meta.metrics_router(public=settings.metrics_public))
     for router in (meta.router, admin.router, upper.router, stream.router, lower.router):
         app.include_router(router)
-    app.include_router(PolicyStream(gateway, keys, settings.policy_stream).router())  # robots: /v1/stream
+    robots = PolicyStream(gateway, keys, settings.policy_stream)
+    app.include_router(robots.router())  # robots: /v1/stream
+    # openpi clients: /v1/openpi, the same limits and per-tenant connection counts as /v1/stream
+    app.include_router(OpenPiStream(gateway, keys, settings.policy_stream, robots.connections).router())
     return app
 
 
