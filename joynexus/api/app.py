@@ -28,7 +28,7 @@ from joynexus.api.errors import install_exception_handlers
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware
 from joynexus.api.openpi import OpenPiStream
-from joynexus.api.routers import admin, lower, meta, stream, upper
+from joynexus.api.routers import admin, foreign, lower, meta, stream, upper
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import PolicyStream, TenantCounter
 from joynexus.connect import Cluster
@@ -83,7 +83,7 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.add_middleware(IdempotencyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(meta.metrics_router(public=settings.metrics_public))
-    for router in (meta.router, admin.router, upper.router, stream.router, lower.router):
+    for router in (meta.router, admin.router, upper.router, stream.router, lower.router, foreign.router):
         app.include_router(router)
     robots = PolicyStream(gateway, keys, settings.policy_stream)
     app.include_router(robots.router())  # robots: /v1/stream
