@@ -36,8 +36,9 @@ from typing import Any
 import anyio.to_thread
 import numpy as np
 from fastapi import APIRouter, WebSocket
+from pydantic import ValidationError
 
-from joynexus.api.errors import ApiError
+from joynexus.api.errors import ApiError, validation_problems
 from joynexus.api.streaming import CLOSE_POLICY, PolicyStream, _Refused
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.protocol import openpi_wire
@@ -201,6 +202,9 @@ class OpenPiStream(PolicyStream):
             result = await anyio.to_thread.run_sync(self.gateway.predict, tenant_id, request, abandon_on_cancel=True)
         except ObservationError as error:
             return f"invalid_input: {error.field}: {error.reason}"
+        except ValidationError as error:
+            problems = [(p.field, p.reason) for p in validation_problems(list(error.errors()), ())]
+            return "invalid_input: " + "; ".join(f"{f}: {r}" for f, r in problems[:5])
         except ApiError as error:
             details = "; ".join(f"{f}: {r}" for f, r in error.problems[:5])
             return f"{error.code}: {error.message}" + (f" ({details})" if details else "")

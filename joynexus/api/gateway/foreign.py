@@ -3,10 +3,11 @@ thin calls of the Master Service, its errors as API errors."""
 
 from __future__ import annotations
 
-from joynexus.api.errors import ApiError, NotFound
+from joynexus.api.errors import ApiError, NotFound, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import invalid_from
 from joynexus.master.service import TenantUnavailable
+from joynexus.master.workloads.manager import AdmissionRefused
 from joynexus.protocol import schemas as s
 
 
@@ -34,6 +35,8 @@ class ForeignOperations(GatewayBase):
             info = self.master.declare_evaluation(
                 targets, episodes=request.episodes, name=request.name, environment=request.environment
             )
+        except AdmissionRefused as error:
+            raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
         except (ValueError, TypeError) as error:
             raise invalid_from(error, "targets") from None
         return s.EvaluationDeclaration.model_validate(info)

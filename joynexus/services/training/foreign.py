@@ -70,6 +70,7 @@ def install_foreign_state(table: SlotTable, slot: TenantSlot, state: dict[str, t
     if adapter_state:
         table.backbone.adapters.load_state_dict(slot.config.tenant_id, adapter_state)
     slot.optimizer.state.clear()  # AdamW moments of the old weights mean nothing for these
+    table.pending_gradients.pop(slot.config.tenant_id, None)  # nor gradients taken on them
     table.issue_version(slot)
     # The provenance goes to MLflow (the Master tags the registered version): the checkpoint's
     # manifest stays what an export of this version says, byte for byte.
