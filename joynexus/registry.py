@@ -58,6 +58,8 @@ PAYLOAD_ARTIFACT_DIR = "tenant_payload"
 CANDIDATE_ALIAS = "candidate"
 CHAMPION_ALIAS = "champion"
 EVAL_TASK_TAG = "eval"  # tags.task of evaluation workload runs (joynexus.master.workloads.evaluation)
+COMPARISON_TASK_TAG = "evaluation-declaration"  # tags.task of a declaration's comparison run
+COMPARISON_TABLE_FILE = "comparison.json"
 HISTORY_TASK_TAG = "evaluation-history"  # tags.task of the per-tenant periodic-evaluation run
 # MLflow's per-request caps on log_batch (params / metrics).
 _MAX_PARAMS_PER_BATCH = 100
@@ -418,6 +420,20 @@ class ExperimentTracker:
             self.log_metrics(run_id, {**metrics, "registry_version": float(version)}, step=step)
             self.client.set_terminated(run_id, status="FINISHED")  # a finished run still takes points
         return run_id
+
+    def log_comparison_table(self, declaration_id: str, rows: list[dict[str, Any]], tags: dict[str, str]) -> str:
+        """An evaluation declaration's comparison table (one row per target tenant and version) as
+        ONE run with the table artifact ``comparison.json`` (`MlflowClient.log_table`). Returns the run id."""
+        run = self.client.create_run(
+            self.experiment_id,
+            tags={**tags, "task": COMPARISON_TASK_TAG, "declaration_id": declaration_id},
+            run_name=f"evaluation-{declaration_id}",
+        )
+        columns = sorted({key for row in rows for key in row})
+        data = {key: [row.get(key) for row in rows] for key in columns}
+        self.client.log_table(run.info.run_id, data=data, artifact_file=COMPARISON_TABLE_FILE)
+        self.client.set_terminated(run.info.run_id, status="FINISHED")
+        return run.info.run_id
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from joynexus.api.auth import ApiKeyStore, admin_key_from_env
 from joynexus.api.errors import install_exception_handlers
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware
-from joynexus.api.routers import admin, base_model, datasets, lower, meta, stream, upper
+from joynexus.api.openpi import OpenPiStream
+from joynexus.api.routers import admin, base_model, datasets, foreign, lower, meta, stream, upper
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import PolicyStream, TenantCounter
 from joynexus.connect import Cluster
@@ -82,11 +83,14 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.add_middleware(IdempotencyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(meta.metrics_router(public=settings.metrics_public))
-    for router in (meta.router, admin.router, upper.router, stream.router, lower.router):
+    for router in (meta.router, admin.router, upper.router, stream.router, lower.router, foreign.router):
         app.include_router(router)
     app.include_router(base_model.router)  # GET /v1/base_model: exports run outside JoyNexus
     app.include_router(datasets.router)  # /v1/datasets: tenant dataset uploads
-    app.include_router(PolicyStream(gateway, keys, settings.policy_stream).router())  # robots: /v1/stream
+    robots = PolicyStream(gateway, keys, settings.policy_stream)
+    app.include_router(robots.router())  # robots: /v1/stream
+    # openpi clients: /v1/openpi, the same limits and per-tenant connection counts as /v1/stream
+    app.include_router(OpenPiStream(gateway, keys, settings.policy_stream, robots.connections).router())
     return app
 
 

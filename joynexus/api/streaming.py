@@ -149,11 +149,22 @@ class TenantCounter:
 class PolicyStream:
     """The websocket endpoint; one instance per app (it holds the per-tenant connection counts)."""
 
-    def __init__(self, gateway: ApiGateway, keys: ApiKeyStore, settings: StreamSettings | None = None):
+    # Authorization schemes accepted on the upgrade request (lower case).
+    auth_schemes: tuple[str, ...] = ("bearer",)
+
+    def __init__(
+        self,
+        gateway: ApiGateway,
+        keys: ApiKeyStore,
+        settings: StreamSettings | None = None,
+        connections: TenantCounter | None = None,
+    ):
+        """`connections`: the per-tenant connection counts, shared with another robot endpoint
+        (/v1/openpi) so a tenant's limit covers its robots on both."""
         self.gateway = gateway
         self.keys = keys
         self.settings = settings or StreamSettings()
-        self.connections = TenantCounter()
+        self.connections = connections if connections is not None else TenantCounter()
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -208,18 +219,22 @@ class PolicyStream:
                 CLOSE_TOO_BIG, f"frame of {len(data)} bytes is over the limit of {self.settings.max_frame_bytes}"
             )
         try:
-            frame = msgpack_loads(data)
+            frame = self._decode(data)
         except WireError as error:
             raise _Refused(CLOSE_UNSUPPORTED, f"undecodable frame: {error.reason}") from None
         if not isinstance(frame, dict):
             raise _Refused(CLOSE_UNSUPPORTED, "a frame must be a msgpack map")
         return frame
 
+    def _decode(self, data: bytes) -> Any:
+        """A frame's bytes decoded (this endpoint's msgpack dialect)."""
+        return msgpack_loads(data)
+
     async def _authenticate(self, websocket: WebSocket) -> Principal:
         header = websocket.headers.get("authorization")
         if header is not None:
             scheme, _, key = header.partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
+            if scheme.lower() not in self.auth_schemes or not key.strip():
                 raise _Refused(CLOSE_POLICY, "malformed Authorization header: send 'Bearer <key>'")
             key = key.strip()
         else:

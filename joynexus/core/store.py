@@ -208,6 +208,23 @@ class WorkloadEventRecord(Base):
     time: Mapped[float] = mapped_column(Float)
 
 
+class EvaluationDeclarationRecord(Base):
+    """An evaluation declaration (paper 4.2): target tenants and versions, one evaluation workload
+    per target, and the comparison table once every one has ended."""
+
+    __tablename__ = "evaluation_declarations"
+
+    declaration_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    targets: Mapped[list] = mapped_column(JSON, default=list)  # [{tenant_id, version, workload_id}]
+    table: Mapped[list | None] = mapped_column(JSON, nullable=True)  # one row per target
+    run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 class ControlPlaneStore:
     """Owns the engine and session factory; `transaction()` is the only way code writes."""
 

@@ -121,6 +121,9 @@ class MasterService:
             options=self.options.health,
         ).start()
         self.workloads.on_unavailable = self.health_manager.check_now
+        from joynexus.master.evaluation_declarations import EvaluationDeclarations
+
+        self.declarations = EvaluationDeclarations(self.deployment, self.workloads)
 
     def _check_spend(self, tenant_id: str) -> None:
         from joynexus.master.usage import SpendCapReached
@@ -365,6 +368,43 @@ class MasterService:
         """Training -> inference weight sync of the tenant's current version (paper A.1)."""
         self.check_tenant(tenant_id)
         return self.workloads.publish_weights(tenant_id)
+
+
+    def install_weights(
+        self,
+        tenant_id: str,
+        weights: bytes,
+        *,
+        source: str,
+        installed_by: str,
+        config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Weights trained elsewhere (safetensors bytes of the tenant's state dict) as the tenant's
+        next version: checked, checkpointed, served, registered with provenance (`foreign_weights`).
+        Refused while a workload of the tenant runs (it would train over them)."""
+        from joynexus.master.foreign_weights import install_weights
+
+        tenant = self.check_tenant(tenant_id)
+        if self.workloads.count(tenant_id, "running"):
+            raise ValueError(f"tenant: {tenant_id!r} has a running workload; wait for it or cancel it first")
+        return install_weights(
+            self.deployment, tenant, weights, source=source, installed_by=installed_by, config=config
+        )
+
+    # -- evaluation declarations (paper 4.2) --------------------------------------------------------
+    def declare_evaluation(
+        self,
+        targets: list[dict[str, Any]],
+        *,
+        episodes: int = 4,
+        name: str = "",
+        environment: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Evaluate each target (tenant, version) on its simulator; one comparison table in MLflow."""
+        return self.declarations.declare(targets, episodes=episodes, name=name, environment=environment)
+
+    def get_evaluation(self, declaration_id: str) -> dict[str, Any]:
+        return self.declarations.get(declaration_id)
 
 
 def master_service_actor(settings: Settings, *, options: MasterOptions | None = None, detached: bool = False) -> Any:

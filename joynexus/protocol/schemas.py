@@ -435,3 +435,54 @@ class Health(_Response):
     status: str  # ok | degraded (a role is down or restoring) | down (the Master does not answer)
     version: str
     roles: dict[str, RoleHealth] = {}
+
+
+# -- foreign weights and evaluation declarations (issue 24.5) -----------------------------------
+
+
+class InstallWeightsRequest(_Request):
+    """Weights trained elsewhere for the tenant: `weights` is a safetensors file of the tenant's
+    state dict (the names, shapes and float dtypes of its action module, as `params/export`
+    gives them); `config`, when given, is the action-module config they were trained with (each
+    field must equal the tenant's); `source` says where they come from (MLflow tag `source`)."""
+
+    weights: WireBytes
+    source: str = Field(min_length=1, max_length=512)
+    config: dict[str, Any] | None = None
+
+
+class InstalledWeights(_Response):
+    tenant_id: str
+    version: int  # the tenant's new policy version (served and checkpointed)
+    registered_version: int  # the MLflow registered-model version
+    sha256: str  # of the uploaded bytes (MLflow tag `sha256`)
+    source: str
+    installed_by: str  # "tenant" or "admin"
+    manifest_digest: str
+
+
+class EvaluationTarget(_Request):
+    tenant_id: str = Field(max_length=64)
+    version: int | None = Field(default=None, ge=0)  # None: the latest served version, resolved once
+
+
+class EvaluationDeclare(_Request):
+    """An evaluation declaration (paper 4.2): each target evaluated on its tenant's simulator with
+    the same seeded episodes; one comparison table in MLflow when all have ended."""
+
+    targets: list[EvaluationTarget] = Field(min_length=1, max_length=32)
+    episodes: int = Field(default=4, ge=1, le=1000)
+    name: str = Field(default="", max_length=128)
+    environment: dict[str, Any] | None = None  # one simulator for every target; None: each tenant's own
+
+
+class EvaluationDeclaration(_Response):
+    declaration_id: str
+    name: str = ""
+    state: Literal["running", "completed", "failed"]
+    targets: list[dict[str, Any]]  # {tenant_id, version (resolved), workload_id}
+    table: list[dict[str, Any]] | None = None  # one row per target once completed
+    run_id: str | None = None  # the MLflow run holding comparison.json
+    error: str | None = None
+    created_at: str | None = None
+    finished_at: str | None = None

@@ -333,3 +333,62 @@ def test_predict_on_ray_answers_in_the_datasets_units(ray_api: RayApi):
     tags = ExperimentTracker(local_tracking_uri(ray_api.data_dir)).model_version_tags("ray-units", 1)
     assert tags["normalization.action"] == "MEAN_STD" and tags["normalization.source"] == "meta/stats.json", tags
     assert actions.std(0)[1] > 300 * actions.std(0)[0]
+
+
+def test_openpi_clients_and_foreign_weights_run_on_the_resident_services(ray_api: RayApi, trained: Trained):
+    """Issue 24.4 / 24.5 on the Ray path: /v1/openpi answered by the resident Inference Model
+    Service; foreign weights installed through the Master actor as a new version (checkpointed,
+    served, registered in MLflow with source / sha256); an evaluation declaration's comparison
+    table written by the Master actor."""
+    import base64
+    import hashlib
+
+    import torch
+    from safetensors.torch import save as save_safetensors
+    from starlette.websockets import WebSocketDisconnect
+
+    from joynexus.models.action_modules import build_action_module
+    from joynexus.protocol import openpi_wire
+    from joynexus.registry import ExperimentTracker
+
+    sft = trained.sft
+    batch = sample_batch(sft.spec, 1, seed=5)
+    obs = {"images": {"front": (batch["images"][0, 0] * 255).astype(np.uint8)}, "state": batch["state"][0]}
+    with ray_api.client.websocket_connect("/v1/openpi", headers={"Authorization": f"Api-Key {sft.api_key}"}) as ws:
+        assert openpi_wire.unpack(ws.receive_bytes())["tenant_id"] == sft.tenant_id
+        ws.send_bytes(openpi_wire.pack(obs))
+        answer = openpi_wire.unpack(ws.receive_bytes())
+    assert answer["actions"].shape == (2, 3) and answer["policy_version"] == 1, answer
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with ray_api.client.websocket_connect("/v1/openpi", headers={"Authorization": "Api-Key nope"}) as ws:
+            ws.receive_bytes()
+    assert refused.value.code == 1008
+
+    torch.manual_seed(3)
+    module_config = ray_api.cluster.master.get_tenant(sft.tenant_id).backend_config.action_module
+    weights = save_safetensors(build_action_module(module_config).state_dict())
+    body = {"weights": base64.b64encode(weights).decode(), "source": "s3://elsewhere/policy.safetensors"}
+    response = ray_api.client.post("/v1/weights/install", json=body, headers=sft.headers)
+    assert response.status_code == 201, response.text
+    installed = response.json()
+    assert installed["version"] == 2 and installed["sha256"] == hashlib.sha256(weights).hexdigest()
+    assert 2 in ray_api.client.get("/v1/versions", headers=sft.headers).json()["serving_versions"]
+    tracker = ExperimentTracker(ray_api.cluster.settings.resolved_mlflow_uri())
+    tags = tracker.model_version_tags(sft.tenant_id, installed["registered_version"])
+    assert tags["source"] == body["source"] and tags["sha256"] == installed["sha256"]
+
+    declared = ray_api.client.post(
+        "/v1/admin/evaluations",
+        json={"targets": [{"tenant_id": trained.rl.tenant_id}], "episodes": 1, "name": "ray"},
+        headers=ADMIN,
+    )
+    assert declared.status_code == 202, declared.text
+    declaration = declared.json()
+    deadline = time.monotonic() + 120
+    while declaration["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        declaration = ray_api.client.get(f"/v1/evaluations/{declaration['declaration_id']}", headers=ADMIN).json()
+    assert declaration["state"] == "completed", declaration
+    (row,) = declaration["table"]
+    assert row["tenant_id"] == trained.rl.tenant_id and row["state"] == "completed" and row["episodes"] == 1
+    assert declaration["run_id"] and tracker.client.list_artifacts(declaration["run_id"])

@@ -18,6 +18,7 @@ tenant would reach raises the same `NotFound` as an id that does not exist.
 | `queue.py` | Training Queue partitions |
 | `environment.py` | environment sessions |
 | `tensors.py` | request tensors against the tenant's schema; results onto the wire |
+| `foreign.py` | install foreign weights (tenant or admin), evaluation declarations |
 | `service_errors.py` | service exceptions as API errors |
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from joynexus.api.gateway.base import ApiLimits
 from joynexus.api.gateway.environment import EnvironmentOperations
+from joynexus.api.gateway.foreign import ForeignOperations
 from joynexus.api.gateway.inference import InferenceOperations
 from joynexus.api.gateway.queue import QueueOperations
 from joynexus.api.gateway.tenants import TenantOperations, tenant_info
@@ -41,6 +43,7 @@ class ApiGateway(
     InferenceOperations,
     QueueOperations,
     EnvironmentOperations,
+    ForeignOperations,
 ):
     """Every tenant-scoped operation of the API over one deployment (`GatewayBase` holds the state)."""
 

@@ -7,6 +7,7 @@
 | `upper.py` | the caller's tenant, workloads, versions and exports, manifests, usage |
 | `stream.py` | a workload's events as Server-Sent Events |
 | `lower.py` | training primitives, load_weights, predict, Training Queue, environment sessions |
+| `foreign.py` | foreign weights install (tenant, admin), evaluation declarations |
 | `dependencies.py`, `responses.py` | auth and app-state dependencies, path types; JSON / msgpack answers |
 
 Every route reads what it needs from `request.app.state` through `Depends` (`dependencies.py`).

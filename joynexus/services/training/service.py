@@ -52,6 +52,7 @@ from joynexus.models.placement import DevicePlacement, cpu_copy
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.residency import DEFAULT_MAX_RESIDENT_TENANTS, ResidencyLimits, pins_during_call
+from joynexus.services.training.foreign import ForeignWeightsError, install_foreign_state
 from joynexus.services.training.grouped import GroupTrainer
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS, ActiveSlots
 from joynexus.services.training.primitives import LowerLayerPrimitives
@@ -282,6 +283,20 @@ class TrainingModelService:
             with self._slots.scope():
                 manifests.append(manifest_dict(self.slot_table.save(self._slot(tenant_id), include_optim)))
         return manifests
+
+    @pins_during_call("_slots")
+    def install_weights(self, tenant_id: str, weights: bytes) -> dict[str, Any]:
+        """Install weights trained elsewhere (safetensors bytes of the tenant's state dict) as the
+        tenant's next version, checkpointed; each tensor is checked against the slot's own
+        (`foreign.check_foreign_state`: names, shapes, float dtypes, finite). Returns the manifest."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_safetensors
+
+        try:
+            state = load_safetensors(bytes(weights))
+        except (SafetensorError, ValueError, RuntimeError) as error:
+            raise ForeignWeightsError("weights", f"not a safetensors file: {error}") from None
+        return manifest_dict(install_foreign_state(self.slot_table, self._slot(tenant_id), state))
 
     # -- lower-layer composition primitives (used by joynexus/api) ---------------------------
     @pins_during_call("_slots")
