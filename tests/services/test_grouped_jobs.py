@@ -43,7 +43,14 @@ def specs(tmp_path_factory):
     return out
 
 
-def _world(path, specs):
+SERIAL = "-serial"  # a copy of each tenant (same seed, same dataset) trained one job at a time
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, specs):
+    """One Training Model Service with each tenant of SHAPES and its serial copy (module scope: the
+    tests run in order, the NaN test last)."""
+    path = tmp_path_factory.mktemp("grouped")
     queue = TrainingQueue()
     service = TrainingModelService(BackboneSource(preset="tiny"), path / "ckpt", queue=queue, num_threads=1)
     store = ControlPlaneStore(f"sqlite:///{path / 'control.db'}")
@@ -51,72 +58,64 @@ def _world(path, specs):
     creator = TenantCreator(store, scheduler, BackendCapabilities.single(service.capabilities()))
     producers = {}
     for name, spec in specs.items():
-        tenant = creator.create({**spec, "base_model": service.backbone.model_id})
-        service.add_tenant(tenant.backend_config)
-        data = tenant.spec.dataset
-        producers[name] = SFTProducer.from_dataset(
-            tenant.backend_config, scheduler, service_handle(TrainingQueue, queue), data.root, data.repo_id
-        )
-    return {"queue": queue, "service": service, "scheduler": scheduler, "producers": producers, "store": store}
+        for tenant_id in (name, name + SERIAL):
+            tenant = creator.create({**spec, "tenant": tenant_id, "base_model": service.backbone.model_id})
+            service.add_tenant(tenant.backend_config)
+            data = tenant.spec.dataset
+            producers[tenant_id] = SFTProducer.from_dataset(
+                tenant.backend_config, scheduler, service_handle(TrainingQueue, queue), data.root, data.repo_id
+            )
+    yield {"queue": queue, "service": service, "scheduler": scheduler, "producers": producers}
+    store.dispose()
 
 
-@pytest.fixture
-def worlds(tmp_path, specs):
-    """Two identical deployments: one trains in groups, the other one job at a time."""
-    (tmp_path / "g").mkdir()
-    (tmp_path / "s").mkdir()
-    grouped, serial = _world(tmp_path / "g", specs), _world(tmp_path / "s", specs)
-    yield grouped, serial
-    grouped["store"].dispose()
-    serial["store"].dispose()
+def _produce(world, suffix=""):
+    return {name: world["producers"][name + suffix].produce_once() for name in SHAPES}
 
 
-def _produce_all(world):
-    return {name: producer.produce_once() for name, producer in world["producers"].items()}
-
-
-def test_several_tenants_train_as_one_group_equal_to_one_at_a_time(worlds):
-    grouped, serial = worlds
-    jobs = _produce_all(grouped)
-    _produce_all(serial)
-    outcomes = ActorLoop(grouped["scheduler"], grouped["service"], group_max=8).step_all()
+def test_several_tenants_train_as_one_group_equal_to_one_at_a_time(world):
+    service, scheduler = world["service"], world["scheduler"]
+    jobs = _produce(world)
+    outcomes = ActorLoop(scheduler, service, group_max=8).step_all()
     assert [o.job.job_id for o in outcomes] == [jobs[n].job_id for n in SHAPES]  # lease (FIFO) order
     assert [o.state for o in outcomes] == [COMPLETED] * 3
     assert all(o.metrics["group_size"] == 3 for o in outcomes)
-    assert all(not grouped["queue"].has_partition(j.partition_id) for j in jobs.values())
+    assert all(not world["queue"].has_partition(j.partition_id) for j in jobs.values())
 
-    one_at_a_time = ActorLoop(serial["scheduler"], serial["service"], group_max=1)
+    _produce(world, SERIAL)
+    one_at_a_time = ActorLoop(scheduler, service, group_max=1)
     serial_outcomes = [one_at_a_time.step() for _ in SHAPES]
     assert [o.state for o in serial_outcomes] == [COMPLETED] * 3
     assert one_at_a_time.step(wait_s=0.01) is None
 
     for name, g, s in zip(SHAPES, outcomes, serial_outcomes, strict=True):
-        assert g.job.tenant_id == s.job.tenant_id == name
+        assert (g.job.tenant_id, s.job.tenant_id) == (name, name + SERIAL)
         assert g.metrics["version"] == s.metrics["version"] == 1  # one version per job, as train_job
         assert g.metrics["samples"] == s.metrics["samples"] == 24
-        assert g.metrics["optimizer_steps"] == s.metrics["optimizer_steps"]
+        assert g.metrics["optimizer_steps"] == s.metrics["optimizer_steps"] == (3 if name == "arm-a" else 2)
         torch.testing.assert_close(torch.tensor(g.metrics["losses"]), torch.tensor(s.metrics["losses"]))
-        g_state, s_state = grouped["service"].tenant_state(name), serial["service"].tenant_state(name)
+        g_state, s_state = service.tenant_state(name), service.tenant_state(name + SERIAL)
         for key, value in s_state["module"].items():
             torch.testing.assert_close(g_state["module"][key], value, rtol=1e-5, atol=1e-5)
 
 
-def test_a_nan_tenant_fails_alone(worlds):
-    grouped, _ = worlds
-    service = grouped["service"]
+def test_a_nan_tenant_fails_alone(world):
+    service = world["service"]
+    versions = {name: service.policy_version(name) for name in SHAPES}
     with torch.no_grad():  # arm-b's module now yields a NaN loss
         for param in service.slot_table.slot("arm-b").module.parameters():
             param.fill_(float("nan"))
-    jobs = _produce_all(grouped)
-    outcomes = {o.job.tenant_id: o for o in ActorLoop(grouped["scheduler"], service).step_all()}
+    jobs = _produce(world)
+    outcomes = {o.job.tenant_id: o for o in ActorLoop(world["scheduler"], service).step_all()}
     assert outcomes["arm-b"].state == FAILED and "non-finite" in outcomes["arm-b"].reason
     assert outcomes["arm-a"].state == outcomes["flow-c"].state == COMPLETED
     assert outcomes["arm-a"].metrics["group_size"] == 3
-    assert service.policy_version("arm-a") == service.policy_version("flow-c") == 1
-    assert service.policy_version("arm-b") == 0  # no step applied
+    assert service.policy_version("arm-a") == versions["arm-a"] + 1
+    assert service.policy_version("flow-c") == versions["flow-c"] + 1
+    assert service.policy_version("arm-b") == versions["arm-b"]  # no step applied
     for job in jobs.values():  # every terminal outcome clears its partition
-        assert not grouped["queue"].has_partition(job.partition_id)
-    assert grouped["scheduler"].get(jobs["arm-b"].job_id).state == FAILED
+        assert not world["queue"].has_partition(job.partition_id)
+    assert world["scheduler"].get(jobs["arm-b"].job_id).state == FAILED
 
 
 def _reserve_ready(sched, tenant, task="sft", **kw):

@@ -33,8 +33,8 @@ def _value(name: str, labels: dict[str, str] | None = None) -> float:
 
 def test_training_service_reports_steps_jobs_and_samples(world):
     """`world` (tests/services/conftest.py): one Training Model Service with tenants alpha, beta."""
-    from tests.services.test_training_service import producer
     from joynexus.master.loops.actor_loop import ActorLoop
+    from tests.services.test_training_service import producer
 
     jobs_before = _value("joynexus_training_jobs_total", {"tenant": "alpha"})
     samples_before = _value("joynexus_training_samples_total", {"tenant": "alpha"})
