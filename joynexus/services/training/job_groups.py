@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from joynexus.core.metering import split_group_seconds
 from joynexus.core.service_metrics import service_metrics
 from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.training.grouped import GroupTrainer
@@ -49,7 +50,8 @@ class JobGroupTrainer:
         self.grouped = GroupTrainer(trainer, table, issue_versions=False)
 
     def train_jobs(self, jobs: list[TrainingJob | dict[str, Any]]) -> list[dict[str, Any]]:
-        """Results in the order of `jobs`: `train_job`'s fields plus `group_size`, or
+        """Results in the order of `jobs`: `train_job`'s fields plus `group_size` and
+        `group_seconds` (`seconds`: the job's share of the group's time, by samples), or
         {job_id, tenant_id, error} for a job that failed."""
         queue = self.trainer.queue
         if queue is None:
@@ -82,8 +84,12 @@ class JobGroupTrainer:
             if not batch:
                 break
             self._round(batch)
-        for run in running:
-            results[run.job.job_id] = self._finish(run, group_size, time.perf_counter() - started)
+        # A job's `seconds` (metered as its tenant's training device-seconds) is its share of the
+        # group's time by samples, as grouped inference splits a shared batch; `group_seconds` is all of it.
+        group_seconds = time.perf_counter() - started
+        shares = split_group_seconds(group_seconds, [run.samples for run in running])
+        for run, share in zip(running, shares, strict=True):
+            results[run.job.job_id] = self._finish(run, group_size, share, group_seconds)
         return [results[job.job_id] for job in parsed]
 
     def _alone(self, job: TrainingJob) -> dict[str, Any]:
@@ -131,7 +137,7 @@ class JobGroupTrainer:
             except Exception as exc:
                 run.error = f"{type(exc).__name__}: {exc}"
 
-    def _finish(self, run: _Running, group_size: int, seconds: float) -> dict[str, Any]:
+    def _finish(self, run: _Running, group_size: int, seconds: float, group_seconds: float) -> dict[str, Any]:
         job, slot = run.job, run.slot
         if run.losses:
             # Steps taken changed the parameters: number them, even when the job failed later on.
@@ -153,6 +159,7 @@ class JobGroupTrainer:
             "seconds": seconds,
             "checkpoint_version": manifest.policy_version if manifest else None,
             "group_size": group_size,
+            "group_seconds": group_seconds,
         }
         service_metrics().observe_job(job, result, run.start_version)
         return result
