@@ -199,6 +199,8 @@ class TenantWork:
     env_steps: int
     train_busy_s: float
     update_s: list[float]  # train_job seconds of each completed job
+    # Tenants trained with it in one grouped step (the actor loop's `train_jobs`; 1: alone), per job.
+    group_sizes: list[int] = field(default_factory=list)
 
     def work(self) -> tuple[int, int, int, int]:
         """What must be equal both ways."""
@@ -393,6 +395,7 @@ def run_deployment(
                 env_steps=usage.env_steps,
                 train_busy_s=usage.device_seconds.training,
                 update_s=[float(j.result["seconds"]) for j in done if j.result],
+                group_sizes=[int((j.result or {}).get("group_size", 1)) for j in done],
             )
         measure = RunMeasure(
             label=label,
@@ -1218,6 +1221,10 @@ def measure_pair(
             )
         finished = ", ".join(f"{tid} {times[-1]:.1f} s" for tid, times in together.completions_s.items() if times)
         print(f"  together: {together.wall_s:.2f} s (last update per tenant: {finished})", flush=True)
+        sizes = [n for work in together.tenants.values() for n in work.group_sizes]
+        grouped = sum(1 for n in sizes if n > 1)
+        print(f"  together: {grouped} of {len(sizes)} jobs trained in grouped steps (JOYNEXUS_TRAINING_GROUP_MAX; "
+              f"mean group size {sum(sizes) / max(1, len(sizes)):.2f}; RL updates train alone)", flush=True)
 
     for run in (run_together, run_isolated) if together_first else (run_isolated, run_together):
         run()
