@@ -18,7 +18,8 @@ the producers' pace (the Master's producers read datasets on this same machine).
 Figures, per N and setting: wall = seconds of `ActorLoop.step_all` calls until all N x jobs jobs
 are terminal; jobs/s = completed jobs / wall; the mean group size of the completed jobs (their
 results' `group_size`; 1 for jobs trained alone); ratio grouped / one-at-a-time, side by side in one
-run (the one-at-a-time run of each N first). Every job must complete (checked).
+run. `--repeats R` runs R pairs per N, alternating which setting goes first, and pools them (all
+jobs / all wall). Every job must complete (checked).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class Measure:
         return self.jobs / self.wall_s
 
 
-def run_tier(path: TrainingPath, dataset: Path, n: int, jobs: int, group_max: int, timeout_s: float) -> Measure:
+def run_tier(
+    path: TrainingPath, dataset: Path, n: int, jobs: int, group_max: int, timeout_s: float, tag: str = ""
+) -> Measure:
     """N fresh tenants with `jobs` ready jobs each; the actor loop's wall to finish them all."""
     from joynexus.master.loops.actor_loop import ActorLoop
     from joynexus.master.loops.sft_producer import SFTProducer
@@ -137,7 +140,7 @@ def run_tier(path: TrainingPath, dataset: Path, n: int, jobs: int, group_max: in
     model_id = path.service.backbone_info()["model_id"]
     all_jobs = []
     for i in range(n):
-        spec = tenant_spec(f"tp{n}-g{group_max}-{i}", dataset, model_id, jobs, seed=i)
+        spec = tenant_spec(f"tp{n}-g{group_max}{tag}-{i}", dataset, model_id, jobs, seed=i)
         tenant = path.creator.create(spec)
         path.service.add_tenant(tenant.backend_config)
         producer = SFTProducer.from_dataset(tenant.backend_config, path.scheduler, path.queue, dataset,
@@ -160,6 +163,12 @@ def run_tier(path: TrainingPath, dataset: Path, n: int, jobs: int, group_max: in
     return Measure(group_max, n, len(outcomes), wall, sum(sizes) / len(sizes))
 
 
+def _pooled(runs: list[Measure]) -> Measure:
+    jobs = sum(m.jobs for m in runs)
+    size = sum(m.mean_group_size * m.jobs for m in runs) / jobs
+    return Measure(runs[0].group_max, runs[0].tenants, jobs, sum(m.wall_s for m in runs), size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tenants", default="2,4,8")
@@ -168,6 +177,7 @@ def main() -> None:
     parser.add_argument("--mode", default="ray", choices=("ray", "inprocess"))
     parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--repeats", type=int, default=1, help="pairs per N, alternating which setting goes first")
     args = parser.parse_args()
     counts = [int(x) for x in args.tenants.split(",")]
     run_dir = (args.out / f"training-throughput-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -175,17 +185,20 @@ def main() -> None:
     results: list[Measure] = []
     with open_training_path(args.mode, run_dir / "deployment") as path:
         for n in counts:
-            for group_max in (1, args.group_max):
-                m = run_tier(path, dataset, n, args.jobs, group_max, args.timeout)
-                results.append(m)
-                print(f"group_max={group_max} tenants={n}: {m.jobs} jobs in {m.wall_s:.2f} s = "
-                      f"{m.jobs_per_s:.3f} jobs/s, mean group size {m.mean_group_size:.2f}", flush=True)  # fmt: skip
+            for r in range(args.repeats):
+                order = (1, args.group_max) if r % 2 == 0 else (args.group_max, 1)
+                for group_max in order:
+                    m = run_tier(path, dataset, n, args.jobs, group_max, args.timeout, tag=f"r{r}")
+                    results.append(m)
+                    print(f"group_max={group_max} tenants={n}: {m.jobs} jobs in {m.wall_s:.2f} s = "
+                          f"{m.jobs_per_s:.3f} jobs/s, mean group size {m.mean_group_size:.2f}",
+                          flush=True)  # fmt: skip
     print(f"\ntraining throughput ({args.mode}, tiny backbone, {SAMPLES_PER_JOB} samples/job, "
           f"microbatch {MICROBATCH}, {args.jobs} jobs/tenant, load average {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"{'tenants':>8} {'1-at-a-time jobs/s':>19} {'grouped jobs/s':>15} {'ratio':>7} {'mean group':>11}")
-    for n in counts:
-        one = next(m for m in results if m.tenants == n and m.group_max == 1)
-        grouped = next(m for m in results if m.tenants == n and m.group_max == args.group_max)
+    for n in counts:  # pooled over repeats: all jobs / all wall
+        one = _pooled([m for m in results if m.tenants == n and m.group_max == 1])
+        grouped = _pooled([m for m in results if m.tenants == n and m.group_max == args.group_max])
         print(f"{n:>8} {one.jobs_per_s:>19.3f} {grouped.jobs_per_s:>15.3f} "
               f"{grouped.jobs_per_s / one.jobs_per_s:>6.2f}x {grouped.mean_group_size:>11.2f}")  # fmt: skip
     (run_dir / "results.json").write_text(
