@@ -199,6 +199,8 @@ class TenantWork:
     env_steps: int
     train_busy_s: float
     update_s: list[float]  # train_job seconds of each completed job
+    # Tenants trained with it in one grouped step (the actor loop's `train_jobs`; 1: alone), per job.
+    group_sizes: list[int] = field(default_factory=list)
 
     def work(self) -> tuple[int, int, int, int]:
         """What must be equal both ways."""
@@ -393,6 +395,7 @@ def run_deployment(
                 env_steps=usage.env_steps,
                 train_busy_s=usage.device_seconds.training,
                 update_s=[float(j.result["seconds"]) for j in done if j.result],
+                group_sizes=[int((j.result or {}).get("group_size", 1)) for j in done],
             )
         measure = RunMeasure(
             label=label,
@@ -1003,7 +1006,7 @@ def measured_summary(pairs: list[Pair]) -> dict[str, Any]:
 PROFILE_RATE_HZ = 100
 # (category, what a sample's stack contains), first match wins: the bookkeeping after a job first
 # (it runs inside `_on_outcome`), then the loop's own calls. "train_job" and "policy_version" are
-# told apart by the line of ActorLoop.step they are called from (a Ray call's frame is the handle's).
+# told apart by the line of the ActorLoop step they are called from (a Ray call's frame is the handle's).
 ACTOR_LOOP_CATEGORIES = (
     ("weight sync (export_params + load_weights)", "_publish_weights"),
     ("MLflow logging", "ExperimentTracker."),
@@ -1039,11 +1042,12 @@ def stop_profile(sampler: Any) -> None:
 
 
 def _step_call_lines() -> dict[int, str]:
-    """Lines of ActorLoop.step that call the Training Model Service, read from this tree's source."""
+    """Lines of the ActorLoop steps that call the Training Model Service, read from this tree's source
+    (`train_jobs`, a grouped step, counts as training too)."""
     source = Path(__file__).resolve().parents[1] / "joynexus" / "master" / "loops" / "actor_loop.py"
     lines: dict[int, str] = {}
     for number, line in enumerate(source.read_text().splitlines(), start=1):
-        if "self.service.train_job(" in line:
+        if "self.service.train_job(" in line or "self.service.train_jobs(" in line:
             lines[number] = "train_job (the Training Model Service training)"
         elif "self.service.policy_version(" in line:
             lines[number] = "policy_version call"
@@ -1055,7 +1059,7 @@ def actor_loop_breakdown(profile: Path, jobs: int) -> dict[str, Any]:
     milliseconds per completed job. Samples are taken at PROFILE_RATE_HZ, idle ones included."""
     import re
 
-    step_line = re.compile(r"ActorLoop\.step \([^)]*actor_loop\.py:(\d+)\)")
+    step_line = re.compile(r"ActorLoop\.(?:step|step_all|_single|_group) \([^)]*actor_loop\.py:(\d+)\)")
     call_lines = _step_call_lines()
     samples: dict[str, int] = {}
     total = 0
@@ -1218,6 +1222,10 @@ def measure_pair(
             )
         finished = ", ".join(f"{tid} {times[-1]:.1f} s" for tid, times in together.completions_s.items() if times)
         print(f"  together: {together.wall_s:.2f} s (last update per tenant: {finished})", flush=True)
+        sizes = [n for work in together.tenants.values() for n in work.group_sizes]
+        grouped = sum(1 for n in sizes if n > 1)
+        print(f"  together: {grouped} of {len(sizes)} jobs trained in grouped steps (JOYNEXUS_TRAINING_GROUP_MAX; "
+              f"mean group size {sum(sizes) / max(1, len(sizes)):.2f}; RL updates train alone)", flush=True)
 
     for run in (run_together, run_isolated) if together_first else (run_isolated, run_together):
         run()

@@ -250,6 +250,11 @@ class Settings(BaseModel):
     max_active_tenants: int = Field(
         default_factory=lambda: _env_int("JOYNEXUS_MAX_ACTIVE_TENANTS", 64), ge=1, validate_default=True
     )
+    # Grouped training (paper 5.2): how many tenants' ready jobs the actor loop trains in one group
+    # (one shared backbone forward per round); 1 trains one job at a time.
+    training_group_max: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_TRAINING_GROUP_MAX", 8), ge=1, validate_default=True
+    )
     spill_dir: Path | None = Field(
         default_factory=lambda: Path(v).resolve() if (v := os.environ.get("JOYNEXUS_SPILL_DIR", "").strip()) else None
     )

@@ -36,6 +36,7 @@ from joynexus.core.store import (
     TrainingPolicyRecord,
     utcnow,
 )
+from joynexus.scheduling.job_grouping import lease_companions
 from joynexus.scheduling.training_jobs import (
     COMPLETED,
     COMPUTING_ACTOR_FORWARD,
@@ -240,6 +241,13 @@ class TrainingScheduler:
         """Highest priority ready job, FIFO by ready_seq within a priority."""
         order = ("-priority", "ready_seq")
         return self._lease(READY, LEASED, list(domains), consumer_role, owner, order)
+
+    def lease_companions(
+        self, first: TrainingJob, max_n: int, *, domains: Iterable[str] = ("vla",), owner: str = ""
+    ) -> list[TrainingJob]:
+        """Up to `max_n` more ready jobs to train in one group with `first` (other tenants, same
+        group key, lease order; `scheduling.job_grouping`)."""
+        return lease_companions(self, first, max_n, domains=domains, owner=owner)
 
     def wait_for_ready(
         self, *, consumer_role: str = "actor", domains: Iterable[str] = ("vla",), timeout_s: float = 1.0

@@ -138,8 +138,9 @@ def test_sft_loss_falls_on_a_learnable_dataset(world):
     for _ in range(6):
         for name in losses:
             producer(world, name).produce_once()
-        for _ in losses:
-            outcome = ActorLoop(sched, service).step()
+        outcomes = ActorLoop(sched, service).step_all()  # both tenants' jobs, as one group
+        assert len(outcomes) == 2
+        for outcome in outcomes:
             assert outcome.state == COMPLETED, outcome.reason
             losses[outcome.job.tenant_id] += outcome.metrics["losses"]
     for name, series in losses.items():

@@ -1,10 +1,18 @@
 """The actor loop (paper Fig. 6/7 right, Appendix A.6): lease the next ready job of any tenant,
 drop it if its behavior policy is too stale (eq. 1), otherwise let the Training Model Service train
-it; every outcome reaches a terminal state, which releases the job's partition."""
+it; every outcome reaches a terminal state, which releases the job's partition.
+
+Grouped training (paper 5.2): with `group_max` > 1 the loop also leases up to `group_max` - 1 ready
+jobs of other tenants with the head job's group key (`TrainingScheduler.lease_companions`: lease
+order, one job per tenant, only admitted jobs) and steps them together (`train_jobs`: one shared
+backbone forward per round). Every job still gets its own staleness check and its own terminal
+outcome: one tenant's NaN or failure fails that job only. A head job with no companion trains
+alone (`train_job`), as with `group_max` = 1."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +26,23 @@ log = logging.getLogger(__name__)
 
 POLICY_STALE = "policy_stale"
 LOST = "lost"  # the actor's lease was taken back (job abandoned or re-queued); not a terminal outcome
+
+# How many tenants' jobs one grouped step may train together; 1 trains one job at a time.
+DEFAULT_TRAINING_GROUP_MAX = 8
+
+
+def training_group_max_from_env() -> int:
+    """JOYNEXUS_TRAINING_GROUP_MAX (default 8; 1 = one job at a time)."""
+    text = os.environ.get("JOYNEXUS_TRAINING_GROUP_MAX", "").strip()
+    if not text:
+        return DEFAULT_TRAINING_GROUP_MAX
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"JOYNEXUS_TRAINING_GROUP_MAX must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"JOYNEXUS_TRAINING_GROUP_MAX must be an integer >= 1, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -51,7 +76,10 @@ class ActorLoop:
         max_attempts: int = 3,
         service_restarting: Callable[[Exception, str], bool] | None = None,
         retired: threading.Event | None = None,
+        group_max: int | None = None,
     ):
+        """`group_max`: how many tenants' jobs one step may train together (None: from
+        JOYNEXUS_TRAINING_GROUP_MAX, default 8; 1: one job at a time)."""
         self.scheduler = scheduler
         self.service = training_service
         self.owner = owner
@@ -67,15 +95,38 @@ class ActorLoop:
         # Set when the Health Manager replaced this loop (it stopped beating): a job it still holds
         # was re-queued for the replacement, so it must not train it too.
         self.retired = retired
+        self.group_max = training_group_max_from_env() if group_max is None else group_max
+        if self.group_max < 1:
+            raise ValueError(f"group_max must be >= 1, got {self.group_max}")
 
     def step(self, wait_s: float = 0.5) -> ActorOutcome | None:
-        """Lease, train and finish one job. Every scheduler call names this loop's owner, so a job
-        abandoned or re-queued while it trained is not resurrected: that comes back as a `lost`
-        outcome, which `on_outcome` does not see (the job's real outcome is someone else's)."""
+        """Lease, train and finish the next job (and its companions, `step_all`); the head job's
+        outcome. Every scheduler call names this loop's owner, so a job abandoned or re-queued while
+        it trained is not resurrected: that comes back as a `lost` outcome, which `on_outcome` does
+        not see (the job's real outcome is someone else's)."""
+        outcomes = self.step_all(wait_s)
+        return outcomes[0] if outcomes else None
+
+    def step_all(self, wait_s: float = 0.5) -> list[ActorOutcome]:
+        """Lease the head job and up to `group_max` - 1 companions, train them, finish each; their
+        outcomes, head first ([] when no job was ready within `wait_s`)."""
         job = self.scheduler.lease_next(consumer_role="actor", domains=self.domains, owner=self.owner)
         if job is None:
             self.scheduler.wait_for_ready(consumer_role="actor", domains=self.domains, timeout_s=wait_s)
-            return None
+            return []
+        companions: list[TrainingJob] = []
+        if self.group_max > 1:
+            try:
+                companions = self.scheduler.lease_companions(
+                    job, self.group_max - 1, domains=self.domains, owner=self.owner
+                )
+            except Exception:  # the head job still trains; companions are an optimization
+                log.exception("leasing companions of job %s failed", job.job_id)
+        if not companions:
+            return [self._single(job)]
+        return self._group([job, *companions])
+
+    def _single(self, job: TrainingJob) -> ActorOutcome:
         try:
             actor_version = self.service.policy_version(job.tenant_id)
             if self.retired is not None and self.retired.is_set():
@@ -85,28 +136,76 @@ class ActorLoop:
                 outcome = ActorOutcome(dropped, "dropped", None, POLICY_STALE)
             else:
                 metrics = self.service.train_job(job)
-                result = {k: v for k, v in metrics.items() if k != "losses"}
-                result["mean_loss"] = sum(metrics["losses"]) / len(metrics["losses"])
-                done = self.scheduler.complete(job.job_id, result, owner=self.owner)
+                done = self.scheduler.complete(job.job_id, _job_result(metrics), owner=self.owner)
                 outcome = ActorOutcome(done, "completed", metrics, None)
         except InvalidTransition as lost:
             return self._lost(job, lost)
         except Exception as error:  # one tenant's failure must not stop the actor for the others
-            if self.service_restarting(error, job.tenant_id):
-                return self._give_back(job, error)
-            cause = getattr(error, "cause", None) or error  # unwrap Ray's RayTaskError
-            reason = f"{type(cause).__name__}: {cause}"
-            log.warning("training job %s of tenant %s failed: %s", job.job_id, job.tenant_id, reason)
+            return self._failed_or_given_back(job, error)
+        return self._notify(outcome)
+
+    def _group(self, jobs: list[TrainingJob]) -> list[ActorOutcome]:
+        """Train several tenants' jobs in one `train_jobs` call; each job's outcome is its own."""
+        outcomes: dict[str, ActorOutcome] = {}
+        train: list[TrainingJob] = []
+        for job in jobs:
             try:
-                failed = self.scheduler.fail(job.job_id, reason, owner=self.owner)
-                outcome = ActorOutcome(failed, "failed", None, reason)
+                actor_version = self.service.policy_version(job.tenant_id)
+                if self.retired is not None and self.retired.is_set():
+                    outcomes[job.job_id] = self._lost(job, InvalidTransition(job.job_id, job.state, "retired"))
+                elif is_stale(job, actor_version):
+                    dropped = self.scheduler.drop(job.job_id, POLICY_STALE, owner=self.owner)
+                    outcomes[job.job_id] = self._notify(ActorOutcome(dropped, "dropped", None, POLICY_STALE))
+                else:
+                    train.append(job)
             except InvalidTransition as lost:
-                return self._lost(job, lost)
+                outcomes[job.job_id] = self._lost(job, lost)
+            except Exception as error:
+                outcomes[job.job_id] = self._failed_or_given_back(job, error)
+        if len(train) == 1:
+            outcomes[train[0].job_id] = self._single(train[0])
+        elif train:
+            try:
+                results = self.service.train_jobs(train)
+            except Exception as error:  # the whole call failed: the service, not one tenant
+                for job in train:
+                    outcomes[job.job_id] = self._failed_or_given_back(job, error)
+            else:
+                for job, metrics in zip(train, results, strict=True):
+                    outcomes[job.job_id] = self._finish(job, metrics)
+        return [outcomes[job.job_id] for job in jobs]
+
+    def _finish(self, job: TrainingJob, metrics: dict[str, Any]) -> ActorOutcome:
+        """One grouped job's terminal move from its own result."""
+        try:
+            if "error" in metrics:
+                reason = str(metrics["error"])
+                log.warning("training job %s of tenant %s failed: %s", job.job_id, job.tenant_id, reason)
+                failed = self.scheduler.fail(job.job_id, reason, owner=self.owner)
+                return self._notify(ActorOutcome(failed, "failed", None, reason))
+            done = self.scheduler.complete(job.job_id, _job_result(metrics), owner=self.owner)
+            return self._notify(ActorOutcome(done, "completed", metrics, None))
+        except InvalidTransition as lost:
+            return self._lost(job, lost)
+
+    def _failed_or_given_back(self, job: TrainingJob, error: Exception) -> ActorOutcome:
+        if self.service_restarting(error, job.tenant_id):
+            return self._give_back(job, error)
+        cause = getattr(error, "cause", None) or error  # unwrap Ray's RayTaskError
+        reason = f"{type(cause).__name__}: {cause}"
+        log.warning("training job %s of tenant %s failed: %s", job.job_id, job.tenant_id, reason)
+        try:
+            failed = self.scheduler.fail(job.job_id, reason, owner=self.owner)
+        except InvalidTransition as lost:
+            return self._lost(job, lost)
+        return self._notify(ActorOutcome(failed, "failed", None, reason))
+
+    def _notify(self, outcome: ActorOutcome) -> ActorOutcome:
         if self.on_outcome is not None:
             try:
                 self.on_outcome(outcome)
             except Exception:  # the Master's bookkeeping failing must not stop training for every tenant
-                log.exception("handling the outcome of job %s failed", job.job_id)
+                log.exception("handling the outcome of job %s failed", outcome.job.job_id)
         return outcome
 
     def _give_back(self, job: TrainingJob, error: Exception) -> ActorOutcome:
@@ -118,13 +217,8 @@ class ActorLoop:
             after = self.scheduler.release_lease(job.job_id, reason, owner=self.owner, max_attempts=self.max_attempts)
         except InvalidTransition as lost:
             return self._lost(job, lost)
-        if after.state == "failed" and self.on_outcome is not None:
-            outcome = ActorOutcome(after, "failed", None, after.terminal_reason)
-            try:
-                self.on_outcome(outcome)
-            except Exception:
-                log.exception("handling the outcome of job %s failed", job.job_id)
-            return outcome
+        if after.state == "failed":
+            return self._notify(ActorOutcome(after, "failed", None, after.terminal_reason))
         time.sleep(0.5)  # the service is coming back; do not spin through the queue meanwhile
         return ActorOutcome(after, LOST, None, reason)
 
@@ -138,4 +232,11 @@ class ActorLoop:
 
     def run(self, stop: threading.Event, wait_s: float = 0.2) -> None:
         while not stop.is_set():
-            self.step(wait_s)
+            self.step_all(wait_s)
+
+
+def _job_result(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What the scheduler records of a trained job: the metrics without the per-step losses."""
+    result = {k: v for k, v in metrics.items() if k != "losses"}
+    result["mean_loss"] = sum(metrics["losses"]) / len(metrics["losses"])
+    return result

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from joynexus.core.metering import UsageMeter, build_meter
+from joynexus.core.service_metrics import service_metrics, timed
 from joynexus.envs.base import (
     MAX_IMAGE_PIXELS,
     MAX_IMAGE_SIDE,
@@ -107,6 +108,7 @@ class EnvironmentService:
         # Who this is, for heartbeats: a restarted service answers with a new incarnation.
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = time.time()
+        service_metrics()  # this process's signals endpoint (JOYNEXUS_METRICS_PORT)
         if step_timeout_s <= 0 or reset_timeout_s <= 0:
             raise ValueError("step_timeout_s and reset_timeout_s must be > 0")
         if max_sessions < 1 or max_sessions_per_tenant < 1:
@@ -280,6 +282,7 @@ class EnvironmentService:
             session.episodes += 1
         return obs
 
+    @timed("env_step_seconds")
     def step(self, tenant_id: str, session_id: str, action: Any) -> dict[str, Any]:
         """{"observation": {...}, "reward", "terminated", "truncated", "success", "info"}"""
         session = self._get(tenant_id, session_id)
@@ -291,6 +294,7 @@ class EnvironmentService:
         self._meter_steps(tenant_id, 1)
         return result
 
+    @timed("env_step_seconds")
     def batch_step(self, tenant_id: str, actions: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Step several of this tenant's sessions in parallel: send every action, then collect every
         reply under one deadline. A failing session's entry is {"error": message, "error_type": name};

@@ -44,6 +44,7 @@ import torch
 from joynexus.core.heap import freeze_startup_heap, in_ray_actor_process
 from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogram
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
+from joynexus.core.service_metrics import service_metrics, timed
 from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
 from joynexus.models.module_batching import StackedParameterCache
 from joynexus.models.placement import DevicePlacement
@@ -137,6 +138,7 @@ class InferenceModelService(PredictBySubmit):
         self._stacked = StackedParameterCache()
         self._decoder = BatchDecoder(self._stacked)
         self._init_status()
+        service_metrics()  # this process's signals endpoint (JOYNEXUS_METRICS_PORT)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         if in_ray_actor_process():  # its own process: no full GC pass over the startup heap mid-batch (issue 17)
@@ -169,6 +171,7 @@ class InferenceModelService(PredictBySubmit):
         return self.serving_states.max_versions
 
     # -- serving states ---------------------------------------------------------------------
+    @timed("weight_sync_seconds")
     def load_weights(self, payload: bytes) -> dict[str, Any]:
         """Install a tenant payload (safetensors + manifest) as a new serving version."""
         return self.serving_states.install(payload)

@@ -41,9 +41,16 @@ _Outcome = tuple[float | None, str | None, float]
 class GroupTrainer:
     """`train_group` over the table's slots, stepping through the trainer's update path."""
 
-    def __init__(self, trainer: SlotTrainer, table: SlotTable) -> None:
+    def __init__(self, trainer: SlotTrainer, table: SlotTable, *, issue_versions: bool = True) -> None:
         self.trainer = trainer
         self.table = table
+        # `train_group` numbers every step (each is a parameter change a caller may export); grouped
+        # jobs (`job_groups`) number each job once, when it ends, as the serial `train_job` does.
+        self.issue_versions = issue_versions
+
+    def _issue_version(self, slot: TenantSlot) -> None:
+        if self.issue_versions:
+            self.table.issue_version(slot)
 
     def train_group(self, batches: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
         """See `TrainingModelService.train_group`."""
@@ -117,7 +124,7 @@ class GroupTrainer:
             # trimmed(): drop the padding columns other tenants' longer prompts added, so the head
             # sees exactly the shapes a forward of its own microbatch would give.
             loss = self.trainer.update(slot, features.select(rows).trimmed(), batch)
-            self.table.issue_version(slot)  # as train_batch: every parameter change is a new version
+            self._issue_version(slot)  # as train_batch: every parameter change is a new version
             return loss, None, time.perf_counter() - started
         except Exception as exc:  # one tenant's failure is its own; the group goes on
             return None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started
@@ -183,7 +190,7 @@ class GroupTrainer:
             return None, f"{type(exc).__name__}: {exc}", share + time.perf_counter() - step_started
         try:
             self.trainer.apply_step(slot, batch, value)
-            self.table.issue_version(slot)
+            self._issue_version(slot)
             return value, None, share + time.perf_counter() - step_started
         except Exception as exc:
             return None, f"{type(exc).__name__}: {exc}", share + time.perf_counter() - step_started
@@ -227,7 +234,7 @@ class GroupTrainer:
             slot = slots[index]
             started = time.perf_counter()
             self.trainer.apply_step(slot, prepared[index], loss)
-            self.table.issue_version(slot)
+            self._issue_version(slot)
             results[index] = _group_result(slot, loss, encode_seconds, seconds + time.perf_counter() - started, None)
         return [r for r in results if r is not None]
 

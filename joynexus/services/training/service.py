@@ -29,7 +29,8 @@ gradients are never packed.
 This class is the actor: it validates arguments and delegates. Its collaborators, one module each:
 `slots` (the slot model), `slot_table` (slot lifecycle, versions, checkpoints, residency and the
 active tier), `pager` (page-out and page-in), `trainer` (the serial update path, `train_batch`,
-`train_job`), `grouped` (`train_group`), `primitives` (`forward_backward` / `optim_step`), `packing`
+`train_job`), `grouped` (`train_group`), `job_groups` (`train_jobs`), `primitives`
+(`forward_backward` / `optim_step`), `packing`
 (packed slots).
 """
 
@@ -46,6 +47,7 @@ import torch
 from joynexus.actors import service_handle
 from joynexus.algorithms.losses import FORWARD_BACKWARD_LOSSES
 from joynexus.artifacts import CheckpointStore
+from joynexus.core.service_metrics import service_metrics
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
 from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
 from joynexus.models.placement import DevicePlacement, cpu_copy
@@ -54,6 +56,7 @@ from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.residency import DEFAULT_MAX_RESIDENT_TENANTS, ResidencyLimits, pins_during_call
 from joynexus.services.training.foreign import ForeignWeightsError, install_foreign_state
 from joynexus.services.training.grouped import GroupTrainer
+from joynexus.services.training.job_groups import JobGroupTrainer
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS, ActiveSlots
 from joynexus.services.training.primitives import LowerLayerPrimitives
 from joynexus.services.training.slot_table import SlotTable, manifest_dict
@@ -124,11 +127,13 @@ class TrainingModelService:
         self._slots = self.slot_table.residency
         self.trainer = SlotTrainer(self.backbone, self.slot_table, self.queue)
         self.grouped = GroupTrainer(self.trainer, self.slot_table)
+        self.job_groups = JobGroupTrainer(self.trainer, self.slot_table)
         self.primitives = LowerLayerPrimitives(self.trainer, self.slot_table)
         # Which life of this role is answering: a Ray restart in place builds a new one (empty slots),
         # and the Master's Health Manager restores the tenants when it sees the change.
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = time.time()
+        service_metrics()  # this process's signals endpoint (JOYNEXUS_METRICS_PORT)
 
     def heartbeat(self) -> dict[str, Any]:
         """Liveness answer (lock-free: it runs beside a training call, in the health group)."""
@@ -228,6 +233,15 @@ class TrainingModelService:
         then bump only this tenant's policy version and (per its config) checkpoint it. An RL job
         runs PPO over its rollout partition (paper A.6)."""
         return self.trainer.train_job(job)
+
+    @pins_during_call("_slots")
+    def train_jobs(self, jobs: list[TrainingJob | dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several tenants' leased jobs (one each) trained together: each round steps the next
+        microbatch of every job through ONE shared backbone forward (`train_group`), then each
+        tenant's own update. Per-job results in order, `train_job`'s fields, or `error` for a job
+        that failed alone (NaN, bad data, empty partition) while the others completed
+        (`job_groups`)."""
+        return self.job_groups.train_jobs(jobs)
 
     @pins_during_call("_slots")
     def train_group(self, batches: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:

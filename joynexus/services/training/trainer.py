@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from joynexus.algorithms.rl import PPOLoss, ppo_loss
+from joynexus.core.service_metrics import service_metrics
 from joynexus.models.action_modules import ActionModule
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
 from joynexus.scheduling.training_queue import TrainingQueue
@@ -129,8 +130,11 @@ class SlotTrainer:
     # -- the update -------------------------------------------------------------------------
     def step(self, slot: TenantSlot, data: dict[str, Any]) -> float:
         """Serial path: this microbatch's own backbone forward, then the tenant's update."""
+        started = time.perf_counter()
         batch = self.prepare(slot, data)
-        return self.update(slot, self.encode_slot(slot, batch), batch)
+        loss = self.update(slot, self.encode_slot(slot, batch), batch)
+        service_metrics().training_step_seconds.labels("serial").observe(time.perf_counter() - started)
+        return loss
 
     def update(
         self,
@@ -203,7 +207,7 @@ class SlotTrainer:
                 f"job {job.job_id} carries schema signature {job.schema_signature}, "
                 f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
             )
-        started = time.perf_counter()
+        started, start_version = time.perf_counter(), slot.version
         extra: dict[str, Any] = {}
         if job.task_type == "rl":
             losses, samples, extra = self._train_rl_partition(self.queue, slot, job)
@@ -215,7 +219,7 @@ class SlotTrainer:
         slot.jobs_completed += 1
         every = slot.config.checkpoint_every_jobs
         manifest = self.table.save(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
-        return {
+        result = {
             "job_id": job.job_id,
             "tenant_id": job.tenant_id,
             "version": slot.version,
@@ -226,6 +230,8 @@ class SlotTrainer:
             "checkpoint_version": manifest.policy_version if manifest else None,
             **extra,
         }
+        service_metrics().observe_job(job, result, start_version)
+        return result
 
     def _train_sft_partition(
         self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob
@@ -272,7 +278,9 @@ class SlotTrainer:
                         features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
                     features = features_cache[meta.indices]
                 objective = _PpoObjective(module, rl, features, batch, data, self.device)
+                step_started = time.perf_counter()
                 losses.append(self.update(slot, features, batch, compute_loss=objective))
+                service_metrics().training_step_seconds.labels("serial").observe(time.perf_counter() - step_started)
                 out = objective.last
                 assert out is not None
                 stats["clip_fraction"].append(float(out.clip_fraction))

@@ -1,0 +1,169 @@
+"""Grouped training of leased jobs (paper 5.2 in the actor loop): several tenants' SFT jobs consumed
+together, round by round — each round takes the next microbatch of every job still running and
+steps them through ONE shared backbone forward (`GroupTrainer.train_group`), then each tenant's own
+loss, backward, clip and AdamW step on its own rows (`JobGroupTrainer.train_jobs`).
+
+Each job ends like `SlotTrainer.train_job`: one new policy version per job (not per step), its
+checkpoint per the tenant's config, the same result fields. Outcomes are per job: a tenant whose
+microbatch is malformed, whose loss or gradients are not finite, or whose partition is empty gets
+`error` in its result and leaves the group; the others go on. A job kind the group path does not
+step (RL: PPO epochs) trains alone through `train_job`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from joynexus.core.metering import split_group_seconds
+from joynexus.core.service_metrics import service_metrics
+from joynexus.scheduling.training_scheduler import TrainingJob
+from joynexus.services.training.grouped import GroupTrainer
+from joynexus.services.training.slot_table import SlotTable
+from joynexus.services.training.slots import TenantSlot, TenantSlotError, check_annotations
+from joynexus.services.training.trainer import SFT_FIELDS, SlotTrainer
+
+__all__ = ["JobGroupTrainer"]
+
+
+@dataclass
+class _Running:
+    """One job of a group while its partition is consumed."""
+
+    job: TrainingJob
+    slot: TenantSlot
+    start_version: int = 0
+    losses: list[float] = field(default_factory=list)
+    samples: int = 0
+    error: str | None = None
+    done: bool = False
+
+
+class JobGroupTrainer:
+    """`train_jobs` over the table's slots. Its GroupTrainer numbers no version per step: a job's
+    steps make ONE new version when the job ends, as the serial `train_job` does."""
+
+    def __init__(self, trainer: SlotTrainer, table: SlotTable) -> None:
+        self.trainer = trainer
+        self.table = table
+        self.grouped = GroupTrainer(trainer, table, issue_versions=False)
+
+    def train_jobs(self, jobs: list[TrainingJob | dict[str, Any]]) -> list[dict[str, Any]]:
+        """Results in the order of `jobs`: `train_job`'s fields plus `group_size` and
+        `group_seconds` (`seconds`: the job's share of the group's time, by samples), or
+        {job_id, tenant_id, error} for a job that failed."""
+        queue = self.trainer.queue
+        if queue is None:
+            raise TenantSlotError("this Training Model Service was started without a Training Queue")
+        parsed = [job if isinstance(job, TrainingJob) else TrainingJob(**job) for job in jobs]
+        tenants = [job.tenant_id for job in parsed]
+        if len(set(tenants)) != len(tenants):
+            raise ValueError(f"train_jobs takes at most one job per tenant (one step per round), got {tenants}")
+        started = time.perf_counter()
+        results: dict[str, dict[str, Any]] = {}
+        running: list[_Running] = []
+        for job in parsed:
+            if job.task_type != "sft":
+                results[job.job_id] = self._alone(job)
+                continue
+            try:
+                slot = self.table.slot(job.tenant_id)
+                if job.schema_signature != slot.config.schema_signature:
+                    raise TenantSlotError(
+                        f"job {job.job_id} carries schema signature {job.schema_signature}, "
+                        f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
+                    )
+            except Exception as exc:
+                results[job.job_id] = _failed(job, exc)
+                continue
+            running.append(_Running(job, slot, slot.version))
+        group_size = len(running)
+        while True:
+            batch = [(run, data) for run in running if (data := self._next_microbatch(queue, run)) is not None]
+            if not batch:
+                break
+            self._round(batch)
+        # A job's `seconds` (metered as its tenant's training device-seconds) is its share of the
+        # group's time by samples, as grouped inference splits a shared batch; `group_seconds` is all of it.
+        group_seconds = time.perf_counter() - started
+        shares = split_group_seconds(group_seconds, [run.samples for run in running])
+        for run, share in zip(running, shares, strict=True):
+            results[run.job.job_id] = self._finish(run, group_size, share, group_seconds)
+        return [results[job.job_id] for job in parsed]
+
+    def _alone(self, job: TrainingJob) -> dict[str, Any]:
+        try:
+            return {**self.trainer.train_job(job), "group_size": 1}
+        except Exception as exc:  # its failure is its own
+            return _failed(job, exc)
+
+    def _next_microbatch(self, queue: Any, run: _Running) -> dict[str, Any] | None:
+        """The job's next microbatch, checked; None when it is done or failed."""
+        if run.done or run.error is not None:
+            return None
+        try:
+            meta = queue.get_meta(run.job.partition_id, SFT_FIELDS, run.slot.config.microbatch_size, "train")
+            if meta is None:
+                run.done = True
+                return None
+            data = queue.get_data(meta)
+            check_annotations(data, run.job.tenant_id, run.slot.config.schema_signature)
+        except Exception as exc:
+            run.error = f"{type(exc).__name__}: {exc}"
+            return None
+        run.samples += meta.size
+        return data
+
+    def _round(self, batch: list[tuple[_Running, dict[str, Any]]]) -> None:
+        """One step of every job in `batch`: grouped when more than one, else the serial step."""
+        if len(batch) > 1:
+            started = time.perf_counter()
+            try:
+                outcomes = self.grouped.train_group([(run.job.tenant_id, data) for run, data in batch])
+            except Exception:  # refused before any tenant stepped (e.g. a bad microbatch): one by one
+                outcomes = None
+            if outcomes is not None:
+                service_metrics().training_step_seconds.labels("grouped").observe(time.perf_counter() - started)
+                for (run, _), out in zip(batch, outcomes, strict=True):
+                    if "error" in out:
+                        run.error = out["error"]
+                    else:
+                        run.losses.append(float(out["loss"]))
+                return
+        for run, data in batch:
+            try:
+                run.losses.append(self.trainer.step(run.slot, data))
+            except Exception as exc:
+                run.error = f"{type(exc).__name__}: {exc}"
+
+    def _finish(self, run: _Running, group_size: int, seconds: float, group_seconds: float) -> dict[str, Any]:
+        job, slot = run.job, run.slot
+        if run.losses:
+            # Steps taken changed the parameters: number them, even when the job failed later on.
+            self.table.issue_version(slot)
+        if run.error is not None:
+            return {"job_id": job.job_id, "tenant_id": job.tenant_id, "error": run.error}
+        if run.samples == 0:
+            return _failed(job, TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples"))
+        slot.jobs_completed += 1
+        every = slot.config.checkpoint_every_jobs
+        manifest = self.table.save(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
+        result = {
+            "job_id": job.job_id,
+            "tenant_id": job.tenant_id,
+            "version": slot.version,
+            "losses": run.losses,
+            "samples": run.samples,
+            "optimizer_steps": slot.optimizer_steps,
+            "seconds": seconds,
+            "checkpoint_version": manifest.policy_version if manifest else None,
+            "group_size": group_size,
+            "group_seconds": group_seconds,
+        }
+        service_metrics().observe_job(job, result, run.start_version)
+        return result
+
+
+def _failed(job: TrainingJob, exc: Exception) -> dict[str, Any]:
+    return {"job_id": job.job_id, "tenant_id": job.tenant_id, "error": f"{type(exc).__name__}: {exc}"}
