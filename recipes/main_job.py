@@ -144,7 +144,8 @@ def demo_spec(t: DemoTenant, dataset_root: Path, base_model: str, jobs: int, sam
             "action_chunk": t.action_chunk,
             "instruction": t.task,
         },
-        "dataset": {"root": str(dataset_root), "repo_id": f"demo/{t.tenant}"},
+        # The last episode is held out: the champion moves by the held-out loss (promotion).
+        "dataset": {"root": str(dataset_root), "repo_id": f"demo/{t.tenant}", "validation_episodes": 1},
         "scheduling": {"priority": t.priority, "max_in_flight_jobs": 2, "completion_target": jobs},
         "training": {"samples_per_job": samples_per_job, "microbatch_size": 16, "learning_rate": 2e-3},
     }
