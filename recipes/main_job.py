@@ -377,7 +377,7 @@ def _print_results(result: DemoResult) -> bool:
         title=f"main job: {len(result.tenants)} tenants, {result.seconds:.1f} s, one backbone per model service"
     )
     for column in ("tenant", "task", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss",
-                   "version", "MLflow model"):  # fmt: skip
+                   "version", "MLflow model", "aliases"):  # fmt: skip
         table.add_column(column)
     failed = False
     for tenant in result.tenants:
@@ -398,11 +398,21 @@ def _print_results(result: DemoResult) -> bool:
             f"{last:.4f}" if losses else "-",
             str(status.version),
             f"v{status.registered_version}" if status.registered_version else "-",
+            _aliases(status),
         )
         if status.error:
             console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
     console.print(table)
     return failed
+
+
+def _aliases(status: WorkloadInfo) -> str:
+    """Where the Master's promotion left `candidate` and `champion`, and by what metric."""
+    decision = (status.result or {}).get("promotion")
+    if not decision:
+        return "-"
+    value = "" if decision["value"] is None else f" {decision['metric']} {decision['value']:.4g}"
+    return f"candidate v{decision['version']}, champion v{decision['champion']}{value}"
 
 
 def _evaluations_table(result: DemoResult) -> Table:

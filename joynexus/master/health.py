@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.actors import handle_of
-from joynexus.master.hung_roles import HungRoleOptions, RestartPolicy, kill_in_place
+from joynexus.master.hung_roles import HungRoleOptions, RestartPolicy, actor_restarting, kill_in_place
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,9 @@ class HealthManager:
 
     def _on_silent(self, name: str, handle: Any, state: ServiceHealth) -> None:
         """A probe failed: restart the role if it is hung and its budget allows, else escalate."""
+        if handle.is_remote and actor_restarting(handle.target):
+            self.restart_policy.restarting(name)  # Ray is (re)building it: slow, not hung
+            return
         verdict = self.restart_policy.decide(name, state.last_ok, self._watching_since)
         if verdict.action == "escalate":
             if state.escalated is None:

@@ -46,6 +46,7 @@ class HungRoleOptions(BaseModel):
 class _RoleRestarts:
     restarts: list[float] = field(default_factory=list)  # clock times of the restarts in the window
     last_restart: float | None = None
+    last_restarting: float | None = None  # when it was last seen (re)starting: not hung while it builds
     escalated: bool = False
 
 
@@ -72,9 +73,10 @@ class RestartPolicy:
         answered; then counted from `since`, when watching began)."""
         o, state, now = self.options, self._role(role), self.clock()
         state.restarts = [t for t in state.restarts if now - t < o.restart_window_s]
-        silent = now - max(t for t in (last_ok, state.last_restart, since) if t is not None)
+        silent = now - max(t for t in (last_ok, state.last_restart, state.last_restarting, since) if t is not None)
         if silent <= o.hung_after_s:
-            if last_ok is not None and (state.last_restart is None or last_ok >= state.last_restart):
+            started = [t for t in (state.last_restart, state.last_restarting) if t is not None]
+            if last_ok is not None and last_ok >= max(started, default=last_ok):
                 state.escalated = False  # it answers again: a spent budget no longer pauses admission
                 return Verdict("ok", "answering", silent)
             return Verdict("wait", f"not answered for {silent:.1f} s (bound {o.hung_after_s:g} s)", silent)
@@ -104,6 +106,11 @@ class RestartPolicy:
         state.last_restart = now
         return len(state.restarts)
 
+    def restarting(self, role: str) -> None:
+        """`role` is being (re)started (its constructor runs, e.g. loading a backbone): silence
+        counts from now, so a slow start is never mistaken for a hang."""
+        self._role(role).last_restarting = self.clock()
+
     def escalated(self) -> list[str]:
         return sorted(role for role, state in self._roles.items() if state.escalated)
 
@@ -116,6 +123,17 @@ def kill_in_place(actor: Any) -> None:
     import ray
 
     ray.kill(actor, no_restart=False)
+
+
+def actor_restarting(actor: Any) -> bool:
+    """Whether Ray reports the actor as not ALIVE yet (pending creation, restarting: its constructor
+    has not returned). Read from the GCS actor table; unknown (an error) counts as not restarting."""
+    try:
+        from ray._private.state import state
+
+        return state.actor_table(actor._actor_id.hex()).get("State") not in ("ALIVE", "DEAD", None)
+    except Exception:
+        return False
 
 
 def hang_heartbeat(actor: Any, seconds: float) -> Any:

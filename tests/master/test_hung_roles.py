@@ -77,6 +77,18 @@ def test_backoff_holds_a_restart_back_when_the_bound_is_shorter_than_the_backoff
     assert policy.decide("queue", None, since).action == "restart"
 
 
+def test_a_role_seen_restarting_is_not_hung_while_it_builds():
+    clock = Clock()
+    policy = RestartPolicy(OPTIONS, clock)
+    since = clock.now
+    clock.now += 100
+    policy.restarting("training")  # Ray reports it not ALIVE: its constructor (a backbone load) runs
+    clock.now += 29
+    assert policy.decide("training", last_ok=since, since=since).action == "wait"
+    clock.now += 2  # ALIVE and silent past the bound since it was last seen starting
+    assert policy.decide("training", last_ok=since, since=since).action == "restart"
+
+
 def test_the_budget_counts_restarts_in_a_sliding_window():
     clock = Clock()
     policy = RestartPolicy(HungRoleOptions(hung_after_s=1, backoff_s=0, restart_budget=1, restart_window_s=60), clock)
