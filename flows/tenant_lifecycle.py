@@ -49,7 +49,9 @@ def tenant_lifecycle(
 
     trained = train.with_options(timeout_seconds=train_timeout_s)(tenant_id, jobs, train_timeout_s)
     registered = int(trained["registered_version"])  # the workload exported, registered and promoted it
-    decision = promote_version(tenant_id, registered)  # the Master's decision (measured once, at publish)
+    # The Master promoted the version as it published it (the same rule as every path); only if
+    # that failed (the workload says so) does the flow ask the Master's rule again.
+    decision = (trained.get("result") or {}).get("promotion") or promote_version(tenant_id, registered)
     evaluation = None
     if decision["value"] is not None:
         evaluation = {"metric": decision["metric"], "value": decision["value"], "policy_version": trained["version"]}
