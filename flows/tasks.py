@@ -7,7 +7,6 @@ workload that ended in `failed` would fail the same way again.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from datetime import timedelta
@@ -15,31 +14,20 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
-from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.connect import shared
 from joynexus.spec import SpecError, WorkloadSpec
 
 __all__ = [
-    "PromotionRule",
     "create_tenant",
     "evaluate_version",
     "load_registered_version",
     "log_evaluation_history",
+    "measure_version",
     "promote_version",
     "resolve_alias",
     "train",
 ]
-
-
-class PromotionRule(BaseModel):
-    """When the champion moves (see `joynexus.registry.promote`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    metric: str = Field(default="eval/success_rate", description="Evaluation metric that decides.")
-    higher_is_better: bool = True
-    min_improvement: float = Field(default=0.0, ge=0.0, description="Margin the new version must win by.")
 
 
 class WorkloadError(RuntimeError):
@@ -149,15 +137,22 @@ def evaluate_version(tenant_id: str, policy_version: int, episodes: int, timeout
 
 
 @task(name="promote", retries=2, retry_delay_seconds=5, retry_condition_fn=_transient, cache_policy=NO_CACHE)
-def promote_version(tenant_id: str, registry_version: int, rule: PromotionRule) -> dict[str, Any]:
-    """Move `candidate` to the version; move `champion` if the rule says it beats the champion."""
-    from joynexus.registry import promote
-
-    decision = promote(shared_tracker(), tenant_id, registry_version, **rule.model_dump())
+def promote_version(tenant_id: str, registry_version: int) -> dict[str, Any]:
+    """The Master's promotion rule (the tenant's declared metric, `spec.promotion`): `candidate`
+    moves to the version; `champion` too if it beats the champion. The flow has no rule of its own."""
+    decision = shared().master.promote(tenant_id, registry_version)
     get_run_logger().info(
-        "tenant %s: candidate v%s, champion v%s (%s)", tenant_id, registry_version, decision.champion, decision.reason
-    )
-    return dataclasses.asdict(decision)
+        "tenant %s: candidate v%s, champion v%s (%s)", tenant_id, registry_version, decision["champion"],
+        decision["reason"],
+    )  # fmt: skip
+    return decision
+
+
+@task(name="measure", retries=1, retry_delay_seconds=10, retry_condition_fn=_transient, cache_policy=NO_CACHE)
+def measure_version(tenant_id: str, registry_version: int) -> dict[str, float]:
+    """Measure a registered version by the tenant's promotion metric in the Master (a dataset-only
+    tenant: its held-out loss); the Master logs the metrics on the version."""
+    return shared().master.measure_version(tenant_id, registry_version)
 
 
 @task(name="resolve-alias", retries=2, retry_delay_seconds=5, retry_condition_fn=_transient, cache_policy=NO_CACHE)
@@ -192,10 +187,14 @@ def load_registered_version(tenant_id: str, registry_version: int) -> int:
 
 
 @task(name="log-evaluation-history", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def log_evaluation_history(tenant_id: str, registry_version: int, evaluation: dict[str, Any]) -> str:
-    """Append the evaluation to the tenant's history run and tag the version with it."""
-    metrics = {f"eval/{k}": float(evaluation[k]) for k in ("success_rate", "mean_return", "mean_length")}
+def log_evaluation_history(tenant_id: str, registry_version: int, metrics: dict[str, float]) -> str:
+    """Append the evaluation's `eval/*` metrics to the tenant's history run and tag the version with them."""
     tracker = shared_tracker()
     run_id = tracker.log_evaluation_history(tenant_id, registry_version, metrics)
     tracker.set_version_tags(tenant_id, registry_version, metrics)
     return run_id
+
+
+def simulator_metrics(evaluation: dict[str, Any]) -> dict[str, float]:
+    """The `eval/*` metrics of an evaluation workload's result."""
+    return {f"eval/{k}": float(evaluation[k]) for k in ("success_rate", "mean_return", "mean_length")}

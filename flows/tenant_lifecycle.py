@@ -1,4 +1,4 @@
-"""`tenant_lifecycle`: create → validate → train → evaluate → register → promote, for one tenant.
+"""`tenant_lifecycle`: create → validate → train → register → evaluate → promote, for one tenant.
 
 Run it locally (an in-process deployment, or the one `joynexus up` started on this host):
 
@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from flows.tasks import PromotionRule, artifact_key, create_tenant, evaluate_version, promote_version, train
+from flows.tasks import artifact_key, create_tenant, promote_version, train
 from joynexus.connect import shared
 from joynexus.spec import WorkloadSpec
 
@@ -25,25 +25,21 @@ from joynexus.spec import WorkloadSpec
 def tenant_lifecycle(
     spec: WorkloadSpec,
     jobs: Annotated[int, Field(ge=1)] | None = None,
-    eval_episodes: Annotated[int, Field(ge=1, le=256)] = 4,
-    promotion: PromotionRule = PromotionRule(),
     train_timeout_s: Annotated[float, Field(gt=0)] = 21600.0,
-    eval_timeout_s: Annotated[float, Field(gt=0)] = 3600.0,
 ) -> dict[str, Any]:
-    """Create the tenant from its spec, train it, evaluate it, register and promote the new version.
+    """Create the tenant from its spec, train it, register, evaluate and promote the new version.
 
     The tenant creator validates the spec against the resident backbone and the dataset (Great
     Expectations); the training workload (SFT or RL) checkpoints, exports and registers the trained
-    policy in MLflow; an evaluation runs when the tenant declares an environment; then `candidate`
-    moves to the new version and `champion` too if it beats the champion.
+    policy in MLflow, and the Master's promotion rule runs on it (the same rule for every path:
+    `candidate` moves to the new version; it is measured by the spec's `promotion.metric`,
+    simulator success rate or held-out loss, the metrics logged on the version; `champion` moves if
+    it wins). The flow reads that decision back from the Master.
 
     Args:
         spec: The tenant's workload spec (as `joynexus tenant create` takes it).
         jobs: Training jobs of this run; default: the spec's completion target.
-        eval_episodes: Evaluation episodes (tenants with an environment only).
-        promotion: When the champion moves: metric, direction, minimum improvement.
-        train_timeout_s: Seconds the training workload may take; then it is cancelled.
-        eval_timeout_s: Seconds the evaluation may take.
+        train_timeout_s: Seconds the training workload (with its promotion) may take; then it is cancelled.
     """
     store = shared().settings.resolved_database_url()
     tenant = create_tenant(spec, store)
@@ -52,17 +48,15 @@ def tenant_lifecycle(
         raise ValueError(f"spec.task: tenant {tenant_id!r} is a {tenant['task']!r} tenant; only sft / rl train")
 
     trained = train.with_options(timeout_seconds=train_timeout_s)(tenant_id, jobs, train_timeout_s)
-    registered = int(trained["registered_version"])  # the workload exported and registered it
-
+    registered = int(trained["registered_version"])  # the workload exported, registered and promoted it
+    # The Master promoted the version as it published it (the same rule as every path); only if
+    # that failed (the workload says so) does the flow ask the Master's rule again.
+    decision = (trained.get("result") or {}).get("promotion") or promote_version(tenant_id, registered)
     evaluation = None
-    if tenant["has_environment"]:
-        evaluation = evaluate_version.with_options(timeout_seconds=eval_timeout_s)(
-            tenant_id, int(trained["version"]), eval_episodes, eval_timeout_s
-        )
+    if decision["value"] is not None:
+        evaluation = {"metric": decision["metric"], "value": decision["value"], "policy_version": trained["version"]}
     else:
-        get_run_logger().info("tenant %s declares no environment: promoting without an evaluation", tenant_id)
-
-    decision = promote_version(tenant_id, registered, promotion)
+        get_run_logger().info("tenant %s: no measured promotion metric (%s)", tenant_id, decision["reason"])
     result = {"tenant": tenant, "training": trained, "evaluation": evaluation, "promotion": decision}
     create_markdown_artifact(
         key=artifact_key("lifecycle", tenant_id), markdown=_summary(result), description=f"tenant {tenant_id}"
@@ -78,9 +72,7 @@ def _summary(result: dict[str, Any]) -> str:
                      f"{training['optimizer_steps']} steps, last loss {training['last_loss']}"),
         ("policy version", str(training["version"])),
         ("registered model version", f"v{training['registered_version']} (MLflow run `{training['run_id']}`)"),
-        ("evaluation", "-" if evaluation is None else
-            f"success {evaluation['success_rate']:.0%}, mean return {evaluation['mean_return']:.3f} "
-            f"({evaluation['episodes']} episodes, run `{evaluation['run_id']}`)"),
+        ("evaluation", "-" if evaluation is None else f"{evaluation['metric']} {evaluation['value']:.4g}"),
         ("candidate", f"v{decision['version']}"),
         ("champion", f"v{decision['champion']} ({'moved' if decision['promoted'] else 'kept'}: {decision['reason']})"),
     ]  # fmt: skip
@@ -95,9 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=tenant_lifecycle.description)
     parser.add_argument("spec", help="workload spec file (YAML or JSON)")
     parser.add_argument("--jobs", type=int, default=None)
-    parser.add_argument("--eval-episodes", type=int, default=4)
     args = parser.parse_args(argv)
-    result = tenant_lifecycle(parse_workload_spec(args.spec), jobs=args.jobs, eval_episodes=args.eval_episodes)
+    result = tenant_lifecycle(parse_workload_spec(args.spec), jobs=args.jobs)
     print(_summary(result))
 
 

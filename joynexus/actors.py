@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from joynexus.settings import RAY_NAMESPACE, RoleResources
@@ -61,6 +62,8 @@ class ServiceHandle:
     def __init__(self, target: Any, *, timeout_s: float | None = None):
         if isinstance(target, ServiceHandle):
             target = target._target
+        if isinstance(target, ActorName):
+            target = target.resolve()
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_remote", _is_actor_handle(target))
         object.__setattr__(self, "_timeout_s", timeout_s)
@@ -152,6 +155,21 @@ class SerializedService:
                 return attribute(*args, **kwargs)
 
         return locked
+
+
+@dataclass(frozen=True)
+class ActorName:
+    """A named actor passed BY NAME to another actor's constructor: a handle argument is owned by
+    the driver that created it, and Ray may fail to restart an actor whose argument's owner exited
+    (a `joynexus up` driver exits at once); a name is looked up again by every new life."""
+
+    name: str
+    namespace: str | None = None
+
+    def resolve(self) -> Any:
+        import ray
+
+        return ray.get_actor(self.name, namespace=self.namespace)
 
 
 def service_handle(cls: type[S], target: Any, *, timeout_s: float | None = None) -> S:

@@ -388,7 +388,23 @@ class ExperimentTracker:
         for run in runs:  # newest first; an evaluation that failed to log the metric is skipped
             if metric in run.data.metrics:
                 return float(run.data.metrics[metric])
-        return None
+        # An evaluation that runs no workload (the held-out loss) is logged on the version itself.
+        logged = tags.get(metric)
+        try:
+            return float(logged) if logged is not None else None
+        except ValueError:
+            return None
+
+    def log_version_evaluation(self, tenant_id: str, version: int, metrics: dict[str, float]) -> None:
+        """Attach evaluation metrics to registry ``version``: as tags of the version (what
+        `evaluation_metric` and the MLflow UI's version page read) and as metrics of the run that
+        registered it, at step = its policy version."""
+        name = registered_model_name(tenant_id)
+        mv = self.client.get_model_version(name, str(int(version)))
+        self.set_version_tags(tenant_id, version, {key: float(value) for key, value in metrics.items()})
+        if mv.run_id:
+            step = int((mv.tags or {}).get("policy_version", 0) or 0)
+            self.log_metrics(mv.run_id, {key: float(value) for key, value in metrics.items()}, step=step)
 
     def set_version_tags(self, tenant_id: str, version: int, tags: dict[str, Any]) -> None:
         name = registered_model_name(tenant_id)

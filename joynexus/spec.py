@@ -120,6 +120,9 @@ class DatasetSpec(_Strict):
     uri: str | None = Field(default=None, pattern=r"^s3://[^/]+(/.*)?$")
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     repo_id: str = Field(min_length=1)
+    # The last N episodes are held out of training: the dataset-only tenant's promotion metric
+    # (held-out loss, joynexus.master.workloads.heldout) is measured on them. 0: none held out.
+    validation_episodes: int = Field(default=0, ge=0, le=100_000)
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -153,6 +156,21 @@ class RLSpec(_Strict):
     # GRPO only: G, the attempts from one initial state that form a group (environment.num_envs =
     # groups x G). None: all of a rollout's environments form one group.
     group_size: int | None = Field(default=None, ge=2, le=16)
+
+
+class PromotionMetric(StrEnum):
+    SUCCESS_RATE = "success_rate"  # simulator success rate of an evaluation (higher is better)
+    HELDOUT_LOSS = "heldout_loss"  # action error on dataset.validation_episodes (lower is better)
+
+
+class PromotionSpec(_Strict):
+    """When `champion` moves (joynexus.master.workloads.promotion); `candidate` always moves."""
+
+    # None: success_rate for a tenant with an environment, else heldout_loss when the dataset holds
+    # out validation episodes, else no metric (the champion follows every new version).
+    metric: PromotionMetric | None = None
+    min_improvement: float = Field(default=0.0, ge=0.0, le=1e6)
+    eval_episodes: int = Field(default=4, ge=1, le=256)  # simulator episodes per evaluation
 
 
 class SchedulingSpec(_Strict):
@@ -193,6 +211,29 @@ class WorkloadSpec(_Strict):
             return value  # pydantic reports the type
         check_modes(value)  # raises naming the bad feature type or mode
         return {str(k).upper(): str(v).upper() for k, v in value.items()}
+
+    promotion: PromotionSpec = PromotionSpec()
+
+    @field_validator("promotion")
+    @classmethod
+    def _promotion_metric_is_measurable(cls, promotion: PromotionSpec, info: ValidationInfo) -> PromotionSpec:
+        if promotion.metric is PromotionMetric.SUCCESS_RATE and info.data.get("environment") is None:
+            raise ValueError("metric 'success_rate' needs an environment to evaluate in")
+        if promotion.metric is PromotionMetric.HELDOUT_LOSS:
+            dataset = info.data.get("dataset")
+            if dataset is None or dataset.validation_episodes < 1:
+                raise ValueError("metric 'heldout_loss' needs dataset.validation_episodes >= 1")
+        return promotion
+
+    def promotion_metric(self) -> PromotionMetric | None:
+        """The declared promotion metric, or the default the tenant's inputs allow (see PromotionSpec)."""
+        if self.promotion.metric is not None:
+            return self.promotion.metric
+        if self.environment is not None:
+            return PromotionMetric.SUCCESS_RATE
+        if self.dataset is not None and self.dataset.validation_episodes > 0:
+            return PromotionMetric.HELDOUT_LOSS
+        return None
 
     @field_validator("dataset")
     @classmethod

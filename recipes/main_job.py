@@ -144,7 +144,8 @@ def demo_spec(t: DemoTenant, dataset_root: Path, base_model: str, jobs: int, sam
             "action_chunk": t.action_chunk,
             "instruction": t.task,
         },
-        "dataset": {"root": str(dataset_root), "repo_id": f"demo/{t.tenant}"},
+        # The last episode is held out: the champion moves by the held-out loss (promotion).
+        "dataset": {"root": str(dataset_root), "repo_id": f"demo/{t.tenant}", "validation_episodes": 1},
         "scheduling": {"priority": t.priority, "max_in_flight_jobs": 2, "completion_target": jobs},
         "training": {"samples_per_job": samples_per_job, "microbatch_size": 16, "learning_rate": 2e-3},
     }
@@ -376,7 +377,7 @@ def _print_results(result: DemoResult) -> bool:
         title=f"main job: {len(result.tenants)} tenants, {result.seconds:.1f} s, one backbone per model service"
     )
     for column in ("tenant", "task", "module", "schema", "workload", "jobs", "steps", "first loss", "last loss",
-                   "version", "MLflow model"):  # fmt: skip
+                   "version", "MLflow model", "aliases"):  # fmt: skip
         table.add_column(column)
     failed = False
     for tenant in result.tenants:
@@ -397,11 +398,21 @@ def _print_results(result: DemoResult) -> bool:
             f"{last:.4f}" if losses else "-",
             str(status.version),
             f"v{status.registered_version}" if status.registered_version else "-",
+            _aliases(status),
         )
         if status.error:
             console.print(f"[red]{tenant.tenant_id}: {status.state}: {status.error}")
     console.print(table)
     return failed
+
+
+def _aliases(status: WorkloadInfo) -> str:
+    """Where the Master's promotion left `candidate` and `champion`, and by what metric."""
+    decision = (status.result or {}).get("promotion")
+    if not decision:
+        return "-"
+    value = "" if decision["value"] is None else f" {decision['metric']} {decision['value']:.4g}"
+    return f"candidate v{decision['version']}, champion v{decision['champion']}{value}"
 
 
 def _evaluations_table(result: DemoResult) -> Table:

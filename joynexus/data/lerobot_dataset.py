@@ -450,7 +450,13 @@ class LeRobotDemoSource:
         cameras: Sequence[str],
         action_chunk: int,
         seed: int = 0,
+        validation_episodes: int = 0,
+        split: str = "train",
     ) -> None:
+        """`validation_episodes`: the dataset's last N episodes are held out; `split` "train" reads
+        the others, "validation" only those (the held-out loss of promotion)."""
+        if split not in ("train", "validation"):
+            raise ValueError(f"split: expected 'train' or 'validation', got {split!r}")
         if action_chunk < 1:
             raise ValueError(f"action_chunk: must be >= 1, got {action_chunk}")
         cameras = tuple(cameras)  # (): state-only samples, "images" is (B, 0, 3, 1, 1)
@@ -496,6 +502,7 @@ class LeRobotDemoSource:
                 video_backend="torchcodec" if self.info.stored_as_video else "pyav",
             )
         self._rng = np.random.default_rng(seed)
+        self._frames = self._split_frames(int(validation_episodes), split)
         if self._video_lock is not None:
             try:
                 self._item(0)
@@ -512,8 +519,27 @@ class LeRobotDemoSource:
         with self._video_lock:
             return self._ds[index]
 
+    def _split_frames(self, validation_episodes: int, split: str) -> np.ndarray | None:
+        """Dataset indices of the split's frames (None: every frame, nothing held out)."""
+        if validation_episodes == 0:
+            if split == "validation":
+                raise ValueError("validation_episodes: 0 holds out nothing; the validation split is empty")
+            return None
+        total = self.info.num_episodes
+        if validation_episodes >= total:
+            raise ValueError(
+                f"dataset.validation_episodes: {validation_episodes} of the dataset's {total} episodes "
+                "leaves none to train on"
+            )
+        episodes = np.asarray(self._ds.hf_dataset["episode_index"], dtype=np.int64).reshape(-1)
+        held_out = episodes >= total - validation_episodes
+        return np.flatnonzero(held_out if split == "validation" else ~held_out)
+
     def __len__(self) -> int:
-        return len(self._ds)
+        return len(self._ds) if self._frames is None else len(self._frames)
+
+    def _index(self, positions: np.ndarray) -> np.ndarray:
+        return positions if self._frames is None else self._frames[positions]
 
     @property
     def state_dim(self) -> int:
@@ -549,12 +575,20 @@ class LeRobotDemoSource:
         """``n`` random frames (with replacement) from the seeded generator."""
         if n < 1:
             raise ValueError(f"n: must be >= 1, got {n}")
-        return self._collate(self._rng.integers(0, len(self), size=n))
+        return self._collate(self._index(self._rng.integers(0, len(self), size=n)))
 
     def iterate(self, batch_size: int) -> Iterator[dict[str, Any]]:
         """One shuffled epoch in batches (the last batch may be smaller)."""
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        order = self._rng.permutation(len(self))
+        order = self._index(self._rng.permutation(len(self)))
+        for start in range(0, len(order), batch_size):
+            yield self._collate(order[start : start + batch_size])
+
+    def frames(self, batch_size: int) -> Iterator[dict[str, Any]]:
+        """Every frame of the split once, in dataset order (a deterministic evaluation pass)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        order = self._index(np.arange(len(self)))
         for start in range(0, len(order), batch_size):
             yield self._collate(order[start : start + batch_size])

@@ -15,6 +15,10 @@ Two kinds of role:
 
 `report()` is what `/v1/health` and `joynexus status` show: one entry per role with healthy,
 incarnation, seconds since the last beat, restarts and a detail.
+
+A service that is alive but hung (its heartbeat late past `hung.hung_after_s`) is killed and restarted
+in place by Ray, within a restart budget and with backoff (hung_roles.py); when the budget is spent
+it is escalated: reported unhealthy, and `escalated()` names it (the Master pauses admission).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.actors import handle_of
+from joynexus.master.hung_roles import HungRoleOptions, RestartPolicy, actor_restarting, kill_in_place
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ class HealthOptions(BaseModel):
     role_stale_after_s: float = Field(
         default=600.0, gt=0, description="a Master thread silent this long is replaced (one job may train long)"
     )
+    hung: HungRoleOptions = Field(default_factory=HungRoleOptions, description="restarts of hung services")
 
 
 @dataclass
@@ -55,6 +61,8 @@ class ServiceHealth:
     last_error: str | None = None
     last_restore: str | None = None
     beat: dict[str, Any] = field(default_factory=dict)
+    hung_restarts: int = 0  # kills of this role for a late heartbeat
+    escalated: str | None = None  # why it is escalated (its restart budget is spent), None if not
 
 
 class HealthManager:
@@ -65,16 +73,21 @@ class HealthManager:
         check_roles: Callable[[float], dict[str, dict[str, Any]]],
         on_restart: Callable[[str, dict[str, Any], dict[str, Any]], str],
         options: HealthOptions | None = None,
+        kill: Callable[[str, Any], None] | None = None,
     ):
         """`services`: role name -> service (a typed handle or a raw Ray actor / local object);
         `check_roles(stale_after_s)`: the Master's own roles, restarted when dead or silent;
         `on_restart(role, previous_beat, new_beat)`: restore what the role's previous life held,
-        returning a one-line account."""
+        returning a one-line account; `kill(role, handle)`: end a hung service so it restarts in
+        place (default: `ray.kill(no_restart=False)` for a Ray actor; an in-process one is only reported)."""
         self.options = options or HealthOptions()
         self._handles = {name: handle_of(service) for name, service in services.items()}
         self._services = {name: ServiceHealth(name) for name in services}
         self._check_roles = check_roles
         self._on_restart = on_restart
+        self._kill = kill
+        self.restart_policy = RestartPolicy(self.options.hung)
+        self._watching_since = time.monotonic()
         self._roles: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -129,6 +142,7 @@ class HealthManager:
         except Exception as error:
             with self._lock:
                 state.last_error = f"{type(error).__name__}: {error}"[:300]
+            self._on_silent(name, handle, state)
             return
         previous = state.beat
         restarted = state.incarnation is not None and beat.get("incarnation") != state.incarnation
@@ -138,6 +152,8 @@ class HealthManager:
                 state.restoring = True
             state.incarnation, state.started_at = beat.get("incarnation"), beat.get("started_at")
             state.last_ok, state.last_error, state.beat = time.monotonic(), None, beat
+            if self.restart_policy.decide(name, state.last_ok, self._watching_since).action == "ok":
+                state.escalated = None
         if restarted:
             log.warning("role %s restarted in place (incarnation %s); restoring", name, state.incarnation)
             try:
@@ -147,6 +163,43 @@ class HealthManager:
                 log.exception("restoring role %s failed", name)
             with self._lock:
                 state.restoring, state.last_restore = False, account
+
+    def _on_silent(self, name: str, handle: Any, state: ServiceHealth) -> None:
+        """A probe failed: restart the role if it is hung and its budget allows, else escalate."""
+        if handle.is_remote and actor_restarting(handle.target):
+            self.restart_policy.restarting(name)  # Ray is (re)building it: slow, not hung
+            return
+        verdict = self.restart_policy.decide(name, state.last_ok, self._watching_since)
+        if verdict.action == "escalate":
+            if state.escalated is None:
+                log.error("role %s escalated: %s", name, verdict.reason)
+            with self._lock:
+                state.escalated = verdict.reason
+            return
+        if verdict.action != "restart":
+            return
+        kill = self._kill
+        if kill is None:
+            if not handle.is_remote:
+                return  # an in-process service cannot be restarted alone; reported as down
+            kill = lambda _role, target: kill_in_place(target)  # noqa: E731
+        count = self.restart_policy.record_restart(name)
+        log.warning("role %s is %s; restarting it in place (%d in the window)", name, verdict.reason, count)
+        try:
+            kill(name, handle.target)
+        except Exception as error:  # reported; the next round tries again after the backoff
+            log.exception("restarting hung role %s failed", name)
+            with self._lock:
+                state.last_error = f"restart failed: {type(error).__name__}: {error}"[:300]
+            return
+        with self._lock:
+            state.hung_restarts += 1
+            state.last_error = f"{verdict.reason}; killed for a restart in place ({count} in the window)"
+
+    def escalated(self) -> dict[str, str]:
+        """Roles whose restart budget is spent (role -> reason): the Master pauses admission."""
+        with self._lock:
+            return {name: state.escalated for name, state in self._services.items() if state.escalated}
 
     # -- the truth per role -------------------------------------------------------------------------
     def report(self) -> dict[str, dict[str, Any]]:
@@ -159,6 +212,8 @@ class HealthManager:
                 age = None if state.last_ok is None else now - state.last_ok
                 healthy = age is not None and age <= stale and not state.restoring and state.last_error is None
                 detail = state.last_error or ("restoring" if state.restoring else state.last_restore) or "ok"
+                if state.escalated is not None:
+                    healthy, detail = False, f"escalated: {state.escalated}"
                 members = _members(state.beat)
                 if members is not None:  # replicas / pool workers behind the role's front
                     serving, summary = members
@@ -169,6 +224,7 @@ class HealthManager:
                     "incarnation": state.incarnation,
                     "last_beat_s": None if age is None else round(age, 3),
                     "restarts": state.restarts,
+                    "hung_restarts": state.hung_restarts,
                     "detail": detail,
                 }
             for name, entry in self._roles.items():

@@ -124,9 +124,16 @@ class MasterService:
         from joynexus.master.evaluation_declarations import EvaluationDeclarations
 
         self.declarations = EvaluationDeclarations(self.deployment, self.workloads)
+        self.workloads.admission_paused = lambda: bool(self.health_manager.escalated())
 
     def _check_spend(self, tenant_id: str) -> None:
         from joynexus.master.usage import SpendCapReached
+
+        # A hung role whose restart budget is spent pauses admission until it answers again.
+        escalated = self.health_manager.escalated() if hasattr(self, "health_manager") else {}
+        if escalated:
+            role, reason = next(iter(sorted(escalated.items())))
+            raise AdmissionRefused(f"admission paused: role {role} is {reason}")
 
         try:
             self.ledger.check_spend(tenant_id)
@@ -301,6 +308,19 @@ class MasterService:
     ) -> WorkloadInfo:
         self.check_tenant(tenant_id)
         return self.workloads.evaluate(tenant_id, version=version, episodes=episodes, environment=environment)
+
+    def promote(self, tenant_id: str, registry_version: int | None = None) -> dict[str, Any]:
+        """The promotion rule (workloads/promotion.py) on a registered version, default the tenant's
+        `candidate`: measured by its declared metric if not yet, then `champion` moves if it wins."""
+        self.deployment.creator.get(tenant_id)  # KeyError for an unknown tenant
+        return self.workloads.promote(tenant_id, registry_version)
+
+    def measure_version(self, tenant_id: str, registry_version: int) -> dict[str, float]:
+        """Measure a registered version by the tenant's promotion metric (simulator success rate or
+        held-out loss) again, log the metrics on the version and return them."""
+        tenant = self.deployment.creator.get(tenant_id)
+        tags = self.deployment.tracker.model_version_tags(tenant_id, registry_version)
+        return self.workloads.measure_version(tenant, int(registry_version), int(tags["policy_version"]))
 
     def get_workload(self, workload_id: str, tenant_id: str | None = None) -> WorkloadInfo:
         return self.workloads.get(workload_id, tenant_id)

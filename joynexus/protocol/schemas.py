@@ -428,6 +428,7 @@ class RoleHealth(_Response):
     incarnation: str | None = None  # a service's current life; a restart in place makes a new one
     last_beat_s: float | None = None  # seconds since its last heartbeat
     restarts: int = 0
+    hung_restarts: int = 0  # kills of a hung service for a restart in place
     detail: str = ""
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from joynexus.actors import named_actor
+from joynexus.actors import ActorName, handle_of, named_actor
 from joynexus.artifacts.s3 import ENDPOINT_ENV
 from joynexus.artifacts.stores import checkpoint_blobs
 from joynexus.models.backbone import BackboneSource
@@ -113,7 +113,9 @@ class TrainingServiceConfig:
             TRAINING_SERVICE_ACTOR_NAME,
             self.backbone,
             self.checkpoint_root,
-            queue,
+            # By name, not the creating driver's handle: a restart in place after that driver
+            # exited (`joynexus up`) looks the queue up again.
+            ActorName(TRAINING_QUEUE_ACTOR_NAME, namespace) if handle_of(queue).is_remote else queue,
             self.num_threads,
             namespace=namespace,
             detached=detached,

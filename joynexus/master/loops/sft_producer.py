@@ -44,11 +44,17 @@ class SFTProducer(Producer):
         root: str,
         repo_id: str,
         job_metadata: dict[str, Any] | None = None,
+        validation_episodes: int = 0,
     ) -> SFTProducer:
         from joynexus.data.lerobot_dataset import LeRobotDemoSource
 
         source = LeRobotDemoSource(
-            root, repo_id, cameras=list(config.cameras), action_chunk=config.action_chunk, seed=config.seed
+            root,
+            repo_id,
+            cameras=list(config.cameras),
+            action_chunk=config.action_chunk,
+            seed=config.seed,
+            validation_episodes=validation_episodes,  # held out: promotion measures on them
         )
         return cls(config, scheduler, queue, source, job_metadata)
 

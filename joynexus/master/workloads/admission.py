@@ -82,6 +82,8 @@ class Admission(WorkloadBase):
 
     def _take_admissible(self) -> list[_RunningWorkload]:
         """The queued workloads that may start now, entered as running."""
+        if self.admission_paused is not None and self.admission_paused():
+            return []  # a hung role's restart budget is spent: queued work waits until it answers
         waiting = select(WorkloadRecord).where(WorkloadRecord.state == QUEUED).order_by(WorkloadRecord.created_at)
         with self.deployment.store.transaction() as s:
             queued = [(r.workload_id, r.tenant_id, r.target_jobs) for r in s.scalars(waiting)]

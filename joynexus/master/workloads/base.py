@@ -87,6 +87,8 @@ class WorkloadBase:
     on_event: Callable[[dict[str, Any]], None] | None
     # Called when a role finds a service down or restarting (the Health Manager checks at once).
     on_unavailable: Callable[[str], None] | None
+    # True while admission is paused (a hung role escalated by the Health Manager); queued work waits.
+    admission_paused: Callable[[], bool] | None
     _lock: threading.RLock
     _changed: threading.Condition  # notified on every event: `wait` wakes up
     _running: dict[str, _RunningWorkload]

@@ -7,8 +7,8 @@ and no partition and never changes the tenant's version.
   the environment, serves the version (from its checkpoint if need be), records the result in the
   store and MLflow, and runs it again whole after a restart of the Master.
 
-Promotion by evaluation results is `joynexus.registry.promote`; `flows/periodic_evaluation.py`
-schedules evaluation workloads of each tenant's champion.
+Promotion by evaluation results is the Master's rule (promotion.py, over `joynexus.registry.promote`),
+run on every publish; `flows/periodic_evaluation.py` evaluates each tenant's champion on a schedule.
 """
 
 from __future__ import annotations

@@ -6,12 +6,13 @@ Training Queue partitions — while ONE shared actor loop consumes every tenant'
 the Training Scheduler, so tenants interleave on the single Training Model Service. On
 completion the workload checkpoints, exports and registers the tenant's policy in MLflow.
 
-`WorkloadManager` is the facade of four parts over one shared state (base.py):
+`WorkloadManager` is the facade of five parts over one shared state (base.py):
 
 * roles.py: the supervisor of the Master's own threads (actor loop, advantage stage, admission);
 * admission.py: submit checks, quotas and the durable admission queue;
 * training.py: the training-workload lifecycle (launch, outcomes, finish, publish, register);
-* evaluation.py: evaluation workloads, and the episodes they run.
+* evaluation.py: evaluation workloads, and the episodes they run;
+* promotion.py: the promotion rule every publish goes through (heldout.py: the held-out loss).
 
 Durable: the admission queue IS the store (workloads in state `queued`, oldest first), workload
 progress and events are rows, so a restarted Master Service continues: `reconcile()` re-queues or
@@ -40,6 +41,7 @@ from joynexus.master.workloads.base import (
     _RunningWorkload,
 )
 from joynexus.master.workloads.evaluation import Evaluations
+from joynexus.master.workloads.promotion import Promotions
 from joynexus.master.workloads.roles import RoleSupervisor
 from joynexus.master.workloads.training import TrainingWorkloads
 from joynexus.protocol.schemas import WorkloadInfo
@@ -54,7 +56,7 @@ __all__ = ["FINAL_WORKLOAD_STATES", "AdmissionRefused", "UnknownWorkload", "Work
 log = logging.getLogger(__name__)
 
 
-class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations):
+class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations, Promotions):
     def __init__(
         self,
         deployment: Deployment,
@@ -77,6 +79,7 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations)
         self.max_job_attempts = max_job_attempts
         self.on_event = on_event
         self.on_unavailable = None
+        self.admission_paused = None
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._running: dict[str, _RunningWorkload] = {}

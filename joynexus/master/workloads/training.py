@@ -1,6 +1,7 @@
 """The training-workload lifecycle: launch (the tenant's slot, its training policy's target, the
 MLflow run, and a producer thread: SFT demonstrations or RL rollouts), the actor loop's outcomes,
-then finish: checkpoint, export, serve and register the tenant's policy as trained.
+then finish: checkpoint, export, serve and register the tenant's policy as trained, and promote it
+(promotion.py: `candidate` always, `champion` by the tenant's declared metric).
 
 The shared actor loop (roles.py) trains every tenant's ready jobs; `_on_outcome` counts them
 towards their workload. A restarted Master resumes a running workload from its recorded progress.
@@ -123,6 +124,7 @@ class TrainingWorkloads(WorkloadBase):
         return SFTProducer.from_dataset(
             tenant.backend_config, deployment.scheduler, deployment.queue, tenant.spec.dataset.root,
             tenant.spec.dataset.repo_id, job_metadata=metadata,
+            validation_episodes=tenant.spec.dataset.validation_episodes,
         )  # fmt: skip
 
     def _produce(self, running: _RunningWorkload) -> None:
@@ -253,7 +255,7 @@ class TrainingWorkloads(WorkloadBase):
     ) -> None:
         if running is None and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
             return  # finished already
-        registered = None
+        registered = promotion = None
         if running is not None:
             running.stop.set()
             # Let a producer finish the job it is writing, so none is marked ready after the release.
@@ -267,6 +269,8 @@ class TrainingWorkloads(WorkloadBase):
                 except Exception as publish_error:  # the training happened; say what failed after it
                     log.exception("publishing workload %s failed", workload_id)
                     state, error = WORKLOAD_FAILED, f"export/register: {type(publish_error).__name__}: {publish_error}"
+                else:  # candidate moves; champion by the tenant's metric (promotion.py), before `completed`
+                    promotion = self._promote_published(workload_id, running.tenant.tenant_id, registered)
             if running.run_id is not None:
                 self.deployment.tracker.end_run(running.run_id, "FINISHED" if state == WORKLOAD_COMPLETED else "FAILED")
             self._persist_progress(running)
@@ -275,6 +279,8 @@ class TrainingWorkloads(WorkloadBase):
             if record is not None and record.state not in FINAL_WORKLOAD_STATES:
                 record.state, record.error, record.finished_at = state, error, utcnow()
                 record.registered_version = registered
+                if promotion is not None:
+                    record.result = {"promotion": promotion}
         self._emit(workload_id, state, error=error, registered_version=registered)
 
     def _release_pending_jobs(self, running: _RunningWorkload, reason: str) -> None:

@@ -1,0 +1,112 @@
+"""Promotion, in ONE home (the Master) for every path: API / CLI workloads, the main job and the flows.
+
+Every publish registers a version; then `promote`:
+1. moves `candidate` to it (always);
+2. measures it by the tenant's declared metric (`spec.promotion`, `WorkloadSpec.promotion_metric`):
+   simulator success rate (an evaluation of that pinned version in the tenant's environment) or the
+   held-out loss on `dataset.validation_episodes` (heldout.py), and logs the metrics on the version
+   (`ExperimentTracker.log_version_evaluation`);
+3. moves `champion` by `joynexus.registry.promote`'s rule: when there is none yet, or when the new
+   version beats the champion's measurement by more than `promotion.min_improvement`. A tenant with
+   no measurable metric (no environment, nothing held out) has its champion follow every version.
+
+A measurement that fails leaves the champion where it is (the reason is in the decision); the
+version stays the candidate, so the periodic evaluation flow measures and promotes it later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from joynexus.core.tenants import Tenant
+from joynexus.master.workloads.base import WorkloadBase
+from joynexus.master.workloads.heldout import HELDOUT_METRIC, heldout_loss
+from joynexus.registry import CANDIDATE_ALIAS, CHAMPION_ALIAS, PromotionDecision, promote
+from joynexus.spec import PromotionMetric
+
+log = logging.getLogger(__name__)
+
+SUCCESS_METRIC = "eval/success_rate"
+METRIC_NAMES = {PromotionMetric.SUCCESS_RATE: SUCCESS_METRIC, PromotionMetric.HELDOUT_LOSS: HELDOUT_METRIC}
+
+
+class Promotions(WorkloadBase):
+    def promote(self, tenant_id: str, registry_version: int | None = None, *, measure: bool = True) -> dict[str, Any]:
+        """Apply the tenant's promotion rule to `registry_version` (default: its `candidate`);
+        measure it first when it has no measurement of the declared metric yet (`measure`).
+        Returns the decision as a dict (PromotionDecision's fields)."""
+        tracker = self.deployment.tracker
+        tenant = self.deployment.creator.get(tenant_id)
+        if registry_version is None:
+            registry_version = tracker.alias_version(tenant_id, CANDIDATE_ALIAS)
+            if registry_version is None:
+                raise ValueError(f"registry_version: tenant {tenant_id!r} has no {CANDIDATE_ALIAS!r} version")
+        version = int(registry_version)
+        tags = tracker.model_version_tags(tenant_id, version)  # raises if it does not exist
+        metric = tenant.spec.promotion_metric()
+        if metric is None:  # nothing to measure: the champion follows the newest version
+            tracker.set_alias(tenant_id, CANDIDATE_ALIAS, version)
+            previous = tracker.alias_version(tenant_id, CHAMPION_ALIAS)
+            tracker.set_alias(tenant_id, CHAMPION_ALIAS, version)
+            reason = "no promotion metric declared (no environment, no dataset.validation_episodes)"
+            tracker.set_version_tags(tenant_id, version, {"promotion": "champion", "promotion_reason": reason})
+            decision = PromotionDecision(tenant_id, version, "-", None, previous, None, version, True, reason)
+            return dataclasses.asdict(decision)
+        name = METRIC_NAMES[metric]
+        tracker.set_alias(tenant_id, CANDIDATE_ALIAS, version)  # before measuring: it is the candidate now
+        failure = None
+        if measure and tracker.evaluation_metric(tenant_id, version, name) is None:
+            try:
+                self.measure_version(tenant, version, int(tags["policy_version"]))
+            except Exception as error:  # the champion stays; the decision says why
+                failure = f"measuring {name} failed: {type(error).__name__}: {error}"
+                log.warning("tenant %s registry version %s: %s", tenant_id, version, failure)
+        decision = promote(
+            tracker, tenant_id, version, metric=name,
+            higher_is_better=metric is PromotionMetric.SUCCESS_RATE,
+            min_improvement=tenant.spec.promotion.min_improvement,
+        )  # fmt: skip
+        if failure is not None:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {failure}")
+        return dataclasses.asdict(decision)
+
+    def measure_version(self, tenant: Tenant, registry_version: int, policy_version: int) -> dict[str, float]:
+        """Measure one registered version by the tenant's metric and log it on the version."""
+        tenant_id, metric = tenant.tenant_id, tenant.spec.promotion_metric()
+        if metric is None:
+            raise ValueError(f"promotion.metric: tenant {tenant_id!r} declares none it can be measured by")
+        inference = self.deployment.inference_service
+
+        def run() -> dict[str, float]:
+            self._serve_version(tenant_id, policy_version)  # served, or loaded from its checkpoint
+            if metric is PromotionMetric.HELDOUT_LOSS:
+                return heldout_loss(tenant, inference, policy_version).metrics()
+            from joynexus.master.workloads.evaluation import evaluate_policy
+
+            result = evaluate_policy(
+                tenant.backend_config, self.deployment.environment_service, inference,
+                version=policy_version, episodes=tenant.spec.promotion.eval_episodes,
+            )  # fmt: skip
+            return {
+                SUCCESS_METRIC: result.success_rate,
+                "eval/mean_return": result.mean_return,
+                "eval/mean_length": result.mean_length,
+            }
+
+        metrics = self._through_restarts(run, tenant_id, "promotion measurement")
+        self.deployment.tracker.log_version_evaluation(tenant_id, registry_version, metrics)
+        return metrics
+
+    def _promote_published(self, workload_id: str, tenant_id: str, registry_version: int) -> dict[str, Any] | None:
+        """After a workload published `registry_version`: the promotion rule, recorded as the
+        workload's `promotion` event. Never fails the workload: the training happened."""
+        try:
+            decision = self.promote(tenant_id, registry_version)
+        except Exception as error:
+            log.exception("promoting tenant %s registry version %s failed", tenant_id, registry_version)
+            self._emit(workload_id, "promotion_failed", error=f"{type(error).__name__}: {error}")
+            return None
+        self._emit(workload_id, "promotion", **decision)
+        return decision
