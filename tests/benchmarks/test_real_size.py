@@ -3,26 +3,33 @@ side-by-side ratios in the printed output and the JSON file."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real_size.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "real_size.py"
 
 
-def test_quick_run_on_tiny_reports_every_part(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(_SCRIPT), "--preset", "tiny", "--image-size", "48", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+@pytest.fixture()
+def real_size():
+    spec = importlib.util.spec_from_file_location("real_size_under_test", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)  # the benchmark sets its own
+    sys.modules.pop(spec.name, None)
+
+
+def test_quick_run_on_tiny_reports_every_part(real_size, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # In process (the session's imports are reused): the same `main` the command line runs.
+    real_size.main(["--preset", "tiny", "--image-size", "48", "--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
     for heading in ("== tiny:", "== 1. group batching", "== 2. memory", "== 3. peer", "== table (issue 23)"):
         assert heading in out, heading
     report = json.loads((tmp_path / "real_size.json").read_text())

@@ -45,10 +45,13 @@ def test_preset_dimensions_match_the_published_ones(name: str) -> None:
         assert getattr(spec, field) == value, field
     assert spec.image_seq_len == 64  # "64 visual tokens to encode image patches of size 512x512"
     assert idefics3_parameters(spec) == EXPECTED_PARAMETERS[name]
-    assert idefics3_parameters(spec) + spec.vocab_size * spec.text_hidden_size == {
-        "smolvlm-256m": 256_484_928,
-        "smolvlm-500m": 507_482_304,
-    }[name]
+    assert (
+        idefics3_parameters(spec) + spec.vocab_size * spec.text_hidden_size
+        == {
+            "smolvlm-256m": 256_484_928,
+            "smolvlm-500m": 507_482_304,
+        }[name]
+    )
 
 
 def test_image_size_override_keeps_the_published_grid() -> None:

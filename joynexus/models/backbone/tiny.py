@@ -150,9 +150,7 @@ class TinyBackboneSpec:
         if self.vision_hidden_size % self.vision_heads or self.text_hidden_size % self.text_heads:
             raise ValueError("TinyBackboneSpec hidden sizes must be divisible by their head counts")
         if self.text_heads % self.kv_heads != 0:
-            raise ValueError(
-                f"TinyBackboneSpec.text_kv_heads={self.kv_heads} must divide text_heads={self.text_heads}"
-            )
+            raise ValueError(f"TinyBackboneSpec.text_kv_heads={self.kv_heads} must divide text_heads={self.text_heads}")
         if self.max_images < 1:
             raise ValueError(f"TinyBackboneSpec.max_images must be >= 1, got {self.max_images}")
         if self.feature_layers is not None and not 1 <= self.feature_layers <= self.text_layers:
@@ -314,8 +312,6 @@ def spec_model_id(spec: TinyBackboneSpec, seed: int) -> str:
     base = f"joynexus/{spec.name}" if spec.name.startswith("smolvlm") else f"joynexus/{spec.name}-smolvlm"
     if seed == 0 and _SPEC_PRESETS.get(spec.name) == spec:
         return base
-    fields = {
-        k: v for k, v in dataclasses.asdict(spec).items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]
-    }
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
     digest = hashlib.sha256(json.dumps([fields, seed], sort_keys=True).encode()).hexdigest()
     return f"{base}-{digest[:10]}"
