@@ -13,6 +13,9 @@
    float32 backbones on the CPU, the same checks).
 4. `benchmarks/group_batching.py --quick` with JOYNEXUS_DEVICE=cuda (with a GPU; on the CPU only when
    `--group-batching` asks for it: it takes minutes there).
+5. `benchmarks/real_size.py` at each real-size preset (smolvlm-256m, smolvlm-500m: published dimensions,
+   random weights) at their published 512 px with JOYNEXUS_DEVICE=cuda, so the first run on a GPU
+   reports them (on the CPU only when `--real-size` asks for it, at 64 px).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from joynexus.spec import parse_workload_spec  # noqa: E402
 SCHEMA = dict(cameras=["front", "wrist"], image_size=[64, 64], state_dim=8, action_dim=7, action_chunk=4)
 KINDS = ("oft_mlp", "flow_matching")
 ROWS = 16  # samples per training microbatch and per predict request
+REAL_SIZE_PRESETS = ("smolvlm-256m", "smolvlm-500m")
 
 
 def compiled_config(service: TrainingModelService, tenant: str, kind: str) -> Any:
@@ -180,6 +184,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="SFT steps per tenant before timing")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds per placement")
     parser.add_argument("--group-batching", action="store_true", help="also run group_batching.py --quick on the CPU")
+    parser.add_argument("--real-size", action="store_true", help="also run real_size.py on the CPU (64 px, --quick)")
+    parser.add_argument(
+        "--real-size-presets", default=",".join(REAL_SIZE_PRESETS), help="presets part 5 runs (comma-separated)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")))
 
@@ -265,8 +273,27 @@ def main() -> None:
             raise SystemExit(f"group_batching.py --quick failed with exit code {done.returncode}")
     else:
         print("\n(group_batching.py --quick skipped: no GPU; pass --group-batching to run it on the CPU)")
+    if gpu or args.real_size:
+        run_real_size(gpu, [p for p in args.real_size_presets.split(",") if p])
+    else:
+        print("(real_size.py skipped: no GPU; pass --real-size to run it on the CPU at 64 px)")
     if not gpu:
         print("\nNO GPU PRESENT: only the CPU path was checked.")
+
+
+def run_real_size(gpu: bool, presets: list[str]) -> None:
+    """Part 5: benchmarks/real_size.py per real-size preset, in its own process (its memory figures
+    are its own), at 512 px on a GPU and 64 px (quick) on the CPU."""
+    device = "cuda" if gpu else "cpu"
+    script = Path(__file__).with_name("real_size.py")
+    env = {**os.environ, "JOYNEXUS_DEVICE": device}
+    for preset in presets:
+        command = [sys.executable, str(script), "--preset", preset, "--out", f"var/benchmarks/real-size-{preset}"]
+        command += ["--image-size", "512"] if gpu else ["--image-size", "64", "--quick"]
+        print(f"\n== benchmarks/real_size.py --preset {preset} with JOYNEXUS_DEVICE={device} ==", flush=True)
+        done = subprocess.run(command, env=env, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"real_size.py --preset {preset} failed with exit code {done.returncode}")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,12 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}: expected an integer, got {text!r}") from None
 
 
+def _env_optional_int(name: str) -> int | None:
+    """An optional integer environment variable (unset or empty: None); a bad value's error names it."""
+    text = os.environ.get(name, "").strip()
+    return None if not text else _env_int(name, 0)
+
+
 class Settings(BaseModel):
     """Embedded defaults; every production setting is an environment variable, not a code change."""
 
@@ -193,6 +199,14 @@ class Settings(BaseModel):
     ray_address: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_ADDRESS"))
     backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))
     backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
+    # Preset overrides: the canonical camera side (a multiple of the preset's patch*scale_factor, e.g.
+    # 64 or 128 for smolvlm-256m on a CPU) and SmolVLA's features from the first K text layers.
+    backbone_image_size: int | None = Field(
+        default_factory=lambda: _env_optional_int("JOYNEXUS_BACKBONE_IMAGE_SIZE"), ge=1, validate_default=True
+    )
+    backbone_feature_layers: int | None = Field(
+        default_factory=lambda: _env_optional_int("JOYNEXUS_BACKBONE_FEATURE_LAYERS"), ge=1, validate_default=True
+    )
     ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
     # Admin dataset paths (spec dataset.root) must lie under one of these (os.pathsep-separated
     # absolute paths; joynexus.data.sources); blank: any path. S3 datasets go to data_dir/datasets.

@@ -190,6 +190,8 @@ _SETTINGS_ENV = {
     "database_url": "JOYNEXUS_DATABASE_URL",
     "backbone_preset": "JOYNEXUS_BACKBONE_PRESET",
     "backbone_path": "JOYNEXUS_BACKBONE_PATH",
+    "backbone_image_size": "JOYNEXUS_BACKBONE_IMAGE_SIZE",
+    "backbone_feature_layers": "JOYNEXUS_BACKBONE_FEATURE_LAYERS",
     "ray_namespace": "JOYNEXUS_RAY_NAMESPACE",
     "torch_threads": "JOYNEXUS_TORCH_THREADS",
     "device": "JOYNEXUS_DEVICE",

@@ -42,7 +42,11 @@ def backbone_source(settings: Settings) -> BackboneSource:
     """The resident backbone the settings name: a local checkpoint directory, else a preset."""
     if settings.backbone_path:
         return BackboneSource(preset=None, path=settings.backbone_path)
-    return BackboneSource(preset=settings.backbone_preset)
+    return BackboneSource(
+        preset=settings.backbone_preset,
+        image_size=settings.backbone_image_size,
+        feature_layers=settings.backbone_feature_layers,
+    )
 
 
 @dataclass(frozen=True)

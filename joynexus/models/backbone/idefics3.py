@@ -214,13 +214,14 @@ class ResidentBackbone:
         pad_id = tokenizer.pad_token_id
         text_config = {
             "model_type": "llama",
-            "vocab_size": len(tokenizer),
+            "vocab_size": spec.vocab_size or len(tokenizer),
             "hidden_size": spec.text_hidden_size,
-            "intermediate_size": 4 * spec.text_hidden_size,
-            "num_hidden_layers": spec.text_layers,
+            "intermediate_size": spec.text_intermediate_size or 4 * spec.text_hidden_size,
+            "num_hidden_layers": spec.built_text_layers,  # feature_layers: the later ones are never built
             "num_attention_heads": spec.text_heads,
-            "num_key_value_heads": spec.text_heads,
+            "num_key_value_heads": spec.kv_heads,
             "max_position_embeddings": spec.max_position_embeddings,
+            "rope_theta": spec.rope_theta,
             "rms_norm_eps": 1e-5,
             "pad_token_id": pad_id,
             "bos_token_id": tokenizer.bos_token_id,
@@ -229,11 +230,11 @@ class ResidentBackbone:
         }
         vision_config = {
             "hidden_size": spec.vision_hidden_size,
-            "intermediate_size": 4 * spec.vision_hidden_size,
+            "intermediate_size": spec.vision_intermediate_size or 4 * spec.vision_hidden_size,
             "num_hidden_layers": spec.vision_layers,
             "num_attention_heads": spec.vision_heads,
             "patch_size": spec.patch_size,
-            "image_size": spec.image_size,
+            "image_size": spec.grid_image_size,
         }
         config = Idefics3Config(
             vision_config=vision_config,

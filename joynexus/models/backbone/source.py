@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from joynexus.models.backbone.base import BACKBONE_FAMILIES, DEFAULT_FAMILY, Backbone, family_for_model_type
 from joynexus.models.backbone.tiny import TinyBackboneSpec
@@ -40,6 +40,39 @@ class BackboneSource(BaseModel):
     seed: int = 0
     # The family that builds a preset (a checkpoint's family comes from its config.json).
     family: str = DEFAULT_FAMILY
+    # Preset overrides (JOYNEXUS_BACKBONE_IMAGE_SIZE / JOYNEXUS_BACKBONE_FEATURE_LAYERS): the canonical
+    # image side (e.g. a real-size preset at 64 or 128 px on a CPU) and SmolVLA's first-K-text-layers.
+    image_size: int | None = Field(default=None, ge=1)
+    feature_layers: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _overrides_fit(self) -> BackboneSource:
+        """Refuse an override the preset cannot take here, in the process that reads the settings,
+        rather than inside a service's actor."""
+        overrides = {k: v for k, v in (("image_size", self.image_size), ("feature_layers", self.feature_layers)) if v}
+        if not overrides:
+            return self
+        if self.path is not None:
+            raise ValueError(
+                f"backbone {', '.join(overrides)} override applies to presets only, not to the checkpoint "
+                f"directory {self.path!r}"
+            )
+        if self.family == DEFAULT_FAMILY and self.preset is not None:
+            self.preset_spec()  # raises with the field and the allowed values
+        return self
+
+    def preset_spec(self) -> TinyBackboneSpec:
+        """The default family's preset size with this source's overrides applied."""
+        if self.preset is None:
+            raise ValueError("BackboneSource has no preset")
+        try:
+            return TinyBackboneSpec.preset(self.preset).with_overrides(self.image_size, self.feature_layers)
+        except ValueError as error:
+            raise ValueError(
+                f"backbone override (image_size={self.image_size} from JOYNEXUS_BACKBONE_IMAGE_SIZE, "
+                f"feature_layers={self.feature_layers} from JOYNEXUS_BACKBONE_FEATURE_LAYERS) does not fit "
+                f"preset {self.preset!r}: {error}"
+            ) from None
 
     def build(self, placement: DevicePlacement | None = None) -> Backbone:
         """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
@@ -48,4 +81,8 @@ class BackboneSource(BaseModel):
         if self.preset is None:
             raise ValueError("BackboneSource needs either `preset` or `path`")
         family = BACKBONE_FAMILIES.get(self.family)
+        if self.family == DEFAULT_FAMILY:
+            return family.build_tiny(self.preset_spec(), seed=self.seed, placement=placement)
+        if self.image_size or self.feature_layers:
+            raise ValueError(f"backbone family {self.family!r} takes no image_size / feature_layers override")
         return family.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)

@@ -102,7 +102,14 @@ _TOKENIZER_CORPUS = (
 
 @dataclass(frozen=True)
 class TinyBackboneSpec:
-    """Size of a randomly initialized backbone built in code (no hub)."""
+    """Size of a randomly initialized Idefics3 / SmolVLM backbone built in code (no hub).
+
+    ``image_size`` is the canonical square side cameras are resized to; ``vision_grid_image_size``
+    is the vision config's own ``image_size`` (its position-embedding grid, None = ``image_size``).
+    The real-size presets keep their published grid (512 px) while `with_overrides` may serve them
+    at a smaller canonical side, so their parameter count stays the published one; Idefics3's vision
+    embeddings bucket a smaller patch grid onto the configured one.
+    """
 
     name: str = "tiny"
     vision_hidden_size: int = 32
@@ -118,31 +125,102 @@ class TinyBackboneSpec:
     max_position_embeddings: int = 512
     max_instruction_tokens: int = 64
     tokenizer_vocab_size: int = 512
+    # Published-size fields (None: the small presets' rules, 4x hidden MLPs, as many KV heads as heads,
+    # the tokenizer's length as vocabulary).
+    text_kv_heads: int | None = None
+    text_intermediate_size: int | None = None
+    vision_intermediate_size: int | None = None
+    vocab_size: int | None = None
+    vision_grid_image_size: int | None = None
+    rope_theta: float = 10000.0
+    # SmolVLA's trick: features from the first K text layers only (the others are never built).
+    feature_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.image_size % (self.patch_size * self.scale_factor) != 0:
             raise ValueError(
-                f"TinyBackboneSpec.image_size={self.image_size} must be a multiple of "
+                f"TinyBackboneSpec.image_size={self.image_size} (preset {self.name!r}) must be a multiple of "
                 f"patch_size*scale_factor={self.patch_size * self.scale_factor}"
+            )
+        if self.grid_image_size % self.patch_size != 0:
+            raise ValueError(
+                f"TinyBackboneSpec.vision_grid_image_size={self.grid_image_size} must be a multiple of "
+                f"patch_size={self.patch_size}"
             )
         if self.vision_hidden_size % self.vision_heads or self.text_hidden_size % self.text_heads:
             raise ValueError("TinyBackboneSpec hidden sizes must be divisible by their head counts")
+        if self.text_heads % self.kv_heads != 0:
+            raise ValueError(f"TinyBackboneSpec.text_kv_heads={self.kv_heads} must divide text_heads={self.text_heads}")
         if self.max_images < 1:
             raise ValueError(f"TinyBackboneSpec.max_images must be >= 1, got {self.max_images}")
+        if self.feature_layers is not None and not 1 <= self.feature_layers <= self.text_layers:
+            raise ValueError(
+                f"TinyBackboneSpec.feature_layers={self.feature_layers} (preset {self.name!r}) must be in "
+                f"1..text_layers={self.text_layers}"
+            )
 
     @classmethod
     def preset(cls, name: str) -> TinyBackboneSpec:
-        """Named sizes: "tiny" for tests, "small" for benchmarks."""
+        """Named sizes: "tiny" for tests, "small" for benchmarks, "smolvlm-256m" / "smolvlm-500m"
+        at their published dimensions (random weights)."""
         presets = _SPEC_PRESETS
         if name not in presets:
             raise ValueError(f"unknown backbone preset {name!r}; allowed presets: {sorted(presets)}")
         return presets[name]
+
+    def with_overrides(self, image_size: int | None = None, feature_layers: int | None = None) -> TinyBackboneSpec:
+        """This size served at another canonical image side and/or with only the first
+        ``feature_layers`` text layers; the vision position grid stays the preset's."""
+        changes: dict[str, int] = {}
+        if image_size is not None and image_size != self.image_size:
+            changes.update(image_size=int(image_size), vision_grid_image_size=self.grid_image_size)
+        if feature_layers is not None:
+            changes["feature_layers"] = int(feature_layers)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @property
     def image_seq_len(self) -> int:
         """Image tokens per camera after the pixel-shuffle connector."""
         return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
 
+    @property
+    def grid_image_size(self) -> int:
+        """The vision config's image_size (its position-embedding grid)."""
+        return self.vision_grid_image_size or self.image_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.text_kv_heads or self.text_heads
+
+    @property
+    def built_text_layers(self) -> int:
+        """Text layers the model is built with (``feature_layers`` when set)."""
+        return self.feature_layers or self.text_layers
+
+
+# Published dimensions of SmolVLM-256M/500M(-Instruct), the backbone class SmolVLA uses. Sources:
+# - model cards https://huggingface.co/HuggingFaceTB/SmolVLM-256M-Instruct and .../SmolVLM-500M-Instruct:
+#   base models SmolLM2-135M-Instruct / SmolLM2-360M-Instruct + google/siglip-base-patch16-512,
+#   Idefics3 architecture, "64 visual tokens to encode image patches of size 512x512"
+#   ((512/16)^2 / scale_factor^2 = 64, so scale_factor = 4);
+# - SmolLM2-135M config.json (hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536,
+#   rope_theta 100000, max_position_embeddings 8192); SmolVLM's text config extends the vocabulary
+#   to 49280 (49152 + its image/row/column special tokens);
+# - SmolLM2-360M as used in SmolVLM-500M (hidden 960, 32 layers, 15 heads, 5 KV heads,
+#   intermediate 2560, vocab 49280, rope_theta 100000);
+# - SigLIP base patch16-512 (hidden 768, 12 layers, 12 heads, intermediate 3072, patch 16, image
+#   512; "the 93M-parameter SigLIP base patch-16/512", https://huggingface.co/blog/smolervlm).
+# Built as Idefics3Model (no LM head): tests/models/test_real_size_presets.py pins the counts.
+_SMOLVLM_VISION = dict(
+    vision_hidden_size=768,
+    vision_layers=12,
+    vision_heads=12,
+    vision_intermediate_size=3072,
+    patch_size=16,
+    image_size=512,
+    scale_factor=4,
+)
+_SMOLVLM_TEXT = dict(vocab_size=49280, max_position_embeddings=8192, rope_theta=100000.0)
 
 _SPEC_PRESETS: dict[str, TinyBackboneSpec] = {
     "tiny": TinyBackboneSpec(),
@@ -156,6 +234,42 @@ _SPEC_PRESETS: dict[str, TinyBackboneSpec] = {
         text_layers=4,
         text_heads=4,
     ),
+    "smolvlm-256m": TinyBackboneSpec(
+        name="smolvlm-256m",
+        **_SMOLVLM_VISION,
+        **_SMOLVLM_TEXT,
+        text_hidden_size=576,
+        text_layers=30,
+        text_heads=9,
+        text_kv_heads=3,
+        text_intermediate_size=1536,
+    ),
+    "smolvlm-500m": TinyBackboneSpec(
+        name="smolvlm-500m",
+        **_SMOLVLM_VISION,
+        **_SMOLVLM_TEXT,
+        text_hidden_size=960,
+        text_layers=32,
+        text_heads=15,
+        text_kv_heads=5,
+        text_intermediate_size=2560,
+    ),
+}
+# Fields added after model ids were first derived: left out of the id digest while at their
+# defaults, so every earlier spec keeps its id.
+_LATER_FIELDS = {
+    f.name: f.default
+    for f in dataclasses.fields(TinyBackboneSpec)
+    if f.name
+    in {
+        "text_kv_heads",
+        "text_intermediate_size",
+        "vision_intermediate_size",
+        "vocab_size",
+        "vision_grid_image_size",
+        "rope_theta",
+        "feature_layers",
+    }
 }
 
 
@@ -194,8 +308,10 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 def spec_model_id(spec: TinyBackboneSpec, seed: int) -> str:
     """Readable id for presets at seed 0; otherwise suffixed with a digest of spec+seed,
     so two backbones with different weights never share a prefix key."""
-    base = f"joynexus/{spec.name}-smolvlm"
+    # The real-size presets already say their family in their name.
+    base = f"joynexus/{spec.name}" if spec.name.startswith("smolvlm") else f"joynexus/{spec.name}-smolvlm"
     if seed == 0 and _SPEC_PRESETS.get(spec.name) == spec:
         return base
-    digest = hashlib.sha256(json.dumps([dataclasses.asdict(spec), seed], sort_keys=True).encode()).hexdigest()
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
+    digest = hashlib.sha256(json.dumps([fields, seed], sort_keys=True).encode()).hexdigest()
     return f"{base}-{digest[:10]}"

@@ -1,0 +1,382 @@
+"""Group batching, memory and a one-model-per-tenant peer at a real backbone size, side by side in
+one run (issue 23 item 4).
+
+  .venv/bin/python benchmarks/real_size.py [--preset smolvlm-256m] [--image-size 64] [--threads 1]
+      [--repeats 7] [--peer-copies 3] [--quick] [--out var/benchmarks]
+
+The backbone is a preset at its published dimensions with random weights (compute and memory are the
+real ones); ``--image-size`` serves it at a smaller canonical camera side (a CPU cannot run 512 px
+in reasonable time; the weights stay the published ones). Tenants are compiled by the real spec
+compiler, trained-state exported by the Training Model Service and served by the Inference Model
+Service (its `submit -> queue -> execute` path, no worker thread: no GIL contention between
+client threads biases either mode; the outside review's M4).
+
+1. Group batching (P1/P2) at 8 tenants x batch 1, for oft_mlp heads, flow_matching heads and a LoRA
+   tenant mix (8 tenants, each its own adapter on the shared text model, oft heads): requests/s
+   grouped (one execute of the 8 requests) vs serial (8 executes), the bare-backbone bound at the
+   same shapes (8 forwards of batch 1 vs one forward of batch 8), the share of the bound reached,
+   and the efficiency bare_group / grouped (the share can exceed 100% when the batched module
+   decode gains more than the backbone: review M1). Medians of interleaved repeats with bootstrap
+   95% intervals over the repeats.
+2. Memory: tensor bytes of one backbone + N tenants (N = 1, 100, 1000) in float32 and bfloat16 vs N
+   separate copies of backbone + module. The backbone's float32 bytes and every tenant's module and
+   adapter bytes are measured on the real instances; bfloat16 halves the backbone's floating tensors
+   (the services keep tenant modules in float32 at either dtype); the N multiples are arithmetic.
+3. Peer baseline: one model per tenant. ``--peer-copies`` K tenants each get their own backbone copy
+   (built, not extrapolated) and their own head, served one request at a time with the same
+   optimised encode (the review's "tuned peer"); interleaved with JoyNexus grouped over the same K
+   tenants: requests/s ratio, tensor-bytes ratio, and the measured RSS growth per backbone copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from group_batching import SCHEMAS, observations, serve  # noqa: E402  (the shared harness pieces)
+
+from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities  # noqa: E402
+from joynexus.master.tenant_creator import SpecCompiler  # noqa: E402
+from joynexus.models.backbone import BackboneSource  # noqa: E402
+from joynexus.services.inference.service import InferenceModelService  # noqa: E402
+from joynexus.services.training.service import TrainingModelService  # noqa: E402
+from joynexus.spec import WorkloadSpec  # noqa: E402
+
+TENANTS = 8
+MIXES = ("oft_mlp", "flow_matching", "lora")
+LORA = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+MEMORY_N = (1, 100, 1000)
+MIB = 2**20
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def tenant_config(name: str, caps: BaseModelCapabilities, kind: str, size: str, seed: int, lora: bool) -> Any:
+    """A tenant compiled by the real spec compiler (evaluation-only: no dataset needed)."""
+    schema = SCHEMAS[seed % 2]
+    spec: dict[str, Any] = {
+        "tenant": name,
+        "base_model": caps.model_id,
+        "task": "eval",
+        "action_module": {"kind": kind, "size": size},
+        "observation": {**schema, "cameras": list(schema["cameras"]), "image_size": list(schema["image_size"])},
+    }
+    if lora:
+        spec["adapter"] = LORA
+    compiled = SpecCompiler(BackendCapabilities.single(caps)).compile(WorkloadSpec.model_validate(spec))
+    return compiled.model_copy(update={"seed": seed})
+
+
+def timed_rounds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each function per round, in alternation so load drifts hit all alike (one warm-up)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - start)
+    return samples
+
+
+def ratio_ci(num: list[float], den: list[float], draws: int = 2000) -> tuple[float, float, float]:
+    """median(num) / median(den), and a bootstrap 95% interval over the paired rounds."""
+    point = statistics.median(num) / statistics.median(den)
+    rng = random.Random(0)
+    n = len(num)
+    values = []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        values.append(statistics.median(num[i] for i in idx) / statistics.median(den[i] for i in idx))
+    values.sort()
+    return point, values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
+
+
+def fmt(ci: tuple[float, float, float], scale: float = 1.0, unit: str = "x") -> str:
+    return f"{scale * ci[0]:.2f}{unit} [{scale * ci[1]:.2f}-{scale * ci[2]:.2f}]"
+
+
+def tensor_bytes(tensors: Any, as_bfloat16: bool = False) -> int:
+    """Bytes of the tensors; ``as_bfloat16``: floating tensors at 2 bytes (what a bfloat16 placement holds)."""
+    return sum(t.numel() * (2 if as_bfloat16 and t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def backbone_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The base model's parameters and buffers (tenant LoRA tensors excluded)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [t for name, t in named if ".lora_" not in name]
+
+
+def resident(device: torch.device) -> int:
+    """Bytes this process holds where the backbone lives: device memory on a GPU, else RSS."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+# ---------------------------------------------------------------------------------------- parts
+def group_batching(service: InferenceModelService, names: list[str], lora: bool, repeats: int) -> dict[str, Any]:
+    """Part 1 for one tenant mix: the service grouped vs serial, and the bare-backbone bound."""
+    rng = np.random.default_rng(0)
+    reqs = [(name, observations(i, 1, rng)) for i, name in enumerate(names)]
+    inputs = [
+        ([[torch.as_tensor(img) for img in o.images] for o in obs], [o.instruction for o in obs]) for _, obs in reqs
+    ]
+    keys = [[service._resolve(name, None).adapter_key] if lora else None for name in names]
+    all_images = [imgs for chunk, _ in inputs for imgs in chunk]
+    all_text = [t for _, texts in inputs for t in texts]
+    all_keys = [k[0] for k in keys] if lora else None
+    backbone = service.backbone
+
+    def serial() -> None:
+        for r in reqs:
+            serve(service, [r])
+
+    def grouped() -> None:
+        serve(service, reqs)
+
+    def bare_serial() -> None:
+        for (imgs, texts), key in zip(inputs, keys, strict=True):
+            backbone.encode(imgs, texts, key)
+
+    def bare_group() -> None:
+        backbone.encode(all_images, all_text, all_keys)
+
+    t = timed_rounds(
+        {"serial": serial, "grouped": grouped, "bare_serial": bare_serial, "bare_group": bare_group}, repeats
+    )
+    speedup = ratio_ci(t["serial"], t["grouped"])
+    bound = ratio_ci(t["bare_serial"], t["bare_group"])
+    share = ratio_ci(
+        [s / g for s, g in zip(t["serial"], t["grouped"], strict=True)],
+        [s / g for s, g in zip(t["bare_serial"], t["bare_group"], strict=True)],
+    )
+    efficiency = ratio_ci(t["bare_group"], t["grouped"])
+    n = len(names)
+    return {
+        "tenants": n,
+        "batch": 1,
+        "grouped_rps": n / statistics.median(t["grouped"]),
+        "serial_rps": n / statistics.median(t["serial"]),
+        "speedup": speedup,
+        "bound": bound,
+        "share": share,
+        "efficiency": efficiency,
+        "forward_b1_ms": 1e3 * statistics.median(t["bare_serial"]) / n,
+        "forward_b8_ms": 1e3 * statistics.median(t["bare_group"]),
+        "grouped_ms": 1e3 * statistics.median(t["grouped"]),
+        "serial_ms": 1e3 * statistics.median(t["serial"]),
+        "repeats": repeats,
+    }
+
+
+def tenant_bytes(service: InferenceModelService, name: str) -> int:
+    """A serving tenant's own tensors: its module (parameters and buffers) and its LoRA adapter."""
+    state = service._resolve(name, None)
+    own = tensor_bytes([*state.module.parameters(), *state.module.buffers()])
+    return own + (tensor_bytes(state.adapter_state.values()) if state.adapter_state else 0)
+
+
+def memory(service: InferenceModelService, tenants: dict[str, list[str]]) -> dict[str, Any]:
+    """Part 2: one backbone + N tenants vs N copies of backbone + module, per dtype and tenant mix."""
+    tensors = backbone_tensors(service.backbone.model)
+    backbone = {"float32": tensor_bytes(tensors), "bfloat16": tensor_bytes(tensors, as_bfloat16=True)}
+    per_tenant = {mix: statistics.mean(tenant_bytes(service, n) for n in names) for mix, names in tenants.items()}
+    rows = []
+    for dtype, bb in backbone.items():
+        for mix, t in per_tenant.items():
+            for n in MEMORY_N:
+                shared, separate = bb + n * t, n * (bb + t)
+                rows.append(
+                    {"dtype": dtype, "mix": mix, "n": n, "shared_bytes": shared, "separate_bytes": separate,
+                     "ratio": separate / shared}
+                )  # fmt: skip
+    return {"backbone_bytes": backbone, "tenant_bytes": per_tenant, "rows": rows}
+
+
+def peer(
+    source: BackboneSource, service: InferenceModelService, names: list[str], copies: int, repeats: int
+) -> dict[str, Any]:
+    """Part 3: each of `copies` tenants its own backbone copy and head, served one at a time, vs
+    JoyNexus grouped over the same tenants and requests, interleaved."""
+    names = names[:copies]
+    rng = np.random.default_rng(7)
+    reqs = [(name, observations(i, 1, rng)) for i, name in enumerate(names)]
+    device = service.backbone.device
+    before = resident(device)
+    own = [source.build(placement=service.backbone.placement) for _ in names]  # the same seed: the same weights
+    rss_per_copy = (resident(device) - before) / len(own)
+    heads = [service._resolve(name, None).module for name in names]
+    prepared = [
+        ([[torch.as_tensor(img) for img in o.images] for o in obs], [o.instruction for o in obs],
+         torch.stack([torch.as_tensor(o.state) for o in obs]))
+        for _, obs in reqs
+    ]  # fmt: skip
+
+    def one_model_per_tenant() -> None:
+        with torch.inference_mode():
+            for backbone, head, (imgs, texts, state) in zip(own, heads, prepared, strict=True):
+                head.predict(backbone.encode(imgs, texts).trimmed(), state)
+
+    def joynexus_grouped() -> None:
+        serve(service, reqs)
+
+    t = timed_rounds({"peer": one_model_per_tenant, "grouped": joynexus_grouped}, repeats)
+    bb = tensor_bytes(backbone_tensors(service.backbone.model))
+    heads_bytes = sum(tenant_bytes(service, n) for n in names)
+    peer_bytes = sum(tensor_bytes(backbone_tensors(b.model)) for b in own) + heads_bytes
+    joynexus_bytes = bb + heads_bytes
+    own.clear()  # the copies go before the caller measures anything else
+    return {
+        "copies": len(names),
+        "peer_rps": len(names) / statistics.median(t["peer"]),
+        "grouped_rps": len(names) / statistics.median(t["grouped"]),
+        "throughput_ratio": ratio_ci(t["peer"], t["grouped"]),
+        "peer_bytes": peer_bytes,
+        "joynexus_bytes": joynexus_bytes,
+        "memory_ratio": peer_bytes / joynexus_bytes,
+        "rss_per_copy_bytes": rss_per_copy,
+        "repeats": repeats,
+    }
+
+
+# ---------------------------------------------------------------------------------------- main
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    repeats = 3 if args.quick else args.repeats
+    copies = min(args.peer_copies, 2) if args.quick else args.peer_copies
+    module_size = "tiny" if args.quick else args.module_size
+    load_before = os.getloadavg()
+    source = BackboneSource(preset=args.preset, image_size=args.image_size)
+    spec = source.preset_spec()
+    tmp = Path(tempfile.mkdtemp(prefix="joynexus-real-size-"))
+    started = time.perf_counter()
+    trainer = TrainingModelService(source, tmp / "ckpt")
+    service = InferenceModelService(source, start_worker=False, max_batch_size=10_000)
+    build_s = (time.perf_counter() - started) / 2
+    caps = trainer.capabilities()
+    params = service.backbone.parameter_count()
+    print(
+        f"== {args.preset}: {params:,} parameters as built (Idefics3Model, no LM head; "
+        f"{params + (spec.vocab_size or len(service.backbone.tokenizer)) * spec.text_hidden_size:,} with an untied LM "
+        f"head), image {spec.image_size} px ({spec.image_seq_len} tokens per camera; published grid "
+        f"{spec.grid_image_size} px), torch threads {torch.get_num_threads()}, build {build_s:.1f} s per backbone, "
+        f"load average before {load_before[0]:.2f}",
+        flush=True,
+    )
+
+    def add(mix: str, offset: int) -> list[str]:
+        names = []
+        kind = "oft_mlp" if mix == "lora" else mix
+        for i in range(TENANTS):
+            name = f"{mix.replace('_', '-')}-{i}"
+            trainer.add_tenant(tenant_config(name, caps, kind, module_size, offset + i, lora=mix == "lora"))
+            service.load_weights(trainer.export_params(name))
+            names.append(name)
+        return names
+
+    tenants: dict[str, list[str]] = {}
+    results: dict[str, Any] = {}
+    print(f"\n== 1. group batching, {TENANTS} tenants x batch 1 (medians of {repeats} interleaved rounds, 95% CI)")
+    for offset, mix in enumerate(MIXES):
+        # LoRA tenants last: once an adapter is on the backbone every forward is routed through them.
+        tenants[mix] = add(mix, 100 * offset)
+        r = results[mix] = group_batching(service, tenants[mix], mix == "lora", repeats)
+        print(
+            f"  {mix:13} grouped {r['grouped_rps']:7.2f} req/s vs serial {r['serial_rps']:7.2f} req/s: "
+            f"{fmt(r['speedup'])}; bare-backbone bound {fmt(r['bound'])}; share {fmt(r['share'], 100, '%')}; "
+            f"efficiency bare/grouped {fmt(r['efficiency'], 100, '%')}; forward b1 {r['forward_b1_ms']:.1f} ms, "
+            f"b8 {r['forward_b8_ms']:.1f} ms",
+            flush=True,
+        )
+
+    mem = memory(service, tenants)
+    print("\n== 2. memory: one backbone + N tenants vs N separate copies of backbone + module (tensor bytes)")
+    print(
+        f"  backbone float32 {mem['backbone_bytes']['float32'] / MIB:.1f} MiB (measured), bfloat16 "
+        f"{mem['backbone_bytes']['bfloat16'] / MIB:.1f} MiB; per tenant (measured, float32): "
+        + ", ".join(f"{mix} {b / MIB:.3f} MiB" for mix, b in mem["tenant_bytes"].items())
+    )
+    for row in mem["rows"]:
+        print(
+            f"  {row['dtype']:8} {row['mix']:13} N={row['n']:<5} shared {row['shared_bytes'] / MIB:10.1f} MiB  "
+            f"separate {row['separate_bytes'] / MIB:12.1f} MiB  ratio {row['ratio']:7.1f}x"
+        )
+
+    print(f"\n== 3. peer: one model per tenant ({copies} real backbone copies, one request at a time)")
+    p = peer(source, service, tenants["oft_mlp"], copies, repeats)
+    print(
+        f"  {p['copies']} tenants x batch 1, oft heads: JoyNexus grouped {p['grouped_rps']:.2f} req/s vs one model "
+        f"per tenant {p['peer_rps']:.2f} req/s: {fmt(p['throughput_ratio'])}; tensor bytes "
+        f"{p['peer_bytes'] / MIB:.1f} vs {p['joynexus_bytes'] / MIB:.1f} MiB: {p['memory_ratio']:.2f}x; "
+        f"measured {'GPU memory' if service.backbone.device.type == 'cuda' else 'RSS'} growth per backbone copy "
+        f"{p['rss_per_copy_bytes'] / MIB:.1f} MiB"
+    )
+    service.close()
+    load_after = os.getloadavg()
+
+    oft = results["oft_mlp"]
+    per_extra = mem["tenant_bytes"]["oft_mlp"]
+    print("\n== table (issue 23): preset | parameters | forward b1 / b8 ms | grouped/serial | share of bound | "
+          "memory per extra tenant | vs one-model-per-tenant (throughput, memory)")  # fmt: skip
+    print(
+        f"  {args.preset} @ {spec.image_size}px, {torch.get_num_threads()} thread(s) | {params:,} | "
+        f"{oft['forward_b1_ms']:.1f} / {oft['forward_b8_ms']:.1f} | "
+        + ", ".join(f"{m} {results[m]['speedup'][0]:.2f}x" for m in MIXES)
+        + " | "
+        + ", ".join(f"{m} {100 * results[m]['share'][0]:.0f}%" for m in MIXES)
+        + f" | {per_extra / MIB:.3f} MiB (oft), {mem['tenant_bytes']['lora'] / MIB:.3f} MiB (lora) | "
+        f"{p['throughput_ratio'][0]:.2f}x, {p['memory_ratio']:.2f}x at {p['copies']} tenants"
+    )
+    print(f"  load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-minute; this host's cores: "
+          f"{os.cpu_count()})")  # fmt: skip
+    report = {
+        "preset": args.preset,
+        "image_size": spec.image_size,
+        "threads": torch.get_num_threads(),
+        "parameters": params,
+        "module_size": module_size,
+        "load_average": {"before": load_before[0], "after": load_after[0]},
+        "group_batching": results,
+        "memory": mem,
+        "peer": p,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "real_size.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\nall figures: {path}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="smolvlm-256m", help="backbone preset (smolvlm-256m | smolvlm-500m | ...)")
+    parser.add_argument("--image-size", type=int, default=None, help="canonical camera side (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
+    parser.add_argument("--peer-copies", type=int, default=3, help="real backbone copies of the peer baseline")
+    parser.add_argument("--module-size", default="small", help="action module size preset (the spec default)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds, 2 peer copies, tiny heads (a smoke run)")
+    parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
