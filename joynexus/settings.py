@@ -193,6 +193,9 @@ class Settings(BaseModel):
     ray_address: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_ADDRESS"))
     backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))
     backbone_path: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PATH"))
+    # The model id a plain Hugging Face checkpoint directory is served under (tenants name it as their
+    # base_model); unset: its config.json's `_name_or_path`, else the directory's path.
+    backbone_id: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_ID") or None)
     ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
     torch_threads: int = Field(default_factory=lambda: int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")), ge=1)
     # Device placement of the model services (joynexus.models.placement.DevicePlacement): "auto" takes

@@ -190,6 +190,7 @@ _SETTINGS_ENV = {
     "database_url": "JOYNEXUS_DATABASE_URL",
     "backbone_preset": "JOYNEXUS_BACKBONE_PRESET",
     "backbone_path": "JOYNEXUS_BACKBONE_PATH",
+    "backbone_id": "JOYNEXUS_BACKBONE_ID",
     "ray_namespace": "JOYNEXUS_RAY_NAMESPACE",
     "torch_threads": "JOYNEXUS_TORCH_THREADS",
     "device": "JOYNEXUS_DEVICE",

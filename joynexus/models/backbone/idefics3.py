@@ -64,6 +64,7 @@ from joynexus.models.backbone.base import (
     BackboneFeatures,
     register_backbone_family,
 )
+from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory
 from joynexus.models.backbone.tiny import (
     CHAT_TEMPLATE,
     END_OF_UTTERANCE_TOKEN,
@@ -111,6 +112,7 @@ class ResidentBackbone:
         max_instruction_tokens: int = 64,
         spec: TinyBackboneSpec | None = None,
         placement: DevicePlacement | None = None,
+        chat_prompt: ChatTemplatePrompt | None = None,
     ) -> None:
         config = model.config
         vision = config.vision_config
@@ -129,6 +131,9 @@ class ResidentBackbone:
         self.hidden_size = int(config.text_config.hidden_size)
         self.max_instruction_tokens = int(max_instruction_tokens)
         self.spec = spec
+        # A plain HF checkpoint's prompt comes from its chat template (`hf_directory`); None: the
+        # built-in SmolVLM prompt below.
+        self.chat_prompt = chat_prompt
         self.image_mean = tuple(float(x) for x in image_mean)
         self.image_std = tuple(float(x) for x in image_std)
         self._mean = torch.tensor(self.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
@@ -260,10 +265,16 @@ class ResidentBackbone:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, placement: DevicePlacement | None = None) -> ResidentBackbone:
+    def from_pretrained(
+        cls, path: str | Path, placement: DevicePlacement | None = None, *, model_id: str | None = None
+    ) -> ResidentBackbone:
         """Load a local checkpoint directory (ours, or a plain Idefics3/SmolVLM one). Offline only.
-        The weights are read in the placement's dtype (a bfloat16 placement never holds a float32 copy)."""
+        The weights are read in the placement's dtype (a bfloat16 placement never holds a float32 copy).
+        ``model_id``: serve it under this id instead of the directory's own."""
         root = Path(path).expanduser()
+        if not (root / METADATA_FILE).is_file():
+            # Exactly as transformers wrote it: every serving setting from its own files.
+            return load_hf_directory(cls, root, placement, model_id=model_id)
         if not root.exists():
             raise FileNotFoundError(f"backbone checkpoint directory {str(root)!r} does not exist")
         if not root.is_dir():
@@ -309,7 +320,7 @@ class ResidentBackbone:
         return cls(
             model,
             tokenizer,
-            model_id=meta.get("model_id", str(root.resolve())),
+            model_id=model_id or meta.get("model_id", str(root.resolve())),
             image_size=meta.get("image_size", config.vision_config.image_size),
             max_images=meta.get("max_images", 3),
             image_mean=meta.get("image_mean", image_mean),
@@ -416,6 +427,10 @@ class ResidentBackbone:
         # "<|im_start|>User:" + "<image>" * n + instruction + "<end_of_utterance>\nAssistant:"
         # without image splitting; special tokens delimit BPE segments, so pieces
         # tokenized separately equal the whole string tokenized at once.
+        if self.chat_prompt is not None:
+            return self.chat_prompt.ids(
+                self.tokenizer, num_images, instruction, self._image_block_ids, self.max_instruction_tokens
+            )
         text = self._text_ids(instruction)[: self.max_instruction_tokens]
         return tuple(self._prefix_ids + self._image_block_ids * num_images + text + self._suffix_ids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -40,11 +41,22 @@ class BackboneSource(BaseModel):
     seed: int = 0
     # The family that builds a preset (a checkpoint's family comes from its config.json).
     family: str = DEFAULT_FAMILY
+    # The id a checkpoint directory is served under (JOYNEXUS_BACKBONE_ID); None: the directory's own
+    # (its JoyNexus metadata, else config.json's `_name_or_path`, else its path).
+    model_id: str | None = None
 
     def build(self, placement: DevicePlacement | None = None) -> Backbone:
         """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
         if self.path is not None:
-            return checkpoint_family(self.path).from_pretrained(self.path, placement=placement)
+            family = checkpoint_family(self.path)
+            if self.model_id is None:
+                return family.from_pretrained(self.path, placement=placement)
+            if "model_id" not in inspect.signature(family.from_pretrained).parameters:
+                raise ValueError(
+                    f"backbone family {family.family!r} cannot serve a checkpoint under another model id "
+                    f"(model_id={self.model_id!r}, JOYNEXUS_BACKBONE_ID); unset it"
+                )
+            return family.from_pretrained(self.path, placement=placement, model_id=self.model_id)
         if self.preset is None:
             raise ValueError("BackboneSource needs either `preset` or `path`")
         family = BACKBONE_FAMILIES.get(self.family)
