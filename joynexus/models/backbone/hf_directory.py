@@ -179,7 +179,9 @@ class HFDirectory:
             )
         _check_weights(root)
         if not any((root / name).is_file() for name in TOKENIZER_FILES):
-            raise FileNotFoundError(f"backbone checkpoint {root}: tokenizer missing (expected {' or '.join(TOKENIZER_FILES)})")
+            raise FileNotFoundError(
+                f"backbone checkpoint {root}: tokenizer missing (expected {' or '.join(TOKENIZER_FILES)})"
+            )
         pre_path = root / PREPROCESSOR_FILE
         if not pre_path.is_file():
             raise FileNotFoundError(
@@ -229,7 +231,9 @@ def _check_weights(root: Path) -> None:
         raise ValueError(f"{index}: field weight_map missing or empty")
     for shard in sorted(set(weight_map.values())):
         if not (root / shard).is_file():
-            raise FileNotFoundError(f"backbone checkpoint {root}: weight shard {shard} missing (listed in {index.name})")
+            raise FileNotFoundError(
+                f"backbone checkpoint {root}: weight shard {shard} missing (listed in {index.name})"
+            )
 
 
 def load_hf_directory(
