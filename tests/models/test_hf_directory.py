@@ -75,8 +75,15 @@ def test_it_encodes_and_trains_adapters_like_any_backbone(loaded: ResidentBackbo
     assert "q_proj" in " ".join(loaded.lora_target_modules())
 
 
-def test_the_model_id_can_be_given(checkpoint: Path) -> None:
-    backbone = BackboneSource(preset=None, path=str(checkpoint), model_id="acme/vla-base").build()
+def test_the_model_id_can_be_given(checkpoint: Path, monkeypatch) -> None:
+    from joynexus.services.configs import backbone_source
+    from joynexus.settings import Settings
+
+    monkeypatch.setenv("JOYNEXUS_BACKBONE_PATH", str(checkpoint))
+    monkeypatch.setenv("JOYNEXUS_BACKBONE_ID", "acme/vla-base")
+    source = backbone_source(Settings())
+    assert source == BackboneSource(preset=None, path=str(checkpoint), model_id="acme/vla-base")
+    backbone = source.build()
     assert backbone.model_id == "acme/vla-base" and backbone.prefix_key[0] == "acme/vla-base"
 
 
