@@ -13,8 +13,8 @@ import pytest
 
 from joynexus.settings import Settings
 from tests.api.conftest import ADMIN_KEY, sample_batch, wire
-from tests.hf_checkpoint import HF_MODEL_ID, write_plain_hf_checkpoint
 from tests.helpers import sft_spec, write_dataset_for
+from tests.hf_checkpoint import HF_MODEL_ID, write_plain_hf_checkpoint
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
