@@ -75,6 +75,18 @@ def test_it_encodes_and_trains_adapters_like_any_backbone(loaded: ResidentBackbo
     assert "q_proj" in " ".join(loaded.lora_target_modules())
 
 
+def test_saved_again_with_joynexus_metadata_it_keeps_its_prompt(loaded: ResidentBackbone, tmp_path: Path) -> None:
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / METADATA_FILE).is_file()
+    again = ResidentBackbone.from_pretrained(tmp_path / "again")
+    assert again.prefix_key == loaded.prefix_key and again.image_mean == loaded.image_mean
+    assert again._prompt_ids(2, "open the drawer") == loaded._prompt_ids(2, "open the drawer")
+    images, instructions = [[torch.rand(3, 32, 32)]], ["push the block to the left"]
+    torch.testing.assert_close(
+        again.encode(images, instructions).tokens, loaded.encode(images, instructions).tokens, atol=0, rtol=0
+    )
+
+
 def test_the_model_id_can_be_given(checkpoint: Path, monkeypatch) -> None:
     from joynexus.services.configs import backbone_source
     from joynexus.settings import Settings

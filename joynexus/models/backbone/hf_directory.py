@@ -31,7 +31,7 @@ from joynexus.models.placement import DevicePlacement
 if TYPE_CHECKING:
     from joynexus.models.backbone.idefics3 import ResidentBackbone
 
-__all__ = ["ChatTemplatePrompt", "HFDirectory", "load_hf_directory"]
+__all__ = ["ChatTemplatePrompt", "HFDirectory", "load_hf_directory", "read_chat_template"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -131,7 +131,8 @@ class ChatTemplatePrompt:
         return tuple(out)
 
 
-def _chat_template(root: Path) -> ChatTemplatePrompt:
+def read_chat_template(root: Path) -> ChatTemplatePrompt:
+    """The chat template a checkpoint directory holds, wherever transformers put it."""
     for name in CHAT_TEMPLATE_SOURCES:
         path = root / name
         if not path.is_file():
@@ -215,7 +216,7 @@ class HFDirectory:
             image_mean=mean,
             image_std=std,
             image_seq_len=int(image_seq_len) if isinstance(image_seq_len, int) else None,
-            prompt=_chat_template(root),
+            prompt=read_chat_template(root),
         )
 
 

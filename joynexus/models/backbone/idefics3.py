@@ -64,7 +64,7 @@ from joynexus.models.backbone.base import (
     BackboneFeatures,
     register_backbone_family,
 )
-from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory
+from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory, read_chat_template
 from joynexus.models.backbone.tiny import (
     CHAT_TEMPLATE,
     END_OF_UTTERANCE_TOKEN,
@@ -328,6 +328,7 @@ class ResidentBackbone:
             max_instruction_tokens=meta.get("max_instruction_tokens", 64),
             spec=spec,
             placement=placement,
+            chat_prompt=read_chat_template(root) if meta.get("chat_template_prompt") else None,
         )
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -359,7 +360,8 @@ class ResidentBackbone:
                 # A copy: the processor's __init__ calls add_special_tokens on it.
                 tokenizer=copy.deepcopy(self.tokenizer),
                 image_seq_len=self.image_seq_len,
-                chat_template=CHAT_TEMPLATE,
+                # A checkpoint's own prompt travels with it (read back below).
+                chat_template=self.chat_prompt.template if self.chat_prompt is not None else CHAT_TEMPLATE,
             ).save_pretrained(root)
         meta = {
             "format_version": METADATA_FORMAT_VERSION,
@@ -370,6 +372,7 @@ class ResidentBackbone:
             "image_std": list(self.image_std),
             "max_instruction_tokens": self.max_instruction_tokens,
             "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
+            "chat_template_prompt": self.chat_prompt is not None,
         }
         (root / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
