@@ -112,6 +112,12 @@ def _edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(data))
 
 
+def _pop_json(path: Path, key: str) -> None:
+    data = json.loads(path.read_text())
+    del data[key]
+    path.write_text(json.dumps(data))
+
+
 def _drop_chat_templates(root: Path) -> None:
     for name in ("chat_template.jinja", "chat_template.json"):
         (root / name).unlink(missing_ok=True)
@@ -148,6 +154,16 @@ REFUSALS = {
         ValueError,
         "do_image_splitting is true",
     ),
+    "splitting_default": (
+        lambda root: _pop_json(root / "preprocessor_config.json", "do_image_splitting"),
+        ValueError,
+        r"do_image_splitting is absent \(the image processor's default: true\)",
+    ),
+    "tile_side": (
+        lambda root: _pop_json(root / "preprocessor_config.json", "max_image_size"),
+        ValueError,
+        "field max_image_size missing",
+    ),
     "mean": (
         lambda root: _edit_json(root / "preprocessor_config.json", image_mean=[0.5, 0.5]),
         ValueError,
@@ -169,4 +185,11 @@ def test_a_refusal_names_what_is_missing_or_unsupported(what: str, checkpoint: P
     break_it(root)
     with pytest.raises(error, match=message) as raised:
         BackboneSource(preset=None, path=str(root)).build()
-    assert str(root) in str(raised.value) or what in ("model_type", "mean", "splitting", "image_seq_len")
+    assert str(root) in str(raised.value) or what in (
+        "model_type",
+        "mean",
+        "splitting",
+        "splitting_default",
+        "tile_side",
+        "image_seq_len",
+    )

@@ -190,13 +190,15 @@ class HFDirectory:
                 "do_image_splitting come from it)"
             )
         pre = _read_json(pre_path)
-        if pre.get("do_image_splitting", False):
+        # Absent means the Idefics3 image processor's default, which is to split.
+        if pre.get("do_image_splitting", True):
+            state = "true" if "do_image_splitting" in pre else "absent (the image processor's default: true)"
             raise ValueError(
-                f"{pre_path}: do_image_splitting is true; JoyNexus serves one tile per camera image, so a "
+                f"{pre_path}: do_image_splitting is {state}; JoyNexus serves one tile per camera image, so a "
                 "checkpoint must be served with do_image_splitting false (set it in the file to serve it so)"
             )
         # Without splitting, the HF image processor squares every image to max_image_size.
-        image_size = _longest_edge(pre, "max_image_size", pre_path) or _longest_edge(pre, "size", pre_path)
+        image_size = _longest_edge(pre, "max_image_size", pre_path)
         if image_size is None:
             raise ValueError(f"{pre_path}: field max_image_size missing (the tile side images are resized to)")
         if pre.get("do_normalize", True):
