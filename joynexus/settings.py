@@ -207,6 +207,11 @@ class Settings(BaseModel):
     backbone_feature_layers: int | None = Field(
         default_factory=lambda: _env_optional_int("JOYNEXUS_BACKBONE_FEATURE_LAYERS"), ge=1, validate_default=True
     )
+
+
+    # The model id a plain Hugging Face checkpoint directory is served under (tenants name it as their
+    # base_model); unset: its config.json's `_name_or_path`, else the directory's path.
+    backbone_id: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_ID") or None)
     ray_namespace: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_NAMESPACE", RAY_NAMESPACE))
     # Admin dataset paths (spec dataset.root) must lie under one of these (os.pathsep-separated
     # absolute paths; joynexus.data.sources); blank: any path. S3 datasets go to data_dir/datasets.

@@ -311,6 +311,36 @@ def _eval_line(status: WorkloadInfo) -> str:
 console = Console(width=None if sys.stdout.isatty() else 140)  # logs are not terminals: no 80-column wrap
 
 
+def check_backbone_preset(name: str | None) -> str | None:
+    """`--backbone`: a preset of the backbone registry (checked here, before anything starts)."""
+    if name is None:
+        return None
+    from joynexus.models.backbone import TinyBackboneSpec
+
+    try:
+        TinyBackboneSpec.preset(name)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    return name
+
+
+def job_settings(data_dir: Path | None, backbone: str | None = None, backbone_path: Path | None = None) -> Settings:
+    """The settings of this run: the embedded defaults (environment included), with the backbone the
+    options name (a preset, or a local Hugging Face checkpoint directory) for the services it starts."""
+    overrides: dict[str, Any] = {}
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir.resolve()
+    if backbone is not None and backbone_path is not None:
+        raise typer.BadParameter("give --backbone (a preset) or --backbone-path (a directory), not both")
+    if backbone is not None:
+        overrides.update(backbone_preset=check_backbone_preset(backbone), backbone_path=None)
+    if backbone_path is not None:
+        if not backbone_path.expanduser().is_dir():
+            raise typer.BadParameter(f"--backbone-path {str(backbone_path)!r} is not a directory")
+        overrides["backbone_path"] = str(backbone_path.expanduser().resolve())
+    return Settings(**overrides)
+
+
 def main(
     data_dir: Path | None = typer.Option(
         None,
@@ -323,9 +353,22 @@ def main(
         True, help="Include the simulator tenants (RL, SFT on recorded demos, evaluation)."
     ),
     rl_jobs: int = typer.Option(30, min=1, help="PPO updates of the PushT-reach RL tenant."),
+    backbone: str | None = typer.Option(
+        None,
+        "--backbone",
+        callback=check_backbone_preset,
+        help="Backbone preset of the model services this run starts, e.g. smolvlm-256m for a real-size "
+        "SmolVLM (random weights) [default: $JOYNEXUS_BACKBONE_PRESET or tiny].",
+    ),
+    backbone_path: Path | None = typer.Option(
+        None,
+        "--backbone-path",
+        help="A local Hugging Face checkpoint directory (Idefics3 / SmolVLM, as save_pretrained writes it) "
+        "to serve instead of a preset [default: $JOYNEXUS_BACKBONE_PATH].",
+    ),
 ) -> None:
     """Run the main job: SFT, RL and evaluation side by side on one resident backbone per service."""
-    settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+    settings = job_settings(data_dir, backbone, backbone_path)
     result = _run_with_progress(
         settings, jobs_per_tenant=jobs, samples_per_job=samples_per_job, simulators=simulators, rl_jobs=rl_jobs
     )

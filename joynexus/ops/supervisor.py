@@ -192,6 +192,9 @@ _SETTINGS_ENV = {
     "backbone_path": "JOYNEXUS_BACKBONE_PATH",
     "backbone_image_size": "JOYNEXUS_BACKBONE_IMAGE_SIZE",
     "backbone_feature_layers": "JOYNEXUS_BACKBONE_FEATURE_LAYERS",
+
+
+    "backbone_id": "JOYNEXUS_BACKBONE_ID",
     "ray_namespace": "JOYNEXUS_RAY_NAMESPACE",
     "torch_threads": "JOYNEXUS_TORCH_THREADS",
     "device": "JOYNEXUS_DEVICE",

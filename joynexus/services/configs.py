@@ -41,7 +41,7 @@ from joynexus.settings import RoleResources, ScalingPolicy, Settings
 def backbone_source(settings: Settings) -> BackboneSource:
     """The resident backbone the settings name: a local checkpoint directory, else a preset."""
     if settings.backbone_path:
-        return BackboneSource(preset=None, path=settings.backbone_path)
+        return BackboneSource(preset=None, path=settings.backbone_path, model_id=settings.backbone_id)
     return BackboneSource(
         preset=settings.backbone_preset,
         image_size=settings.backbone_image_size,

@@ -64,6 +64,7 @@ from joynexus.models.backbone.base import (
     BackboneFeatures,
     register_backbone_family,
 )
+from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory, read_chat_template
 from joynexus.models.backbone.tiny import (
     CHAT_TEMPLATE,
     END_OF_UTTERANCE_TOKEN,
@@ -111,6 +112,7 @@ class ResidentBackbone:
         max_instruction_tokens: int = 64,
         spec: TinyBackboneSpec | None = None,
         placement: DevicePlacement | None = None,
+        chat_prompt: ChatTemplatePrompt | None = None,
     ) -> None:
         config = model.config
         vision = config.vision_config
@@ -129,6 +131,9 @@ class ResidentBackbone:
         self.hidden_size = int(config.text_config.hidden_size)
         self.max_instruction_tokens = int(max_instruction_tokens)
         self.spec = spec
+        # A plain HF checkpoint's prompt comes from its chat template (`hf_directory`); None: the
+        # built-in SmolVLM prompt below.
+        self.chat_prompt = chat_prompt
         self.image_mean = tuple(float(x) for x in image_mean)
         self.image_std = tuple(float(x) for x in image_std)
         self._mean = torch.tensor(self.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
@@ -261,10 +266,16 @@ class ResidentBackbone:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, placement: DevicePlacement | None = None) -> ResidentBackbone:
+    def from_pretrained(
+        cls, path: str | Path, placement: DevicePlacement | None = None, *, model_id: str | None = None
+    ) -> ResidentBackbone:
         """Load a local checkpoint directory (ours, or a plain Idefics3/SmolVLM one). Offline only.
-        The weights are read in the placement's dtype (a bfloat16 placement never holds a float32 copy)."""
+        The weights are read in the placement's dtype (a bfloat16 placement never holds a float32 copy).
+        ``model_id``: serve it under this id instead of the directory's own."""
         root = Path(path).expanduser()
+        if not (root / METADATA_FILE).is_file():
+            # Exactly as transformers wrote it: every serving setting from its own files.
+            return load_hf_directory(cls, root, placement, model_id=model_id)
         if not root.exists():
             raise FileNotFoundError(f"backbone checkpoint directory {str(root)!r} does not exist")
         if not root.is_dir():
@@ -310,7 +321,7 @@ class ResidentBackbone:
         return cls(
             model,
             tokenizer,
-            model_id=meta.get("model_id", str(root.resolve())),
+            model_id=model_id or meta.get("model_id", str(root.resolve())),
             image_size=meta.get("image_size", config.vision_config.image_size),
             max_images=meta.get("max_images", 3),
             image_mean=meta.get("image_mean", image_mean),
@@ -318,6 +329,7 @@ class ResidentBackbone:
             max_instruction_tokens=meta.get("max_instruction_tokens", 64),
             spec=spec,
             placement=placement,
+            chat_prompt=read_chat_template(root) if meta.get("chat_template_prompt") else None,
         )
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -349,7 +361,8 @@ class ResidentBackbone:
                 # A copy: the processor's __init__ calls add_special_tokens on it.
                 tokenizer=copy.deepcopy(self.tokenizer),
                 image_seq_len=self.image_seq_len,
-                chat_template=CHAT_TEMPLATE,
+                # A checkpoint's own prompt travels with it (read back below).
+                chat_template=self.chat_prompt.template if self.chat_prompt is not None else CHAT_TEMPLATE,
             ).save_pretrained(root)
         meta = {
             "format_version": METADATA_FORMAT_VERSION,
@@ -360,6 +373,7 @@ class ResidentBackbone:
             "image_std": list(self.image_std),
             "max_instruction_tokens": self.max_instruction_tokens,
             "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
+            "chat_template_prompt": self.chat_prompt is not None,
         }
         (root / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
@@ -417,6 +431,10 @@ class ResidentBackbone:
         # "<|im_start|>User:" + "<image>" * n + instruction + "<end_of_utterance>\nAssistant:"
         # without image splitting; special tokens delimit BPE segments, so pieces
         # tokenized separately equal the whole string tokenized at once.
+        if self.chat_prompt is not None:
+            return self.chat_prompt.ids(
+                self.tokenizer, num_images, instruction, self._image_block_ids, self.max_instruction_tokens
+            )
         text = self._text_ids(instruction)[: self.max_instruction_tokens]
         return tuple(self._prefix_ids + self._image_block_ids * num_images + text + self._suffix_ids)
 

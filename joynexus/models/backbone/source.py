@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -40,6 +41,10 @@ class BackboneSource(BaseModel):
     seed: int = 0
     # The family that builds a preset (a checkpoint's family comes from its config.json).
     family: str = DEFAULT_FAMILY
+    # The id a checkpoint directory is served under (JOYNEXUS_BACKBONE_ID); None: the directory's own
+    # (its JoyNexus metadata, else config.json's `_name_or_path`, else its path).
+    model_id: str | None = None
+
     # Preset overrides (JOYNEXUS_BACKBONE_IMAGE_SIZE / JOYNEXUS_BACKBONE_FEATURE_LAYERS): the canonical
     # image side (e.g. a real-size preset at 64 or 128 px on a CPU) and SmolVLA's first-K-text-layers.
     image_size: int | None = Field(default=None, ge=1)
@@ -77,7 +82,15 @@ class BackboneSource(BaseModel):
     def build(self, placement: DevicePlacement | None = None) -> Backbone:
         """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
         if self.path is not None:
-            return checkpoint_family(self.path).from_pretrained(self.path, placement=placement)
+            family = checkpoint_family(self.path)
+            if self.model_id is None:
+                return family.from_pretrained(self.path, placement=placement)
+            if "model_id" not in inspect.signature(family.from_pretrained).parameters:
+                raise ValueError(
+                    f"backbone family {family.family!r} cannot serve a checkpoint under another model id "
+                    f"(model_id={self.model_id!r}, JOYNEXUS_BACKBONE_ID); unset it"
+                )
+            return family.from_pretrained(self.path, placement=placement, model_id=self.model_id)
         if self.preset is None:
             raise ValueError("BackboneSource needs either `preset` or `path`")
         family = BACKBONE_FAMILIES.get(self.family)
