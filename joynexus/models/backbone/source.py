@@ -7,7 +7,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from joynexus.models.backbone.base import BACKBONE_FAMILIES, DEFAULT_FAMILY, Backbone, family_for_model_type
+from joynexus.models.backbone.base import (
+    BACKBONE_FAMILIES,
+    DEFAULT_FAMILY,
+    Backbone,
+    family_for_model_type,
+    family_for_preset,
+)
 from joynexus.models.backbone.tiny import TinyBackboneSpec
 from joynexus.models.placement import DevicePlacement
 
@@ -38,8 +44,9 @@ class BackboneSource(BaseModel):
     preset: str | None = "tiny"
     path: str | None = None
     seed: int = 0
-    # The family that builds a preset (a checkpoint's family comes from its config.json).
-    family: str = DEFAULT_FAMILY
+    # The family that builds a preset (a checkpoint's family comes from its config.json); None: the
+    # family that owns the preset name (`family_for_preset`: e.g. "qwen3-vl-tiny" -> "qwen_vl").
+    family: str | None = None
 
     def build(self, placement: DevicePlacement | None = None) -> Backbone:
         """The backbone, on the placement's device in its dtype (None: the environment's placement)."""
@@ -47,5 +54,13 @@ class BackboneSource(BaseModel):
             return checkpoint_family(self.path).from_pretrained(self.path, placement=placement)
         if self.preset is None:
             raise ValueError("BackboneSource needs either `preset` or `path`")
-        family = BACKBONE_FAMILIES.get(self.family)
-        return family.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)
+        owner = family_for_preset(self.preset)
+        name = self.family if self.family is not None else owner
+        family = BACKBONE_FAMILIES.get(name)
+        if owner != DEFAULT_FAMILY and not issubclass(family, BACKBONE_FAMILIES.get(owner)):
+            raise ValueError(
+                f"backbone preset {self.preset!r} belongs to family {owner!r}; family={name!r} can not build it"
+            )
+        presets = getattr(family, "presets", None)
+        spec = presets[self.preset] if presets and self.preset in presets else TinyBackboneSpec.preset(self.preset)
+        return family.build_tiny(spec, seed=self.seed, placement=placement)
