@@ -128,6 +128,7 @@ class Backbone(Protocol):
     family: ClassVar[str]  # its registered family name (set by @register_backbone_family)
     model_types: ClassVar[tuple[str, ...]]  # HF config.json model_type values of its checkpoints
     lora_targets: ClassVar[tuple[str, ...]]  # default LoRA target layers of its text model
+    instances_created: ClassVar[int]  # backbones of this family built in this process (stats)
 
     model_id: str
     hidden_size: int  # feature dim D of `encode`
