@@ -184,7 +184,9 @@ def test_the_2b_preset_builds_at_its_published_size():
     backbone = BackboneSource(preset="qwen3-vl-2b").build(DevicePlacement(device="cpu", dtype="bfloat16"))
     count = backbone.parameter_count()
     print(f"qwen3-vl-2b parameters: {count:,}")
-    assert 2.0e9 < count < 2.2e9, count
+    # Qwen3VLModel without the language-model head (tied to the embeddings in the release): 406,957,056
+    # vision + 1,720,574,976 decoder parameters.
+    assert count == 2_127_532_032, count
     features = backbone.encode([[torch.rand(3, 240, 320)]], ["pick up the cube"])
     assert features.hidden_size == 2048 and features.tokens.shape[1] == int(features.mask.sum())
 
@@ -215,6 +217,19 @@ def test_a_tenant_trains_and_serves_on_the_qwen_family_through_the_services(tmp_
         served = deployment.inference_service.predict("qwen-arm", [obs], seeds=[0])
         assert served["policy_version"] == 2 and np.asarray(served["actions"]).shape == (1, 2, 3)
         assert np.isfinite(np.asarray(served["actions"])).all()
+        # The export is the same directory as on the Idefics3 family: its adapter loads with stock peft
+        # on the saved backbone's decoder (Qwen3VLModel.language_model).
+        from peft import PeftModel
+        from transformers import AutoModel
+
+        from joynexus.artifacts.exports import export_directory, load_action_module
+
+        export_directory(deployment.training_service.export_params("qwen-arm"), tmp_path / "export")
+        assert load_action_module(tmp_path / "export") is not None
+        deployment.training_service.backbone.save_pretrained(tmp_path / "backbone")
+        base = AutoModel.from_pretrained(tmp_path / "backbone", local_files_only=True)
+        PeftModel.from_pretrained(base.language_model, tmp_path / "export" / "adapter")
+        assert any(".lora_A." in name for name, _ in base.language_model.named_parameters())
     finally:
         manager.stop()
         deployment.shutdown()
