@@ -47,6 +47,8 @@ TENANTS: dict[str, tuple[dict[str, Any], str, dict[str, Any] | None]] = {
 ROWS = {"lora-a": 5, "lora-b": 3, "plain": 4}
 TASKS = ("pick up the cube", "", "push the t-shaped block into the goal region and then open the top drawer")
 STEPS = 3
+# One tiny preset per backbone family: the adapter mechanics are the same on each family's decoder.
+FAMILY_PRESETS = pytest.mark.parametrize("preset", ["tiny", "qwen3-vl-tiny"])
 
 
 def _spec(name: str, **overrides: Any) -> dict[str, Any]:
@@ -111,15 +113,17 @@ def test_the_adapter_spec_is_validated_with_field_names_and_compiled():
     assert "limit of 16" in problems({"rank": 32}, narrow)["adapter.rank"]
 
 
-def test_capabilities_list_the_text_models_linear_layers():
-    backbone = ResidentBackbone.build_tiny()
+@FAMILY_PRESETS
+def test_capabilities_list_the_text_models_linear_layers(preset):
+    backbone = BackboneSource(preset=preset).build()
     caps = BaseModelCapabilities.of_backbone(backbone)
     assert caps.lora_target_modules == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
 
 
 # ---------------------------------------------------------------------------- the mixed forward
-def test_a_mixed_adapter_forward_equals_each_tenants_own_forward():
-    backbone = ResidentBackbone.build_tiny()
+@FAMILY_PRESETS
+def test_a_mixed_adapter_forward_equals_each_tenants_own_forward(preset):
+    backbone = BackboneSource(preset=preset).build()
     rng = torch.Generator().manual_seed(0)
     images = [[torch.rand(3, 32, 32, generator=rng) for _ in range(1 + i % 2)] for i in range(6)]
     texts = [TASKS[i % len(TASKS)] for i in range(6)]
@@ -161,8 +165,9 @@ def test_a_mixed_adapter_forward_equals_each_tenants_own_forward():
     _close(frozen, _base_weights(backbone), 0.0, "base weights")
 
 
-def test_an_adapter_refuses_targets_and_tensors_that_do_not_fit():
-    backbone = ResidentBackbone.build_tiny()
+@FAMILY_PRESETS
+def test_an_adapter_refuses_targets_and_tensors_that_do_not_fit(preset):
+    backbone = BackboneSource(preset=preset).build()
     with pytest.raises(ValueError, match="not Linear layers"):
         backbone.adapters.add("x", {"rank": 2, "target_modules": ["fc9"]})
     backbone.adapters.add("x", {"rank": 2, "target_modules": ["q_proj"]})

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from joynexus.artifacts import ACTION_MODULE_FILE, decode_tenant_payload
-from joynexus.models.backbone import BackboneSource, ResidentBackbone
+from joynexus.models.backbone import BackboneSource
 from joynexus.models.placement import DevicePlacement, PlacementError, cpu_copy, tensor_devices
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.service import InferenceModelService
@@ -158,9 +158,10 @@ def test_tenant_state_is_a_copy_never_the_live_parameters(tmp_path):
 
 
 # -- a bfloat16 backbone -------------------------------------------------------------------------
-def test_a_bfloat16_backbone_encodes_close_to_float32_with_float32_features():
-    float32 = ResidentBackbone.build_tiny(placement=DevicePlacement(device="cpu"))
-    bfloat16 = ResidentBackbone.build_tiny(placement=DevicePlacement(device="cpu", dtype="bfloat16"))
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-vl-tiny"])  # each backbone family
+def test_a_bfloat16_backbone_encodes_close_to_float32_with_float32_features(preset):
+    float32 = BackboneSource(preset=preset).build(placement=DevicePlacement(device="cpu"))
+    bfloat16 = BackboneSource(preset=preset).build(placement=DevicePlacement(device="cpu", dtype="bfloat16"))
     assert {p.dtype for p in bfloat16.model.parameters()} == {torch.bfloat16}
     g = torch.Generator().manual_seed(0)
     images = [[torch.rand(3, 48, 64, generator=g)], [torch.rand(3, 32, 32, generator=g)] * 2, []]
@@ -172,16 +173,21 @@ def test_a_bfloat16_backbone_encodes_close_to_float32_with_float32_features():
     # answer (patch positions computed in bfloat16 used to shift, 18% off: see _cast_patch_inputs).
     error = (features.tokens - reference.tokens).norm() / reference.tokens.norm()
     assert error < 0.03, f"relative error of bfloat16 features {error:.3g}"
-    # Samples stay independent of their batch in bfloat16 too.
+    # Samples stay independent of their batch in bfloat16 too: bit for bit on the Idefics3 decoder;
+    # on Qwen3's, sdpa over a longer padded key range rounds differently (also ~5e-7 in float32).
     alone = bfloat16.encode(images[:1], texts[:1])
     length = int(alone.mask.sum())
-    assert torch.equal(alone.tokens[0, :length], features.tokens[0, :length])
+    if preset == "tiny":
+        assert torch.equal(alone.tokens[0, :length], features.tokens[0, :length])
+    else:
+        torch.testing.assert_close(alone.tokens[0, :length], features.tokens[0, :length], rtol=2e-2, atol=2e-2)
 
 
-def test_a_lora_adapter_on_a_bfloat16_backbone_is_float32_and_gets_gradients():
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-vl-tiny"])
+def test_a_lora_adapter_on_a_bfloat16_backbone_is_float32_and_gets_gradients(preset):
     from joynexus.models.adapters import LoraAdapterConfig
 
-    backbone = ResidentBackbone.build_tiny(placement=DevicePlacement(device="cpu", dtype="bfloat16"))
+    backbone = BackboneSource(preset=preset).build(placement=DevicePlacement(device="cpu", dtype="bfloat16"))
     backbone.adapters.add(
         "t", LoraAdapterConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj")), seed=1, trainable=True
     )

@@ -1,7 +1,8 @@
-"""The resident backbone: its protocol and families (`base`), the Idefics3 / SmolVLM family
-(`idefics3`), the built-in presets and offline tokenizer (`tiny`), and `BackboneSource` (`source`).
+"""The resident backbone: its protocol and families (`base`), what families share (`common`), the
+Idefics3 / SmolVLM family (`idefics3`), the Qwen3-VL family (`qwen_vl`), the built-in presets and
+offline tokenizer (`tiny`), and `BackboneSource` (`source`).
 
-Importing this package registers the built-in family.
+Importing this package registers the built-in families.
 """
 
 import os
@@ -22,9 +23,11 @@ from joynexus.models.backbone.base import (  # noqa: E402
     available_backbone_families,
     default_lora_targets,
     family_for_model_type,
+    family_for_preset,
     register_backbone_family,
 )
 from joynexus.models.backbone.idefics3 import SUPPORTED_MODEL_TYPES, ResidentBackbone  # noqa: E402
+from joynexus.models.backbone.qwen_vl import QwenVLBackbone, QwenVLSpec  # noqa: E402
 from joynexus.models.backbone.source import BackboneSource, checkpoint_family  # noqa: E402
 from joynexus.models.backbone.tiny import TinyBackboneSpec  # noqa: E402
 
@@ -37,11 +40,14 @@ __all__ = [
     "Backbone",
     "BackboneFeatures",
     "BackboneSource",
+    "QwenVLBackbone",
+    "QwenVLSpec",
     "ResidentBackbone",
     "TinyBackboneSpec",
     "available_backbone_families",
     "checkpoint_family",
     "default_lora_targets",
     "family_for_model_type",
+    "family_for_preset",
     "register_backbone_family",
 ]

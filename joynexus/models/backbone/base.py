@@ -5,7 +5,8 @@ A family is one class (e.g. `backbone.idefics3.ResidentBackbone` for Idefics3 / 
 implements `Backbone`, registered with ``@register_backbone_family(name)`` and declaring the HF
 ``model_type`` values its checkpoints carry (`BackboneSource` picks the family of a checkpoint from
 its ``config.json``) and the default LoRA targets of its text model. A second family is one new
-file that does the same.
+file that does the same; a family that builds its own presets lists them in ``presets`` (name ->
+its spec), and `family_for_preset` finds the family of a preset name.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "available_backbone_families",
     "default_lora_targets",
     "family_for_model_type",
+    "family_for_preset",
     "register_backbone_family",
 ]
 
@@ -126,6 +128,7 @@ class Backbone(Protocol):
     family: ClassVar[str]  # its registered family name (set by @register_backbone_family)
     model_types: ClassVar[tuple[str, ...]]  # HF config.json model_type values of its checkpoints
     lora_targets: ClassVar[tuple[str, ...]]  # default LoRA target layers of its text model
+    instances_created: ClassVar[int]  # backbones of this family built in this process (stats)
 
     model_id: str
     hidden_size: int  # feature dim D of `encode`
@@ -221,3 +224,13 @@ def default_lora_targets() -> tuple[str, ...]:
     """The default family's LoRA target layers, sorted: what a backend accepts when nobody asked
     its backbone (`core.tenants.BaseModelCapabilities`)."""
     return tuple(sorted(BACKBONE_FAMILIES.get(DEFAULT_FAMILY).lora_targets))
+
+
+def family_for_preset(preset: str) -> str:
+    """The family whose own ``presets`` (a class attribute: name -> spec) name this preset; the
+    default family for any other name (its builder knows the built-in presets, and says which
+    exist)."""
+    for name, cls in BACKBONE_FAMILIES.items():
+        if preset in vars(cls).get("presets", {}):
+            return name
+    return DEFAULT_FAMILY

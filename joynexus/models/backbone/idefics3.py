@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -63,6 +62,12 @@ from joynexus.models.backbone.base import (
     METADATA_FORMAT_VERSION,
     BackboneFeatures,
     register_backbone_family,
+)
+from joynexus.models.backbone.common import (
+    TenantAdapterHost,
+    canonical_pixels,
+    causal_padding_mask,
+    validate_encode_inputs,
 )
 from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory, read_chat_template
 from joynexus.models.backbone.tiny import (
@@ -89,7 +94,7 @@ LLAMA_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
 
 
 @register_backbone_family("idefics3")
-class ResidentBackbone:
+class ResidentBackbone(TenantAdapterHost):
     """Frozen, memory-resident VLM that turns (camera images, instruction) into token features."""
 
     family: ClassVar[str] = "idefics3"
@@ -383,37 +388,10 @@ class ResidentBackbone:
         """Two backbones with equal keys produce interchangeable features."""
         return (self.model_id, self.image_size, self.max_images)
 
-    def parameter_count(self) -> int:
-        """Parameters of the frozen base model (tenant adapters not counted)."""
-        return sum(p.numel() for name, p in self.model.named_parameters() if ".lora_" not in name)
-
-    def placement_info(self) -> dict[str, Any]:
-        """Where this backbone computes (device, dtype, autocast, GPU name): for heartbeats and stats."""
-        return dict(self._placement_info)
-
     @property
     def text_model(self) -> torch.nn.Module:
         """The decoder LoRA adapters are injected into (``PeftModel.from_pretrained`` takes this)."""
         return self.model.text_model
-
-    @property
-    def adapters(self) -> BackboneAdapters:
-        """The tenants' LoRA adapters on this backbone's text model (created on first use)."""
-        with self._adapter_lock:
-            if self._adapters is None:
-                from joynexus.models.adapters import BackboneAdapters
-
-                self._adapters = BackboneAdapters(self.text_model, self._adapter_lock)
-            return self._adapters
-
-    def has_adapters(self) -> bool:
-        return self._adapters is not None and len(self._adapters) > 0
-
-    def lora_target_modules(self) -> list[str]:
-        """Names of the text model's Linear layers, i.e. what an adapter's ``target_modules`` may list."""
-        from joynexus.models.adapters import linear_module_names
-
-        return linear_module_names(self.text_model)
 
     def __repr__(self) -> str:
         return (
@@ -440,51 +418,13 @@ class ResidentBackbone:
 
     # ------------------------------------------------------------------ encode
     def _validate(self, images: list[list[torch.Tensor]], instructions: list[str]) -> None:
-        if len(images) != len(instructions):
-            raise ValueError(f"encode: got {len(images)} image lists but {len(instructions)} instructions")
-        if not images:
-            raise ValueError("encode: empty batch")
-        for b, cams in enumerate(images):
-            if not isinstance(instructions[b], str):
-                raise ValueError(f"encode: instructions[{b}] must be str, got {type(instructions[b]).__name__}")
-            if not 0 <= len(cams) <= self.max_images:
-                raise ValueError(
-                    f"encode: sample {b} has {len(cams)} cameras; expected 0..{self.max_images} (max_images)"
-                )
-            for c, img in enumerate(cams):
-                if not isinstance(img, torch.Tensor) or img.ndim != 3 or img.shape[0] != 3:
-                    shape = tuple(img.shape) if isinstance(img, torch.Tensor) else type(img).__name__
-                    raise ValueError(f"encode: images[{b}][{c}] must be a (3, h, w) tensor, got {shape}")
-                if not img.is_floating_point():
-                    raise ValueError(
-                        f"encode: images[{b}][{c}] must be float in [0, 1], got dtype {img.dtype} "
-                        "(convert uint8 with img.float() / 255)"
-                    )
+        validate_encode_inputs(images, instructions, self.max_images)
 
     def _canonicalize(self, images: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, max_images, 3, S, S) normalized pixels with zero padding slots, and the (B, max_images) slot mask."""
-        size = self.image_size
-        flat = [img for cams in images for img in cams]
-        # On the backbone's device, in float32 (resizing and normalizing are cheap; the vision tower
-        # takes the backbone's dtype below).
-        out = torch.empty(len(flat), 3, size, size, dtype=torch.float32, device=self.device)
-        # Resize grouped by input shape: one interpolate call (and one host-to-device copy) per distinct (h, w).
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, img in enumerate(flat):
-            groups.setdefault(tuple(img.shape[-2:]), []).append(i)
-        for (h, w), idx in groups.items():
-            batch = torch.stack([flat[i] for i in idx]).to(device=self.device, dtype=torch.float32)
-            if (h, w) != (size, size):
-                # antialias: cameras are usually larger than S; plain bilinear would alias.
-                batch = F.interpolate(batch, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-            out[idx] = batch
-        if flat:
-            out = (out - self._mean) / self._std
-        counts = torch.tensor([len(cams) for cams in images], device=self.device)
-        slot_mask = torch.arange(self.max_images, device=self.device).unsqueeze(0) < counts.unsqueeze(1)
-        pixels = out.new_zeros(len(images), self.max_images, 3, size, size)
-        pixels[slot_mask] = out  # row-major fill keeps (sample, camera) order
-        return pixels, slot_mask  # float32 always: see _cast_patch_inputs
+        return canonical_pixels(  # float32 always: see _cast_patch_inputs
+            images, size=self.image_size, mean=self._mean, std=self._std, max_images=self.max_images, device=self.device
+        )
 
     def _input_ids(
         self, images: list[list[torch.Tensor]], instructions: list[str]
@@ -500,23 +440,11 @@ class ResidentBackbone:
         return input_ids, attention_mask
 
     def _text_attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Causal + key-padding mask, prebuilt as 4D additive floats.
-
-        transformers 4.57 builds this mask with torch.vmap over mask functions, which
-        costs ~5 ms per call on CPU (about 40% of a tiny batch-8 encode); a 4D mask is
-        passed through untouched by its mask utilities and works for sdpa and eager.
-        """
+        """Causal + key-padding mask, prebuilt as 4D additive floats (`common.causal_padding_mask`)."""
         impl = getattr(self.model.config.text_config, "_attn_implementation", None)
         if impl not in ("sdpa", "eager"):
             return attention_mask  # let transformers build what other kernels expect
-        length = attention_mask.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
-        allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, Lq, Lk)
-        # Right padding: every query row (even a padded one) sees key 0, so no row is all -inf.
-        # In the backbone's dtype: sdpa wants a float mask of the query's dtype.
-        additive = torch.zeros(allowed.shape, dtype=self.dtype, device=attention_mask.device)
-        additive.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return additive.unsqueeze(1)
+        return causal_padding_mask(attention_mask, self.dtype)
 
     def encode(
         self,

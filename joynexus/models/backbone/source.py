@@ -8,7 +8,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from joynexus.models.backbone.base import BACKBONE_FAMILIES, DEFAULT_FAMILY, Backbone, family_for_model_type
+from joynexus.models.backbone.base import (
+    BACKBONE_FAMILIES,
+    DEFAULT_FAMILY,
+    Backbone,
+    family_for_model_type,
+    family_for_preset,
+)
 from joynexus.models.backbone.tiny import TinyBackboneSpec
 from joynexus.models.placement import DevicePlacement
 
@@ -39,8 +45,9 @@ class BackboneSource(BaseModel):
     preset: str | None = "tiny"
     path: str | None = None
     seed: int = 0
-    # The family that builds a preset (a checkpoint's family comes from its config.json).
-    family: str = DEFAULT_FAMILY
+    # The family that builds a preset (a checkpoint's family comes from its config.json); None: the
+    # family that owns the preset name (`family_for_preset`: e.g. "qwen3-vl-tiny" -> "qwen_vl").
+    family: str | None = None
     # The id a checkpoint directory is served under (JOYNEXUS_BACKBONE_ID); None: the directory's own
     # (its JoyNexus metadata, else config.json's `_name_or_path`, else its path).
     model_id: str | None = None
@@ -62,7 +69,7 @@ class BackboneSource(BaseModel):
                 f"backbone {', '.join(overrides)} override applies to presets only, not to the checkpoint "
                 f"directory {self.path!r}"
             )
-        if self.family == DEFAULT_FAMILY and self.preset is not None:
+        if self.preset is not None and (self.family or family_for_preset(self.preset)) == DEFAULT_FAMILY:
             self.preset_spec()  # raises with the field and the allowed values
         return self
 
@@ -93,9 +100,16 @@ class BackboneSource(BaseModel):
             return family.from_pretrained(self.path, placement=placement, model_id=self.model_id)
         if self.preset is None:
             raise ValueError("BackboneSource needs either `preset` or `path`")
-        family = BACKBONE_FAMILIES.get(self.family)
-        if self.family == DEFAULT_FAMILY:
-            return family.build_tiny(self.preset_spec(), seed=self.seed, placement=placement)
-        if self.image_size or self.feature_layers:
-            raise ValueError(f"backbone family {self.family!r} takes no image_size / feature_layers override")
-        return family.build_tiny(TinyBackboneSpec.preset(self.preset), seed=self.seed, placement=placement)
+        owner = family_for_preset(self.preset)
+        name = self.family if self.family is not None else owner
+        family = BACKBONE_FAMILIES.get(name)
+        if owner != DEFAULT_FAMILY and not issubclass(family, BACKBONE_FAMILIES.get(owner)):
+            raise ValueError(
+                f"backbone preset {self.preset!r} belongs to family {owner!r}; family={name!r} can not build it"
+            )
+        presets = getattr(family, "presets", None)
+        if presets and self.preset in presets:
+            if self.image_size or self.feature_layers:
+                raise ValueError(f"backbone family {name!r} takes no image_size / feature_layers override")
+            return family.build_tiny(presets[self.preset], seed=self.seed, placement=placement)
+        return family.build_tiny(self.preset_spec(), seed=self.seed, placement=placement)

@@ -45,7 +45,7 @@ from joynexus.core.heap import freeze_startup_heap, in_ray_actor_process
 from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogram
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.core.service_metrics import service_metrics, timed
-from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
+from joynexus.models.backbone import Backbone, BackboneFeatures, BackboneSource
 from joynexus.models.module_batching import StackedParameterCache
 from joynexus.models.placement import DevicePlacement
 from joynexus.scheduling.inference_queue import InferenceRequest, Observation, TenantFairQueue, settle_future
@@ -120,7 +120,7 @@ class InferenceModelService(PredictBySubmit):
             BackboneSource.model_validate(backbone_source) if isinstance(backbone_source, dict) else backbone_source
         )
         self.placement = DevicePlacement.of(placement)
-        self.backbone: ResidentBackbone = source.build(self.placement)
+        self.backbone: Backbone = source.build(self.placement)
         self.device = self.backbone.device
         self.meter, self._owns_meter = build_meter(meter, database_url)
         self.max_batch_size = max_batch_size
@@ -413,7 +413,7 @@ class InferenceModelService(PredictBySubmit):
             "tenants": {t: self.versions(t) for t in self.tenants()},
             "max_chunk_samples": self.chunk_samples(),
             "recent_batches": list(self._recent_batches),
-            "backbone_instances_created": ResidentBackbone.instances_created,
+            "backbone_instances_created": type(self.backbone).instances_created,
             "latency_seconds": self._latency.snapshot(),
             "batch_samples": self._batch_hist.snapshot(),
             "rss_bytes": _rss_bytes(),

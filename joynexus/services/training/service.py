@@ -49,7 +49,7 @@ from joynexus.algorithms.losses import FORWARD_BACKWARD_LOSSES
 from joynexus.artifacts import CheckpointStore
 from joynexus.core.service_metrics import service_metrics
 from joynexus.core.tenants import BaseModelCapabilities, TenantBackendConfig
-from joynexus.models.backbone import BackboneFeatures, BackboneSource, ResidentBackbone
+from joynexus.models.backbone import BackboneFeatures, BackboneSource
 from joynexus.models.placement import DevicePlacement, cpu_copy
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
@@ -151,7 +151,7 @@ class TrainingModelService:
     def backbone_info(self) -> dict[str, Any]:
         return {
             "model_id": self.backbone.model_id,
-            "instances_created": ResidentBackbone.instances_created,
+            "instances_created": type(self.backbone).instances_created,
             "backbone_object_id": id(self.backbone),
             "parameter_count": self.backbone.parameter_count(),
             "prefix_key": list(self.backbone.prefix_key),

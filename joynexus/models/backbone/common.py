@@ -1,0 +1,167 @@
+"""What every backbone family does the same way, whatever its architecture: the checks on an
+``encode`` batch, camera images made canonical (resized, normalized, padded to the camera slots),
+the causal + key-padding attention mask of a right-padded prompt, and the hosting of tenants' LoRA
+adapters on the family's text model (`TenantAdapterHost`)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from joynexus.models.adapters import BackboneAdapters
+    from joynexus.models.placement import DevicePlacement
+
+__all__ = ["TenantAdapterHost", "canonical_pixels", "causal_padding_mask", "validate_encode_inputs"]
+
+
+def validate_encode_inputs(images: list[list[torch.Tensor]], instructions: list[str], max_images: int) -> None:
+    """An ``encode`` batch: as many instructions (str) as samples, 0..max_images float (3, h, w) cameras each."""
+    if len(images) != len(instructions):
+        raise ValueError(f"encode: got {len(images)} image lists but {len(instructions)} instructions")
+    if not images:
+        raise ValueError("encode: empty batch")
+    for b, cams in enumerate(images):
+        if not isinstance(instructions[b], str):
+            raise ValueError(f"encode: instructions[{b}] must be str, got {type(instructions[b]).__name__}")
+        if not 0 <= len(cams) <= max_images:
+            raise ValueError(f"encode: sample {b} has {len(cams)} cameras; expected 0..{max_images} (max_images)")
+        for c, img in enumerate(cams):
+            if not isinstance(img, torch.Tensor) or img.ndim != 3 or img.shape[0] != 3:
+                shape = tuple(img.shape) if isinstance(img, torch.Tensor) else type(img).__name__
+                raise ValueError(f"encode: images[{b}][{c}] must be a (3, h, w) tensor, got {shape}")
+            if not img.is_floating_point():
+                raise ValueError(
+                    f"encode: images[{b}][{c}] must be float in [0, 1], got dtype {img.dtype} "
+                    "(convert uint8 with img.float() / 255)"
+                )
+
+
+def canonical_pixels(
+    images: list[list[torch.Tensor]],
+    *,
+    size: int,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    max_images: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, max_images, 3, S, S) float32 normalized pixels with zero padding slots, and the
+    (B, max_images) slot mask; ``mean`` / ``std`` are (1, 3, 1, 1) on ``device``."""
+    flat = [img for cams in images for img in cams]
+    # On the backbone's device, in float32 (resizing and normalizing are cheap; the vision tower
+    # takes the backbone's dtype).
+    out = torch.empty(len(flat), 3, size, size, dtype=torch.float32, device=device)
+    # Resize grouped by input shape: one interpolate call (and one host-to-device copy) per distinct (h, w).
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, img in enumerate(flat):
+        groups.setdefault(tuple(img.shape[-2:]), []).append(i)
+    for (h, w), idx in groups.items():
+        batch = torch.stack([flat[i] for i in idx]).to(device=device, dtype=torch.float32)
+        if (h, w) != (size, size):
+            # antialias: cameras are usually larger than S; plain bilinear would alias.
+            batch = F.interpolate(batch, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        out[idx] = batch
+    if flat:
+        out = (out - mean) / std
+    counts = torch.tensor([len(cams) for cams in images], device=device)
+    slot_mask = torch.arange(max_images, device=device).unsqueeze(0) < counts.unsqueeze(1)
+    pixels = out.new_zeros(len(images), max_images, 3, size, size)
+    pixels[slot_mask] = out  # row-major fill keeps (sample, camera) order
+    return pixels, slot_mask
+
+
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Causal + key-padding mask of a right-padded (B, L) 0/1 mask, as a (B, 1, L, L) additive float mask.
+
+    transformers 4.57 builds this mask with torch.vmap over mask functions, which costs ~5 ms per
+    call on CPU (about 40% of a tiny batch-8 encode); a 4D mask is passed through untouched by its
+    mask utilities and works for sdpa and eager.
+    """
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, Lq, Lk)
+    # Right padding: every query row (even a padded one) sees key 0, so no row is all -inf.
+    # In the backbone's dtype: sdpa wants a float mask of the query's dtype.
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
+    additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return additive.unsqueeze(1)
+
+
+class TenantAdapterHost:
+    """Tenants' LoRA adapters on a family's text model, and what the services read of the frozen
+    base: a family class sets ``model``, ``placement`` and ``_placement_info``, defines
+    ``text_model`` and calls ``_init_adapter_host()`` in its constructor."""
+
+    model: torch.nn.Module
+    placement: DevicePlacement
+    _placement_info: dict[str, Any]
+    _adapter_lock: threading.RLock
+    _adapters: BackboneAdapters | None
+
+    def _init_adapter_host(self) -> None:
+        # Made on first use; every encode holds this lock, so an adapter is never injected or
+        # deleted while a forward runs.
+        self._adapter_lock = threading.RLock()
+        self._adapters = None
+
+    @property
+    def text_model(self) -> torch.nn.Module:
+        """The decoder LoRA adapters are injected into (``PeftModel.from_pretrained`` takes this)."""
+        raise NotImplementedError
+
+    @property
+    def adapters(self) -> BackboneAdapters:
+        """The tenants' LoRA adapters on this backbone's text model (created on first use)."""
+        with self._adapter_lock:
+            if self._adapters is None:
+                from joynexus.models.adapters import BackboneAdapters
+
+                self._adapters = BackboneAdapters(self.text_model, self._adapter_lock)
+            return self._adapters
+
+    def has_adapters(self) -> bool:
+        return self._adapters is not None and len(self._adapters) > 0
+
+    def lora_target_modules(self) -> list[str]:
+        """Names of the text model's Linear layers, i.e. what an adapter's ``target_modules`` may list."""
+        from joynexus.models.adapters import linear_module_names
+
+        return linear_module_names(self.text_model)
+
+    def adapter_routing(
+        self, adapters: Sequence[Hashable | None] | None, batch_size: int
+    ) -> AbstractContextManager[None]:
+        """The context one forward runs in: every forward is routed once any adapter exists
+        (samples without one say so); without adapters, a key is an error. Call under the lock."""
+        if adapters is not None and len(adapters) != batch_size:
+            raise ValueError(f"encode: got {len(adapters)} adapter keys for {batch_size} samples")
+        if self.has_adapters():
+            return self.adapters.routing(list(adapters) if adapters is not None else [None] * batch_size)
+        if adapters is not None and any(key is not None for key in adapters):
+            unknown = sorted({repr(key) for key in adapters if key is not None})
+            raise KeyError(f"encode: no LoRA adapter {', '.join(unknown)} on this backbone (it has none)")
+        return contextlib.nullcontext()
+
+    def base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The base model only, under its own names: tenant adapters (peft moves a wrapped layer's
+        weight to `<layer>.base_layer.weight` and adds `lora_*` tensors) are never part of it."""
+        return {
+            name.replace(".base_layer.", "."): tensor
+            for name, tensor in self.model.state_dict().items()
+            if ".lora_" not in name
+        }
+
+    def parameter_count(self) -> int:
+        """Parameters of the frozen base model (tenant adapters not counted)."""
+        return sum(p.numel() for name, p in self.model.named_parameters() if ".lora_" not in name)
+
+    def placement_info(self) -> dict[str, Any]:
+        """Where this backbone computes (device, dtype, autocast, GPU name): for heartbeats and stats."""
+        return dict(self._placement_info)
