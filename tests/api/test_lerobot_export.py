@@ -111,7 +111,7 @@ def test_lerobot_loads_an_export_and_matches_our_predict(api, base_model_dir, tm
     assert policy.config.policy_version == version and policy.config.tenant_id == tenant.tenant_id
     observation = {f"observation.images.{c}": torch.from_numpy(sample["images"][:, i]) for i, c in enumerate(cameras)}
     observation |= {"observation.state": torch.from_numpy(sample["state"]), "task": [TASK] * n}
-    chunk = policy.predict_action_chunk(pre(observation)).cpu().numpy()
+    chunk = post(policy.predict_action_chunk(pre(observation))).cpu().numpy()  # un-normalized: dataset units
     difference = float(np.abs(chunk - ours).max())
     print(f"{shape}: max |LeRobot - JoyNexus predict| = {difference:.3e}")
     assert chunk.shape == ours.shape and difference <= 1e-4

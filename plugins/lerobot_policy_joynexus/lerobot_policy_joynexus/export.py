@@ -16,13 +16,14 @@ export time), so stock peft resolves the base model too.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from lerobot.configs.types import FeatureType, PolicyFeature
+from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
 from lerobot.utils.constants import ACTION
 from safetensors.torch import save_file
 
@@ -52,6 +53,7 @@ def write_lerobot_policy(
     (must not exist or be empty). ``backbone``: the base model the tenant was trained on, a
     JoyNexus ``Backbone`` (saved with ``save_pretrained``) or a backbone checkpoint directory
     (copied). ``camera_keys``: LeRobot observation keys in the tenant's camera slot order."""
+    from joynexus.artifacts.codec import NORMALIZATION_FILE
     from joynexus.artifacts.exports import ACTION_MODULE_DIR, ACTION_MODULE_WEIGHTS_FILE, ADAPTER_DIR, export_directory
     from joynexus.models.backbone import BackboneSource
     from joynexus.models.placement import DevicePlacement
@@ -81,6 +83,14 @@ def write_lerobot_policy(
     inputs = {key: PolicyFeature(type=FeatureType.VISUAL, shape=(3, side, side)) for key in camera_keys}
     if module["state_dim"] > 0:
         inputs[state_key] = PolicyFeature(type=FeatureType.STATE, shape=(module["state_dim"],))
+    # The version's normalizer (action_module/normalization.json): LeRobot's own normalizer steps
+    # apply it, so LeRobot's observations and actions are in the dataset's units, as our predict's are.
+    normalization_file = root / ACTION_MODULE_DIR / NORMALIZATION_FILE
+    mapping = None
+    if dataset_stats is None and normalization_file.is_file():
+        saved = json.loads(normalization_file.read_text())
+        mapping = {feature: NormalizationMode(mode) for feature, mode in saved["modes"].items()}
+        dataset_stats = {state_key if key == "observation.state" else key: v for key, v in saved["stats"].items()}
     config = JoyNexusConfig(
         device=device,
         input_features=inputs,
@@ -98,6 +108,7 @@ def write_lerobot_policy(
         policy_version=info.manifest.policy_version,
         base_model_id=info.manifest.base_model_id,
         push_to_hub=False,
+        **({"normalization_mapping": mapping} if mapping is not None else {}),
     )
     config.validate_features()
     config._save_pretrained(root)
