@@ -39,12 +39,16 @@ def world(tmp_path_factory):
     cluster = in_process(Settings(data_dir=root / "data", torch_threads=1))
     dataset = root / "ds"
     write_dataset_for(heldout_spec("shape", dataset), episodes=3, length=12)
+    from flows.tasks import shared_tracker
+
     previous = use_cluster(cluster)  # the flows' `shared()` is this deployment
+    shared_tracker.cache_clear()  # and their MLflow client its tracking store (an earlier test's is cached)
     try:
         with TestClient(create_app(cluster, admin_key=ADMIN_KEY), raise_server_exceptions=False) as client:
             yield cluster, client, dataset
     finally:
         use_cluster(previous)
+        shared_tracker.cache_clear()
         cluster.close()
 
 
