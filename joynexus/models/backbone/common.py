@@ -158,6 +158,21 @@ class TenantAdapterHost:
             if ".lora_" not in name
         }
 
+    @property
+    def prefix_key(self) -> tuple:
+        """Two backbones with equal keys produce interchangeable features."""
+        return (self.model_id, self.image_size, self.max_images)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model_id={self.model_id!r}, hidden_size={self.hidden_size}, "
+            f"image_size={self.image_size}, max_images={self.max_images}, params={self.parameter_count():,}, "
+            f"device={str(self.device)!r}, dtype={self.placement.dtype!r})"
+        )
+
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def parameter_count(self) -> int:
         """Parameters of the frozen base model (tenant adapters not counted)."""
         return sum(p.numel() for name, p in self.model.named_parameters() if ".lora_" not in name)

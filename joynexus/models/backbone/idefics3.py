@@ -384,26 +384,11 @@ class ResidentBackbone(TenantAdapterHost):
 
     # ------------------------------------------------------------------ properties
     @property
-    def prefix_key(self) -> tuple:
-        """Two backbones with equal keys produce interchangeable features."""
-        return (self.model_id, self.image_size, self.max_images)
-
-    @property
     def text_model(self) -> torch.nn.Module:
         """The decoder LoRA adapters are injected into (``PeftModel.from_pretrained`` takes this)."""
         return self.model.text_model
 
-    def __repr__(self) -> str:
-        return (
-            f"ResidentBackbone(model_id={self.model_id!r}, hidden_size={self.hidden_size}, "
-            f"image_size={self.image_size}, max_images={self.max_images}, params={self.parameter_count():,}, "
-            f"device={str(self.device)!r}, dtype={self.placement.dtype!r})"
-        )
-
     # ------------------------------------------------------------------ prompt
-    def _text_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     def _prompt_ids_uncached(self, num_images: int, instruction: str) -> tuple[int, ...]:
         # Same token sequence as Idefics3Processor on
         # "<|im_start|>User:" + "<image>" * n + instruction + "<end_of_utterance>\nAssistant:"
