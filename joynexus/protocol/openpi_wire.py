@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from joynexus.protocol.wire import DTYPES, MAX_DIM, MAX_ELEMENTS, MAX_NDIM, WireError
+from joynexus.protocol.wire import DTYPES, MAX_DIM, MAX_ELEMENTS, MAX_NDIM, WireError, msgpack_loads
 
 # openpi's dtype strings (`ndarray.dtype.str`: "<f4", "|u1", "|b1", ...) -> our allow-listed dtype.
 OPENPI_DTYPES: dict[str, np.dtype] = {dtype.str: dtype for dtype in DTYPES.values()}
@@ -62,18 +62,7 @@ def _object_hook(obj: dict) -> Any:
 
 def unpack(data: bytes) -> Any:
     """One openpi message decoded (numpy arrays restored through the dtype allow-list)."""
-
-    def refuse_ext(code: int, _payload: bytes) -> Any:
-        raise WireError("body", f"msgpack ext type {code} is not accepted")
-
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, object_hook=_object_hook, ext_hook=refuse_ext)
-    except WireError:
-        raise
-    except (ValueError, TypeError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as error:
-        raise WireError("body", f"not valid msgpack ({type(error).__name__}: {error})") from None
-    except msgpack.exceptions.StackError:
-        raise WireError("body", "msgpack nesting is too deep") from None
+    return msgpack_loads(data, object_hook=_object_hook)
 
 
 def _default(obj: Any) -> Any:

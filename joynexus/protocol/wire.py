@@ -185,14 +185,17 @@ def msgpack_dumps(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def msgpack_loads(data: bytes) -> Any:
-    """Decode a msgpack body: str map keys only, ext types refused, nothing unpickled."""
+def msgpack_loads(data: bytes, object_hook: Any = None) -> Any:
+    """Decode a msgpack body: str map keys only, ext types refused, nothing unpickled;
+    `object_hook` (e.g. openpi's numpy-array maps) sees each decoded map."""
 
     def refuse_ext(code: int, _payload: bytes) -> Any:
         raise WireError("body", f"msgpack ext type {code} is not accepted")
 
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=refuse_ext)
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, ext_hook=refuse_ext, object_hook=object_hook
+        )
     except WireError:
         raise
     except (ValueError, TypeError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as error:
