@@ -39,7 +39,7 @@ from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 
 from joynexus.api.errors import ApiError, validation_problems
-from joynexus.api.streaming import CLOSE_POLICY, PolicyStream, _Refused
+from joynexus.api.streaming import CLOSE_POLICY, PolicyStream, _Refused, tenant_interface
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.protocol import openpi_wire
 from joynexus.protocol import schemas as s
@@ -63,13 +63,7 @@ def server_metadata(cfg: TenantBackendConfig, limits: dict[str, Any]) -> dict[st
     return {
         "server": "joynexus",
         "protocol": "openpi",
-        "tenant_id": cfg.tenant_id,
-        "schema_signature": cfg.schema_signature,
-        "cameras": list(cfg.cameras),
-        "image_size": list(cfg.image_size),
-        "state_dim": cfg.state_dim,
-        "action_dim": cfg.action_dim,
-        "action_chunk": cfg.action_chunk,
+        **tenant_interface(cfg),
         "observation_keys": {
             "images": {c: [cfg.image_size[0], cfg.image_size[1], 3] for c in cfg.cameras},
             "state": [cfg.state_dim],

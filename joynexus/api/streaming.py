@@ -146,6 +146,19 @@ class TenantCounter:
             return self._counts.get(tenant_id, 0)
 
 
+
+def tenant_interface(cfg: Any) -> dict[str, Any]:
+    """The tenant's observation/action interface a robot client reads on connect (both endpoints)."""
+    return {
+        "tenant_id": cfg.tenant_id,
+        "schema_signature": cfg.schema_signature,
+        "cameras": list(cfg.cameras),
+        "image_size": list(cfg.image_size),
+        "state_dim": cfg.state_dim,
+        "action_dim": cfg.action_dim,
+        "action_chunk": cfg.action_chunk,
+    }
+
 class PolicyStream:
     """The websocket endpoint; one instance per app (it holds the per-tenant connection counts)."""
 
@@ -270,15 +283,7 @@ class PolicyStream:
         await send(
             {
                 "type": "ready",
-                "tenant": {
-                    "tenant_id": tenant_id,
-                    "schema_signature": cfg.schema_signature,
-                    "cameras": list(cfg.cameras),
-                    "image_size": list(cfg.image_size),
-                    "state_dim": cfg.state_dim,
-                    "action_dim": cfg.action_dim,
-                    "action_chunk": cfg.action_chunk,
-                },
+                "tenant": {**tenant_interface(cfg), "tenant_id": tenant_id},
                 "limits": {
                     "max_frame_bytes": self.settings.max_frame_bytes,
                     "max_in_flight": self.settings.max_in_flight,
