@@ -24,6 +24,7 @@ from joynexus.artifacts import (
     TenantManifest,
     decode_tenant_payload,
 )
+from joynexus.artifacts.codec import NORMALIZATION_FILE
 from joynexus.artifacts.s3 import S3BlobStore, split_s3_uri
 from joynexus.ops.supervisor import free_port
 
@@ -228,7 +229,8 @@ def test_sft_workload_checkpoints_and_registers_through_s3(tmp_path, s3_endpoint
         assert f"checkpoints/tenants/s3-tenant/v{status.version:06d}/{MANIFEST_FILE}" in keys
         assert not (settings.checkpoint_root / "tenants").exists()  # nothing on local disk
         payload_keys = [k for k in keys if k.startswith("mlflow/") and f"/{PAYLOAD_ARTIFACT_DIR}/" in k]
-        assert {k.rsplit("/", 1)[-1] for k in payload_keys} == {ACTION_MODULE_FILE, MANIFEST_FILE}
+        # an SFT version carries its dataset's normalizer beside the weights
+        assert {k.rsplit("/", 1)[-1] for k in payload_keys} == {ACTION_MODULE_FILE, MANIFEST_FILE, NORMALIZATION_FILE}
 
         dep.tracker.set_alias("s3-tenant", CHAMPION_ALIAS, 1)
         payload, manifest = dep.tracker.fetch_tenant_payload("s3-tenant", alias=CHAMPION_ALIAS)
