@@ -20,7 +20,7 @@ variable "cluster" {
   description = "The EKS cluster and its network. The API endpoint is private unless public_endpoint is set, and then open only to public_access_cidrs."
   type = object({
     name                = optional(string, "joynexus")
-    kubernetes_version  = optional(string, "1.33")
+    kubernetes_version  = optional(string, "1.35")
     vpc_cidr            = optional(string, "10.42.0.0/16")
     availability_zones  = optional(number, 2)
     public_endpoint     = optional(bool, false)

@@ -1,5 +1,5 @@
 terraform {
-  required_version = ">= 1.6.0"
+  required_version = ">= 1.9.0"
 
   # Only the aws provider: everything inside the cluster (KubeRay operator, NVIDIA device plugin,
   # cluster-autoscaler, storage classes) is plain manifests in infra/cluster/, applied by

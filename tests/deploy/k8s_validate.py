@@ -71,4 +71,4 @@ def validate(docs: list[dict], version: str) -> list[str]:
 
 if __name__ == "__main__":
     documents = [d for d in yaml.safe_load_all(sys.stdin.read()) if d]
-    print(json.dumps(validate(documents, sys.argv[1] if len(sys.argv) > 1 else "1.33")))
+    print(json.dumps(validate(documents, sys.argv[1] if len(sys.argv) > 1 else "1.35")))

@@ -215,9 +215,42 @@ def test_network_policy_guards_the_ray_head():
     assert not reach({"app": "anything-else"}, 10001) and not reach({}, 6379)
 
 
-def test_prefect_deployments_pull_and_register_once():
+def test_the_pull_step_is_an_absolute_path_fixed_at_deploy_time_and_runs_without_pwd(tmp_path, monkeypatch):
+    """The worker execs flow runs without a shell (no PWD): Prefect's default pull step, which `prefect
+    deploy` writes with the directory it ran in, must set the flow run's directory without PWD."""
+    import asyncio
+    import os
+
+    from prefect.cli.deploy._actions import _generate_default_pull_action
+    from prefect.deployments.steps.pull import set_working_directory
+    from prefect.utilities.templating import apply_values
+    from rich.console import Console
+
     prefect = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    assert prefect["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
+    assert prefect["pull"] is None  # no templated step: Prefect's deploy-time default is used
+    assert "$PWD" not in (REPO / "prefect.yaml").read_text().split("deployments:")[1]
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    for deployment in prefect["deployments"]:
+        steps = asyncio.run(
+            _generate_default_pull_action(
+                Console(quiet=True), deploy_config=deployment, actions={"build": None}, is_interactive=lambda: False
+            )
+        )
+        (step,) = steps
+        directory = step["prefect.deployments.steps.set_working_directory"]["directory"]
+        assert directory == str(checkout.resolve()) and "{{" not in directory
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.delenv("PWD", raising=False)  # as in the flow-run process the worker execs
+        # what run_step does with a step's inputs at run time (minus the API lookups of blocks/variables)
+        set_working_directory(**apply_values(step["prefect.deployments.steps.set_working_directory"], os.environ))
+        assert os.getcwd() == str(checkout.resolve())
+        monkeypatch.chdir(checkout)
+
+
+def test_prefect_deployments_register_once():
+    prefect = yaml.safe_load((REPO / "prefect.yaml").read_text())
     assert {d["work_pool"]["name"] for d in prefect["deployments"]} == {"joynexus-process"}
     res = resources()
     ((_, worker),) = pod_specs(res[("Deployment", "joynexus-prefect-worker")])
@@ -258,3 +291,43 @@ def test_the_dockerfile_installs_the_stack_the_way_bootstrap_does(step):
     assert re.search(r"^FROM python:3\.11|^ARG PYTHON_IMAGE=python:3\.11", dockerfile, re.M)
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def _env_names(container: dict, configmaps: dict[str, dict]) -> set[str]:
+    names = {e["name"] for e in container.get("env", [])}
+    for source in container.get("envFrom", []):
+        ref = source.get("configMapRef")
+        if ref:
+            names |= set(configmaps[ref["name"]].get("data", {}))
+    return names
+
+
+def test_every_aws_client_pod_has_a_region():
+    """IMDSv2's hop limit of 1 keeps pods off the metadata service and Pod Identity injects no region,
+    so every pod that gets AWS credentials (its service account has a Pod Identity role in iam.tf)
+    names AWS_REGION itself, and bootstrap-cluster writes the deployment's region into it."""
+    iam = (REPO / "infra" / "terraform" / "modules" / "eks-gpu" / "iam.tf").read_text()
+    with_roles = set(re.findall(r'service_account = "([\w-]+)" \}', iam)) - {
+        "ebs-csi-controller-sa",
+        "efs-csi-controller-sa",
+    }
+    assert {"joynexus-ray", "joynexus-api", "joynexus-mlflow", "cluster-autoscaler"} <= with_roles
+    checked = set()
+    for folder in (DEPLOYMENTS, ADDONS):
+        docs = rendered(folder)
+        configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+        for doc in docs:
+            if doc["kind"] not in WORKLOAD_KINDS:
+                continue
+            for label, pod in pod_specs(doc):
+                if pod.get("serviceAccountName") not in with_roles:
+                    continue
+                for container in pod.get("initContainers", []) + pod["containers"]:
+                    assert "AWS_REGION" in _env_names(container, configmaps), f"{label}/{container['name']}"
+                checked.add(pod["serviceAccountName"])
+    assert checked == with_roles  # every role's pods were found and checked
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    assert 'AWS_REGION: "${REGION}"' in bootstrap  # the ConfigMap patch
+    assert "/name: AWS_REGION/{n;s#value: us-east-1#value: ${REGION}#}" in bootstrap  # the autoscaler's env
+    autoscaler = (ADDONS / "cluster-autoscaler.yaml").read_text()
+    assert re.search(r"- name: AWS_REGION\n\s+value: us-east-1\n", autoscaler)  # what the sed rewrites

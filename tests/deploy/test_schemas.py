@@ -16,7 +16,7 @@ import pytest
 
 from tests.deploy.render import ADDONS, DEPLOYMENTS, rendered_text, tool
 
-KUBERNETES_VERSION = "1.33"  # infra/terraform variables.tf default
+KUBERNETES_VERSION = "1.35"  # infra/terraform variables.tf default (eks-versions.json)
 VALIDATOR = Path(__file__).resolve().parent / "k8s_validate.py"
 
 

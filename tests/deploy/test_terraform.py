@@ -63,7 +63,7 @@ def test_layout_one_file_per_concern_only_the_aws_provider():
     }  # fmt: skip
     assert {p.name for p in MODULE.glob("*.tf")} == {
         "versions.tf", "variables.tf", "network.tf", "iam.tf", "cluster.tf", "node_groups.tf", "storage.tf",
-        "shared.tf", "database.tf", "kms.tf", "outputs.tf",
+        "shared.tf", "database.tf", "kms.tf", "audit.tf", "outputs.tf",
     }  # fmt: skip
     for folder in (TERRAFORM, MODULE):
         assert required_providers(folder) == {"hashicorp/aws"}
@@ -76,9 +76,12 @@ def test_layout_one_file_per_concern_only_the_aws_provider():
 
 
 def test_the_deployment_pieces_are_there():
+    from tests.deploy.test_terraform_plan import newest_standard_support_version
+
     module = all_tf(MODULE)
     variables = (TERRAFORM / "variables.tf").read_text()
-    assert re.search(r'kubernetes_version\s*= optional\(string, "1\.3[1-3]"\)', variables)  # EKS standard support
+    default = re.search(r'kubernetes_version\s*= optional\(string, "(\d+\.\d+)"\)', variables).group(1)
+    assert default == newest_standard_support_version()  # the module's own default agrees
     assert re.search(r"public_endpoint\s*= optional\(bool, false\)", variables)  # private unless asked
     assert "public_access_cidrs = var.public_endpoint ? var.public_access_cidrs : null" in module
     # RDS PostgreSQL, password generated and kept by RDS in Secrets Manager

@@ -6,7 +6,7 @@ resource "aws_cloudwatch_log_group" "cluster" {
 
 resource "aws_eks_cluster" "this" {
   #checkov:skip=CKV_AWS_39:the endpoint is private by default (var.public_endpoint = false); made public only on request, then limited to var.public_access_cidrs (validated: no 0.0.0.0/0, not empty)
-  #checkov:skip=CKV_AWS_339:var.kubernetes_version is validated to the EKS standard-support versions 1.31-1.33 (default 1.33); checkov cannot read the value through the variable
+  #checkov:skip=CKV_AWS_339:var.kubernetes_version is validated against the dated EKS support table eks-versions.json (standard support only; default 1.35, standard support until 2027-03-27); checkov cannot read the value through the variable
   name     = var.cluster_name
   version  = var.kubernetes_version
   role_arn = aws_iam_role.cluster.arn

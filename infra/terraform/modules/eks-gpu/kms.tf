@@ -13,6 +13,48 @@ data "aws_iam_policy_document" "kms" {
       identifiers = ["arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:root"]
     }
   }
+  # Node groups' launch templates encrypt root volumes with this key (node_groups.tf). EC2 Auto
+  # Scaling launches those instances as its service-linked role, so the key must grant that role use
+  # of the key and grants for attaching the volume (AWS: "Required KMS key policy for use with
+  # encrypted volumes"; terraform-aws-eks's disk-encryption example), or the node groups never start.
+  statement {
+    sid       = "AutoScalingUsesTheKeyForNodeVolumes"
+    actions   = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
+    resources = ["*"]
+    principals {
+      type        = "AWS"
+      identifiers = [local.autoscaling_service_linked_role_arn]
+    }
+  }
+  statement {
+    sid       = "AutoScalingAttachesNodeVolumes"
+    actions   = ["kms:CreateGrant"]
+    resources = ["*"]
+    principals {
+      type        = "AWS"
+      identifiers = [local.autoscaling_service_linked_role_arn]
+    }
+    condition {
+      test     = "Bool"
+      variable = "kms:GrantIsForAWSResource"
+      values   = ["true"]
+    }
+  }
+  # CloudTrail writes the artifact bucket's data events encrypted with this key (audit.tf).
+  statement {
+    sid       = "CloudTrailEncryptsAuditLogs"
+    actions   = ["kms:GenerateDataKey*", "kms:DescribeKey"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["cloudtrail.amazonaws.com"]
+    }
+    condition {
+      test     = "StringLike"
+      variable = "kms:EncryptionContext:aws:cloudtrail:arn"
+      values   = ["arn:${data.aws_partition.current.partition}:cloudtrail:*:${data.aws_caller_identity.current.account_id}:trail/*"]
+    }
+  }
   statement {
     sid       = "CloudWatchLogs"
     actions   = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
@@ -28,6 +70,26 @@ resource "aws_kms_key" "this" {
   description         = "${var.cluster_name}: EKS secrets, artifacts, database, shared file system, logs"
   enable_key_rotation = true
   policy              = data.aws_iam_policy_document.kms.json
+
+  # A key policy naming a principal that does not exist is refused (MalformedPolicyDocument).
+  depends_on = [aws_iam_service_linked_role.autoscaling]
+}
+
+# AWSServiceRoleForAutoScaling exists once anything in the account used Auto Scaling; in a fresh
+# account it does not yet, and creating it twice fails, so it is created only when the lookup finds
+# none.
+data "aws_iam_roles" "autoscaling_service_linked" {
+  name_regex  = "^AWSServiceRoleForAutoScaling$"
+  path_prefix = "/aws-service-role/autoscaling.amazonaws.com/"
+}
+
+resource "aws_iam_service_linked_role" "autoscaling" {
+  count            = length(data.aws_iam_roles.autoscaling_service_linked.names) == 0 ? 1 : 0
+  aws_service_name = "autoscaling.amazonaws.com"
+}
+
+locals {
+  autoscaling_service_linked_role_arn = "arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling"
 }
 
 resource "aws_kms_alias" "this" {

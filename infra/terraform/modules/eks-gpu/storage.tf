@@ -1,7 +1,7 @@
 data "aws_caller_identity" "current" {}
 
 resource "aws_s3_bucket" "artifacts" {
-  #checkov:skip=CKV_AWS_18:access is audited with CloudTrail S3 data events of the account, not with server access logs (which need a second, unencrypted-by-KMS log bucket)
+  #checkov:skip=CKV_AWS_18:object access is audited with the CloudTrail S3 data events of audit.tf (aws_cloudtrail.artifacts), not with server access logs
   #checkov:skip=CKV2_AWS_62:nothing consumes object events: JoyNexus commits a checkpoint by writing its manifest last and reads it back itself
   #checkov:skip=CKV_AWS_144:checkpoints are reproducible training outputs (and the registered ones are in MLflow); cross-region replication is a per-deployment DR choice, not a default
   bucket = coalesce(var.artifact_bucket, "joynexus-artifacts-${data.aws_caller_identity.current.account_id}")

@@ -9,13 +9,17 @@ variable "cluster_name" {
 }
 
 variable "kubernetes_version" {
-  description = "EKS Kubernetes version (standard support)."
+  description = "EKS Kubernetes version: one in standard support on the dated table eks-versions.json (default: the newest)."
   type        = string
-  default     = "1.33"
+  default     = "1.35"
 
+  # The table, not a hand-kept list: tests/deploy/test_terraform.py checks the default against its dates.
   validation {
-    condition     = contains(["1.31", "1.32", "1.33"], var.kubernetes_version)
-    error_message = "kubernetes_version: one of the EKS versions in standard support this module is tested against (1.31-1.33)."
+    condition = contains([
+      for version, dates in jsondecode(file("${path.module}/eks-versions.json")).versions : version
+      if tonumber(replace(dates.standard_support_ends, "-", "")) > tonumber(replace(jsondecode(file("${path.module}/eks-versions.json")).as_of, "-", ""))
+    ], var.kubernetes_version)
+    error_message = "kubernetes_version: must be an EKS version in standard support on the table modules/eks-gpu/eks-versions.json (as of its as_of date); versions past it cost extended-support fees and stop getting fixes."
   }
 }
 
@@ -116,4 +120,15 @@ variable "database" {
     deletion_protection   = optional(bool, true)
   })
   default = {}
+}
+
+variable "audit_log_days" {
+  description = "How long the CloudTrail data events of the artifact bucket (audit.tf) are kept."
+  type        = number
+  default     = 365
+
+  validation {
+    condition     = var.audit_log_days >= 90
+    error_message = "audit_log_days: at least 90 days of artifact access history."
+  }
 }

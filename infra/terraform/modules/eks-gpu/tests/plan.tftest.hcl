@@ -1,0 +1,85 @@
+# `terraform test` with a mocked aws provider (offline): the defaults plan, and the inputs the module
+# must refuse. Run by tests/deploy/test_terraform_plan.py.
+mock_provider "aws" {
+  mock_data "aws_caller_identity" {
+    defaults = { account_id = "123456789012" }
+  }
+  mock_data "aws_partition" {
+    defaults = { partition = "aws" }
+  }
+  mock_data "aws_region" {
+    defaults = { name = "us-east-1" }
+  }
+  mock_data "aws_availability_zones" {
+    defaults = { names = ["us-east-1a", "us-east-1b", "us-east-1c"] }
+  }
+  # Policy documents are rendered by the provider; a mock renders a valid empty one (the key policy's
+  # statements are checked from the source by tests/deploy/test_terraform_plan.py).
+  mock_data "aws_iam_policy_document" {
+    defaults = { json = "{\"Version\":\"2012-10-17\",\"Statement\":[]}" }
+  }
+  mock_data "aws_iam_roles" {
+    defaults = { names = [] }
+  }
+}
+
+variables {
+  cluster_name = "joynexus"
+  system_pool  = {}
+  gpu_pool     = {}
+}
+
+run "defaults_plan_in_a_fresh_account" {
+  command = plan
+
+  assert {
+    condition     = aws_eks_cluster.this.version == "1.35"
+    error_message = "the default Kubernetes version is the newest in standard support"
+  }
+  assert {
+    condition     = length(aws_iam_service_linked_role.autoscaling) == 1
+    error_message = "a fresh account gets the Auto Scaling service-linked role the key policy names"
+  }
+  assert {
+    condition     = aws_cloudtrail.artifacts.enable_log_file_validation
+    error_message = "the artifact bucket's data events are recorded"
+  }
+}
+
+run "an_account_that_has_the_service_linked_role_does_not_create_it_again" {
+  command = plan
+
+  override_data {
+    target = data.aws_iam_roles.autoscaling_service_linked
+    values = { names = ["AWSServiceRoleForAutoScaling"] }
+  }
+
+  assert {
+    condition     = length(aws_iam_service_linked_role.autoscaling) == 0
+    error_message = "creating AWSServiceRoleForAutoScaling twice fails the apply"
+  }
+}
+
+run "a_version_past_standard_support_is_refused" {
+  command = plan
+  variables {
+    kubernetes_version = "1.33"
+  }
+  expect_failures = [var.kubernetes_version]
+}
+
+run "an_unknown_version_is_refused" {
+  command = plan
+  variables {
+    kubernetes_version = "1.99"
+  }
+  expect_failures = [var.kubernetes_version]
+}
+
+run "a_short_audit_retention_is_refused" {
+  command = plan
+  variables {
+    audit_log_days = 7
+  }
+  expect_failures = [var.audit_log_days]
+}

@@ -1,0 +1,110 @@
+"""Apply-time blockers caught offline: `terraform test` with a mocked aws provider plans the module's
+defaults and its refusals (modules/eks-gpu/tests/plan.tftest.hcl); the Kubernetes version is checked
+against the dated EKS support table; the key that encrypts node volumes grants the Auto Scaling
+service-linked role (without it managed node groups never launch)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import shutil
+
+import pytest
+
+from tests.deploy.test_terraform import MODULE, TERRAFORM, provider_mirror, run, terraform_bin
+
+SUPPORT_TABLE = MODULE / "eks-versions.json"
+
+
+def support_table() -> dict:
+    return json.loads(SUPPORT_TABLE.read_text())
+
+
+def day(text: str) -> dt.date:
+    return dt.date.fromisoformat(text)
+
+
+def newest_standard_support_version() -> str:
+    table = support_table()
+    as_of = day(table["as_of"])
+    current = [v for v, d in table["versions"].items() if day(d["standard_support_ends"]) > as_of]
+    return max(current, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def test_terraform_test_plans_the_defaults_and_the_refusals_with_a_mocked_aws(tmp_path):
+    terraform = terraform_bin()
+    mirror = provider_mirror()
+    if mirror is None:
+        pytest.skip("no local provider mirror (a folder named registry.terraform.io) was found")
+    work = tmp_path / "eks-gpu"
+    shutil.copytree(MODULE, work, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
+    init = run([terraform, "init", "-backend=false", f"-plugin-dir={mirror}", "-input=false"], work, tmp_path)
+    assert init.returncode == 0, init.stdout + init.stderr
+    done = run([terraform, "test", "-no-color"], work, tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert re.search(r"Success! [1-9]\d* passed, 0 failed", done.stdout), done.stdout[-2000:]
+
+
+def test_the_support_table_is_consistent_and_the_default_is_its_newest_standard_version():
+    table = support_table()
+    assert table["source"].startswith("Amazon EKS Kubernetes release calendar")
+    for version, dates in table["versions"].items():
+        released, standard, extended = (
+            day(dates[k]) for k in ("released", "standard_support_ends", "extended_support_ends")
+        )
+        # EKS: 14 months of standard support from release, then 12 months of extended support
+        assert 13 * 30 <= (standard - released).days <= 15 * 31, version
+        assert 360 <= (extended - standard).days <= 370, version
+    default = newest_standard_support_version()
+    module_variables = (MODULE / "variables.tf").read_text()
+    assert re.search(rf'variable "kubernetes_version" \{{[^}}]*default\s*=\s*"{re.escape(default)}"', module_variables)
+    root = (TERRAFORM / "variables.tf").read_text()
+    assert f'kubernetes_version  = optional(string, "{default}")' in root
+    # the cluster-autoscaler follows the cluster's minor version (its compatibility rule)
+    addons = (TERRAFORM.parent / "cluster" / "addons" / "cluster-autoscaler.yaml").read_text()
+    assert f"cluster-autoscaler:v{default}." in addons
+    # checkov's version skip states what the variable really enforces
+    cluster = (MODULE / "cluster.tf").read_text()
+    assert "eks-versions.json" in cluster and f"default {default}" in cluster
+
+
+def test_the_default_version_is_in_standard_support_today():
+    """Fails on the day the default leaves standard support: the signal to add the next version to the
+    table (with its dates from the release calendar) and move the default."""
+    dates = support_table()["versions"][newest_standard_support_version()]
+    assert dt.date.today() < day(dates["standard_support_ends"]), (
+        f"EKS {newest_standard_support_version()} left standard support on {dates['standard_support_ends']}: "
+        "update modules/eks-gpu/eks-versions.json and the defaults"
+    )
+
+
+def test_the_key_that_encrypts_node_volumes_grants_the_auto_scaling_service_linked_role():
+    node_groups = (MODULE / "node_groups.tf").read_text()
+    kms = (MODULE / "kms.tf").read_text()
+    keys_on_volumes = set(re.findall(r"kms_key_id\s*=\s*aws_kms_key\.(\w+)\.arn", node_groups))
+    assert keys_on_volumes, "the launch templates encrypt root volumes with a module key"
+    for key in keys_on_volumes:
+        policy_doc = re.search(
+            rf'resource "aws_kms_key" "{key}" \{{.*?policy\s*=\s*data\.aws_iam_policy_document\.(\w+)\.json', kms, re.S
+        )
+        assert policy_doc, key
+        document = re.search(rf'data "aws_iam_policy_document" "{policy_doc.group(1)}" \{{(.*?)\n\}}', kms, re.S).group(
+            1
+        )
+        statements = re.split(r"\n  statement \{", document)
+        role = [s for s in statements if "autoscaling_service_linked_role_arn" in s]
+        actions = " ".join(role)
+        for action in (
+            "kms:Encrypt",
+            "kms:Decrypt",
+            "kms:ReEncrypt*",
+            "kms:GenerateDataKey*",
+            "kms:DescribeKey",
+            "kms:CreateGrant",
+        ):
+            assert f'"{action}"' in actions, action
+        assert "kms:GrantIsForAWSResource" in actions
+    assert "role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling" in kms
+    assert 'resource "aws_iam_service_linked_role" "autoscaling"' in kms
+    assert re.search(r"depends_on\s*=\s*\[aws_iam_service_linked_role\.autoscaling\]", kms)
