@@ -17,4 +17,5 @@ module "eks_gpu" {
   checkpoint_lifecycle = var.checkpoint_lifecycle
   database             = var.database
   namespace            = var.namespace
+  gcs_redis            = var.gcs_redis
 }

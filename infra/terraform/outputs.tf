@@ -37,3 +37,13 @@ output "kubeconfig_command" {
   description = "Write a kubeconfig entry for the cluster."
   value       = "aws eks update-kubeconfig --region ${var.region} --name ${module.eks_gpu.cluster_name}"
 }
+
+output "gcs_redis_address" {
+  description = "rediss://host:port of the Ray GCS Redis; bootstrap-cluster writes it into the RayCluster."
+  value       = module.eks_gpu.gcs_redis_address
+}
+
+output "gcs_redis_secret_arn" {
+  description = "Secrets Manager secret with the GCS Redis AUTH token (Secret joynexus-ray-gcs)."
+  value       = module.eks_gpu.gcs_redis_secret_arn
+}

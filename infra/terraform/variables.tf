@@ -81,3 +81,12 @@ variable "database" {
   })
   default = {}
 }
+
+variable "gcs_redis" {
+  description = "ElastiCache Redis that makes the Ray head's GCS fault tolerant (the resident services survive a head restart)."
+  type = object({
+    node_type               = optional(string, "cache.t4g.small")
+    snapshot_retention_days = optional(number, 3)
+  })
+  default = {}
+}

@@ -331,3 +331,33 @@ def test_every_aws_client_pod_has_a_region():
     assert "/name: AWS_REGION/{n;s#value: us-east-1#value: ${REGION}#}" in bootstrap  # the autoscaler's env
     autoscaler = (ADDONS / "cluster-autoscaler.yaml").read_text()
     assert re.search(r"- name: AWS_REGION\n\s+value: us-east-1\n", autoscaler)  # what the sed rewrites
+
+
+def test_the_ray_head_survives_a_restart_gcs_fault_tolerance_and_disruption_budgets():
+    """The resident services are detached actors in the head's GCS: with GCS fault tolerance (Redis,
+    TLS + AUTH, from Terraform's cache.tf) a restarted head reloads them; disruption budgets keep
+    drains from taking the API or more than one GPU worker (where the model services live) at once."""
+    res = resources()
+    cluster = res[("RayCluster", "joynexus")]["spec"]
+    ft = cluster["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"].startswith("rediss://")  # TLS: the Redis has transit encryption on
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "joynexus-ray-gcs", "key": "password"}
+    module = (REPO / "infra" / "terraform" / "modules" / "eks-gpu" / "cache.tf").read_text()
+    for setting in ("automatic_failover_enabled = true", "multi_az_enabled           = true",
+                    "transit_encryption_enabled = true", "at_rest_encryption_enabled = true"):  # fmt: skip
+        assert setting in module, setting
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    assert "tf gcs_redis_address" in bootstrap and "create secret generic joynexus-ray-gcs" in bootstrap
+    assert 'spec: {gcsFaultToleranceOptions: {redisAddress: "${GCS_REDIS}"}}' in bootstrap
+    budgets = {name: doc["spec"] for (kind, name), doc in res.items() if kind == "PodDisruptionBudget"}
+    assert budgets["joynexus-api"]["minAvailable"] == 1 and res[("Deployment", "joynexus-api")]["spec"]["replicas"] > 1
+    workers = budgets["joynexus-ray-gpu-workers"]
+    assert workers["maxUnavailable"] == 1
+    assert workers["selector"]["matchLabels"] == {"ray.io/cluster": "joynexus", "ray.io/group": "gpu-workers"}
+    assert budgets["joynexus-ray-head"]["selector"]["matchLabels"]["ray.io/node-type"] == "head"
+    # a budget on a one-replica Deployment with minAvailable 1 would block every node drain
+    for name, spec in budgets.items():
+        labels = spec["selector"]["matchLabels"]
+        for (kind, _), doc in res.items():
+            if kind == "Deployment" and doc["spec"]["selector"]["matchLabels"] == labels:
+                assert spec.get("minAvailable", 0) < doc["spec"]["replicas"], name

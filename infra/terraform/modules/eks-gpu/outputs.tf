@@ -37,3 +37,13 @@ output "shared_file_system_id" {
   description = "EFS file system id of the shared datasets/weights volume."
   value       = aws_efs_file_system.shared.id
 }
+
+output "gcs_redis_address" {
+  description = "rediss://host:port of the Ray GCS Redis (TLS)."
+  value       = "rediss://${aws_elasticache_replication_group.gcs.primary_endpoint_address}:6379"
+}
+
+output "gcs_redis_secret_arn" {
+  description = "Secrets Manager secret with the GCS Redis AUTH token."
+  value       = aws_secretsmanager_secret.gcs.arn
+}

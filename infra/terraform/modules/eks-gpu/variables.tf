@@ -132,3 +132,17 @@ variable "audit_log_days" {
     error_message = "audit_log_days: at least 90 days of artifact access history."
   }
 }
+
+variable "gcs_redis" {
+  description = "ElastiCache Redis of the Ray GCS fault tolerance (cache.tf)."
+  type = object({
+    node_type               = optional(string, "cache.t4g.small")
+    snapshot_retention_days = optional(number, 3)
+  })
+  default = {}
+
+  validation {
+    condition     = var.gcs_redis.snapshot_retention_days >= 1
+    error_message = "gcs_redis.snapshot_retention_days: at least 1, so a lost Redis can be restored."
+  }
+}

@@ -18,6 +18,9 @@ mock_provider "aws" {
   mock_data "aws_iam_policy_document" {
     defaults = { json = "{\"Version\":\"2012-10-17\",\"Statement\":[]}" }
   }
+  mock_data "aws_secretsmanager_random_password" {
+    defaults = { random_password = "mockedGcsRedisAuthTokenOfSixtyFourAlphanumericCharacters0123456" }
+  }
   mock_data "aws_iam_roles" {
     defaults = { names = [] }
   }
@@ -39,6 +42,10 @@ run "defaults_plan_in_a_fresh_account" {
   assert {
     condition     = length(aws_iam_service_linked_role.autoscaling) == 1
     error_message = "a fresh account gets the Auto Scaling service-linked role the key policy names"
+  }
+  assert {
+    condition     = aws_elasticache_replication_group.gcs.automatic_failover_enabled && aws_elasticache_replication_group.gcs.transit_encryption_enabled
+    error_message = "the Ray GCS Redis fails over and speaks TLS"
   }
   assert {
     condition     = aws_cloudtrail.artifacts.enable_log_file_validation
@@ -82,4 +89,12 @@ run "a_short_audit_retention_is_refused" {
     audit_log_days = 7
   }
   expect_failures = [var.audit_log_days]
+}
+
+run "gcs_redis_without_snapshots_is_refused" {
+  command = plan
+  variables {
+    gcs_redis = { snapshot_retention_days = 0 }
+  }
+  expect_failures = [var.gcs_redis]
 }
