@@ -16,7 +16,8 @@ DEPLOYMENTS = REPO / "deployments"
 ADDONS = REPO / "infra" / "cluster" / "addons"
 TERRAFORM = REPO / "infra" / "terraform"
 TOOLS_VENV = REPO / ".venv-tools"
-IMAGE = "ghcr.io/joynexus/joynexus"
+IMAGE = "ghcr.io/joynexus/joynexus"  # CUDA: the Ray GPU workers
+CPU_IMAGE = "ghcr.io/joynexus/joynexus-cpu"  # every other pod
 WORKLOAD_KINDS = ("Deployment", "Job", "RayCluster")
 
 

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.deploy.render import ADDONS, DEPLOYMENTS, IMAGE, REPO, WORKLOAD_KINDS, by_key, pod_specs, rendered
+from tests.deploy.render import ADDONS, CPU_IMAGE, DEPLOYMENTS, IMAGE, REPO, WORKLOAD_KINDS, by_key, pod_specs, rendered
 
 
 def resources() -> dict[tuple[str, str], dict]:
@@ -27,7 +27,7 @@ def test_the_kustomization_lists_every_manifest_and_every_object_lands_in_the_na
     listed = {DEPLOYMENTS / r for r in kustomization["resources"]}
     on_disk = {p for p in DEPLOYMENTS.rglob("*.yaml") if p.name != "kustomization.yaml"}
     assert listed == on_disk
-    assert kustomization["images"] == [{"name": IMAGE, "newTag": "0.1.0"}]
+    assert kustomization["images"] == [{"name": IMAGE, "newTag": "0.1.0"}, {"name": CPU_IMAGE, "newTag": "0.1.0"}]
     for (kind, name), doc in resources().items():
         if kind != "Namespace":
             assert doc["metadata"]["namespace"] == "joynexus", (kind, name)
@@ -91,7 +91,9 @@ def test_every_pod_is_restricted_has_limits_probes_and_runs_the_image():
             assert pod.get("serviceAccountName", "default") != "default", label
             assert "joynexus.io/node-pool" in pod.get("nodeSelector", {}), label
             for container in pod["containers"]:
-                assert container["image"] == f"{IMAGE}:0.1.0", label
+                # the CUDA image only where a GPU is requested; the CPU image everywhere else
+                wants_gpu = "nvidia.com/gpu" in container["resources"].get("limits", {})
+                assert container["image"] == f"{IMAGE if wants_gpu else CPU_IMAGE}:0.1.0", label
                 context = container["securityContext"]
                 assert context["allowPrivilegeEscalation"] is False, label
                 assert context["readOnlyRootFilesystem"] is True, label
@@ -275,22 +277,49 @@ def test_cluster_addons_render_offline_and_the_remote_bases_are_pinned():
 
 @pytest.mark.parametrize("step", [
     'install "torch==2.14.1" "torchvision==0.29.1"',
-    'install -c requirements/lock.txt -e ".[dev]"',
+    'install -c requirements/lock.txt -e "$TARGET"',
     'install --no-deps "lerobot==0.4.4"',
 ])  # fmt: skip
 def test_the_dockerfile_installs_the_stack_the_way_bootstrap_does(step):
     bootstrap = (REPO / "scripts" / "bootstrap").read_text()
     assert step in bootstrap  # the pinned steps the image inherits by running the script itself
+    assert 'EXTRAS="${JOYNEXUS_EXTRAS-dev}"' in bootstrap  # laptops get the dev tools, the image none
     dockerfile = (REPO / "Dockerfile").read_text()
     instructions = [line.split(None, 1)[0] for line in dockerfile.splitlines() if line and line[0].isalpha()]
     assert instructions[0] in ("ARG", "FROM") and "FROM" in instructions and instructions.count("USER") == 1
     run = " ".join(line for line in dockerfile.splitlines())
-    assert "scripts/bootstrap" in re.findall(r"RUN [^#]*?scripts/bootstrap", run)[0]
+    assert 'JOYNEXUS_EXTRAS="" JOYNEXUS_SKIP_SYSTEM_DEPS=1 scripts/bootstrap' in run
     assert re.search(r"^USER 10001", dockerfile, re.M)  # the manifests' runAsUser
     assert "ARG VARIANT=cuda" in dockerfile and 'PIP_EXTRA_INDEX_URL="$TORCH_CPU_INDEX"' in dockerfile
-    assert re.search(r"^FROM python:3\.11|^ARG PYTHON_IMAGE=python:3\.11", dockerfile, re.M)
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11[\d.]*-slim-trixie$", dockerfile, re.M)  # Mesa 25 in main
+    assert "*@sha256:*" in dockerfile  # a base without a digest is refused
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_the_image_layers_put_the_source_after_the_stack():
+    """An edit of the source rebuilds only the last layer: the stack is installed from the files that
+    pin it (and an empty package skeleton) before `COPY . ` brings the source."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+) AS (\w+)$", dockerfile, re.M)
+    assert [name for _, name in stages] == ["system", "deps", "app"]
+    deps = dockerfile.split("AS deps")[1].split("AS app")[0]
+    copies = re.findall(r"^COPY (.+)$", deps, re.M)
+    assert copies and all(" . " not in f" {c} " and not c.startswith(". ") for c in copies), copies
+    copied = " ".join(copies)
+    for pinned in (
+        "pyproject.toml",
+        "requirements/",
+        "scripts/bootstrap",
+        "plugins/lerobot_policy_joynexus/pyproject.toml",
+    ):
+        assert pinned in copied, pinned
+    assert "scripts/bootstrap" in deps and "scripts/bootstrap" not in dockerfile.split("AS app")[1]
+    assert re.search(r"^COPY \. /opt/joynexus$", dockerfile.split("AS app")[1], re.M)
+    assert "bookworm" not in dockerfile.split("ARG PYTHON_IMAGE=")[1].split("\n")[0]
+    build = (REPO / "scripts" / "build-images").read_text()
+    assert "imagetools inspect" in build and 'base="${BASE_TAG}@${digest}"' in build
+    assert "--build-arg VARIANT=cpu" in build and "--build-arg VARIANT=cuda" in build
 
 
 def _env_names(container: dict, configmaps: dict[str, dict]) -> set[str]:
