@@ -390,3 +390,37 @@ def test_the_ray_head_survives_a_restart_gcs_fault_tolerance_and_disruption_budg
         for (kind, _), doc in res.items():
             if kind == "Deployment" and doc["spec"]["selector"]["matchLabels"] == labels:
                 assert spec.get("minAvailable", 0) < doc["spec"]["replicas"], name
+
+
+def _peak_rss_bytes(code: str) -> int:
+    """Peak RSS of a fresh interpreter that runs `code` (ru_maxrss of the child: kilobytes on Linux)."""
+    import subprocess
+    import sys
+
+    probe = f"{code}\nimport resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1]) * 1024
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+def test_the_prefect_worker_fits_its_flow_runs_in_its_memory_limit():
+    """The process worker runs up to --limit flow runs as child processes in its own container: the
+    measured import footprint of a flow run times that concurrency, plus the worker, stays under the
+    container's memory limit (with 10% headroom), or the pod is OOM-killed under load."""
+    ((_, worker),) = pod_specs(resources()[("Deployment", "joynexus-prefect-worker")])
+    container = worker["containers"][0]
+    command = container["command"]
+    concurrency = int(command[command.index("--limit") + 1])
+    limit = _bytes(container["resources"]["limits"]["memory"])
+    flow_run = _peak_rss_bytes("import flows.tenant_lifecycle, flows.periodic_evaluation")
+    worker_process = _peak_rss_bytes("import prefect.cli; from prefect.workers.process import ProcessWorker")
+    budget = concurrency * flow_run + worker_process
+    assert budget <= 0.9 * limit, (
+        f"{concurrency} flow runs x {flow_run / 2**30:.2f} GiB + worker {worker_process / 2**30:.2f} GiB = "
+        f"{budget / 2**30:.2f} GiB > 90% of the {limit / 2**30:.1f} GiB limit"
+    )
