@@ -2,7 +2,7 @@
 (`checkpoints`). This package alone decides how a checkpoint is laid out and found."""
 
 from joynexus.artifacts.blobs import BlobStore, LocalBlobStore
-from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo
+from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo, VersionInUse
 from joynexus.artifacts.codec import (
     ACTION_MODULE_FILE,
     MANIFEST_FILE,
@@ -32,6 +32,7 @@ __all__ = [
     "PayloadError",
     "TenantManifest",
     "VERSION_CREATED_AT_KEY",
+    "VersionInUse",
     "VersionInfo",
     "blob_store_for",
     "decode_tenant_payload",
