@@ -413,6 +413,21 @@ def export(
     console.print(f"wrote {path} ({len(payload):,} bytes): {manifest.tenant_id} v{manifest.policy_version}")
 
 
+def delete_version(
+    version: int = typer.Argument(..., min=0, help="The checkpointed version to delete."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Delete one checkpointed version to free storage (allowed at or over the storage quota)."""
+    if not yes:
+        typer.confirm(f"delete checkpoint version {version}?", abort=True)
+    with _client(url, api_key, "api key") as client:
+        deleted = _run(lambda: client.delete_version(version))
+    freed, stored = f"{deleted.freed_bytes:,}", f"{deleted.storage_bytes:,}"
+    console.print(f"deleted version {deleted.version}: freed {freed} B, {stored} B stored")
+
+
 def usage(
     all_tenants: bool = typer.Option(False, "--all", help="Every tenant (admin key)."),
     url: str | None = URL,
@@ -452,4 +467,5 @@ def register(app: typer.Typer) -> None:
     app.add_typer(workload_app, name="workload")
     app.command("versions", context_settings=HELP_SETTINGS)(versions)
     app.command("export", context_settings=HELP_SETTINGS)(export)
+    app.command("delete-version", context_settings=HELP_SETTINGS)(delete_version)
     app.command("usage", context_settings=HELP_SETTINGS)(usage)

@@ -28,11 +28,11 @@ from joynexus.artifacts.codec import (
     PayloadError,
     TenantManifest,
     _load_tensors,
-    _prepare_tensors,
     _save_tensors,
     _sha256,
     _utc_now_iso,
     _validate_version,
+    action_module_file,
     decode_optimizer_state,
     encode_optimizer_state,
     validate_tenant_id,
@@ -141,9 +141,7 @@ class CheckpointStore:
             raise TypeError(f"module_config / extra must be JSON-serialisable: {exc}") from exc
 
         small_meta = {"tenant_id": tenant_id, "policy_version": str(policy_version)}
-        files: dict[str, bytes] = {
-            ACTION_MODULE_FILE: _save_tensors(_prepare_tensors(module_state, "module_state"), small_meta)
-        }
+        files: dict[str, bytes] = {ACTION_MODULE_FILE: action_module_file(module_state, tenant_id, policy_version)}
         if optimizer_state is not None:
             opt_tensors, opt_doc = encode_optimizer_state(optimizer_state)
             files[OPTIMIZER_TENSORS_FILE] = _save_tensors(opt_tensors, small_meta)

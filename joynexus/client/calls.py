@@ -182,6 +182,10 @@ class Calls:
         return Call("GET", f"/v1/versions/{version}/export", params={"format": "safetensors"}, raw=True)
 
     @staticmethod
+    def delete_version(version: int) -> Call:
+        return Call("DELETE", f"/v1/versions/{version}", s.VersionDeleted)
+
+    @staticmethod
     def export_params() -> Call:
         return Call("POST", "/v1/params/export", s.ExportedParams)
 

@@ -204,6 +204,11 @@ class JoyNexusClient(ClientBase):
                 raise InvalidArgument([("path", f"cannot write {str(path)!r}: {error.strerror or error}")]) from None
         return payload
 
+    def delete_version(self, version: int) -> s.VersionDeleted:
+        """Delete one checkpointed version (not the latest, a registered or a served one) to free
+        its storage; allowed at or over the storage quota."""
+        return self._run(Calls.delete_version(version))
+
     def checkpoint_manifest(self, version: int) -> s.Manifest:
         return self._run(Calls.checkpoint_manifest(version))
 
