@@ -190,12 +190,28 @@ def tenant_delete(
     url: str | None = URL,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
-    """Delete a tenant: cancel its workloads, remove its keys, slots and queue data."""
+    """Delete a tenant: cancel its workloads, remove its keys, slots and queue data. Without
+    --delete-artifacts its id stays retired until `joynexus tenant purge`."""
     if not yes:
         typer.confirm(f"delete tenant {tenant_id!r}{' and its artifacts' if delete_artifacts else ''}?", abort=True)
     with _client(url, admin_key, "admin key") as client:
         deleted = _run(lambda: client.delete_tenant(tenant_id, delete_artifacts=delete_artifacts))
     console.print(f"tenant {deleted.tenant_id} deleted: {deleted.removed}")
+
+
+@tenant_app.command("purge")
+def tenant_purge(
+    tenant_id: str = typer.Argument(...),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    url: str | None = URL,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Delete the checkpoints and registered model a deleted tenant left; frees its id for reuse."""
+    if not yes:
+        typer.confirm(f"delete every artifact of deleted tenant {tenant_id!r}?", abort=True)
+    with _client(url, admin_key, "admin key") as client:
+        purged = _run(lambda: client.purge_tenant_artifacts(tenant_id))
+    console.print(f"tenant {purged.tenant_id} purged: {purged.removed}")
 
 
 @tenant_app.command("quota")

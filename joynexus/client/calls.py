@@ -316,6 +316,10 @@ class Calls:
         return Call("DELETE", f"/v1/admin/tenants/{tenant_id}", s.TenantDeleted, params=params)
 
     @staticmethod
+    def purge_tenant_artifacts(tenant_id: str) -> Call:
+        return Call("DELETE", f"/v1/admin/tenants/{tenant_id}/artifacts", s.TenantDeleted)
+
+    @staticmethod
     def set_quota(
         tenant_id: str,
         max_device_seconds: float | None,

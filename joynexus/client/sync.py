@@ -312,6 +312,10 @@ class JoyNexusClient(ClientBase):
         checkpoints and registered model)."""
         return self._run(Calls.delete_tenant(tenant_id, delete_artifacts))
 
+    def purge_tenant_artifacts(self, tenant_id: str) -> s.TenantDeleted:
+        """Delete the checkpoints and registered model a deleted tenant left, freeing its id."""
+        return self._run(Calls.purge_tenant_artifacts(tenant_id))
+
     def set_quota(
         self,
         tenant_id: str,
