@@ -18,6 +18,7 @@ from joynexus.artifacts import (
     CheckpointError,
     PayloadError,
     TenantManifest,
+    VersionInfo,
     VersionInUse,
     action_module_file,
     decode_tenant_payload,
@@ -41,6 +42,8 @@ class VersionOperations(GatewayBase):
         start = -1 if after is None else after
         infos = self.cluster.checkpoints.version_infos(tenant_id, after=start, limit=limit + 1)
         page = infos[:limit]
+        if status is None:  # no slot: its latest checkpoint failed to load; say which and why
+            page = [self._verified(tenant_id, info) for info in page]
         checkpoints = [
             s.CheckpointInfo(
                 version=i.version,
@@ -71,6 +74,17 @@ class VersionOperations(GatewayBase):
             if isinstance(cause_of(error), KeyError):  # UnknownTenant: no slot
                 return None
             raise
+
+    def _verified(self, tenant_id: str, info: VersionInfo) -> VersionInfo:
+        """The latest version, read whole (every file against its digest) when the tenant has no
+        slot: what kept its slot from loading shows in the listing. Other versions as listed."""
+        if info.problem is not None or info.version != self.cluster.checkpoints.latest_version(tenant_id):
+            return info
+        try:
+            self.cluster.checkpoints.load_tenant(tenant_id, info.version)
+        except CheckpointError as error:
+            return dataclasses.replace(info, problem=str(error))
+        return info
 
     def _checkpoint_manifest(self, tenant_id: str, version: int) -> TenantManifest:
         """The manifest of one of the tenant's checkpoints (no tensors read)."""
