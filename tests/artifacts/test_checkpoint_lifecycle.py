@@ -16,6 +16,7 @@ import torch
 from joynexus.artifacts import MANIFEST_FILE, CheckpointStore, VersionInUse
 from joynexus.artifacts.leftovers import sweep_leftovers
 from tests.artifacts.test_retention import _save
+from tests.test_s3 import bucket, s3_endpoint  # noqa: F401  (fixtures: a moto S3 server and a bucket)
 
 
 def test_counting_bytes_and_listing_tolerate_versions_pruned_meanwhile(tmp_path: Path) -> None:
@@ -135,3 +136,17 @@ def test_deleting_a_version_frees_its_bytes_but_never_latest_or_a_pinned_one(tmp
     with pytest.raises(KeyError):
         store.delete_version("acme", 2)
     assert store.versions("acme") == [1, 3]
+
+
+def test_an_uncommitted_version_on_s3_is_not_billed_and_is_swept_once_old(s3_endpoint, bucket) -> None:  # noqa: F811
+    from joynexus.artifacts.s3 import S3BlobStore
+
+    store = CheckpointStore(S3BlobStore(bucket, "ckpt", endpoint_url=s3_endpoint))
+    _save(store, 1)
+    billed = store.tenant_bytes("acme")
+    # An upload that died before its manifest (the commit marker, written last).
+    store.blobs.put_atomic("tenants/acme/v000002/action_module.safetensors", b"x" * 4096)
+    assert store.versions("acme") == [1] and store.tenant_bytes("acme") == billed
+    assert sweep_leftovers(store) == []  # young: it may still be uploading
+    assert sweep_leftovers(store, now=time.time() + 7200) == ["tenants/acme/v000002"]
+    assert not store.blobs.exists("tenants/acme/v000002") and store.versions("acme") == [1]
