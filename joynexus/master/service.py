@@ -142,8 +142,9 @@ class MasterService:
 
     def _check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
         """Every Health Manager round: the Master's own roles, and the housekeeping that is due."""
+        roles = self.workloads.check_roles(stale_after_s)
         self.housekeeping.tick()
-        return self.workloads.check_roles(stale_after_s)
+        return roles
 
     def _check_spend(self, tenant_id: str) -> None:
         from joynexus.master.usage import SpendCapReached

@@ -123,9 +123,12 @@ class TenantHousekeeping:
                 log.exception("sweeping checkpoint leftovers failed")
         if now - self._last_retry_round >= self.retry_unhealthy_every_s:
             self._last_retry_round = now
-            for tenant in self.deployment.creator.list():
-                if tenant.status == "unhealthy":
-                    self.heal(tenant)
+            try:
+                for tenant in self.deployment.creator.list():
+                    if tenant.status == "unhealthy":
+                        self.heal(tenant)
+            except Exception:  # never fails the Health Manager's round; the next one tries again
+                log.exception("retrying unhealthy tenants failed")
 
     def heal(self, tenant: Tenant) -> Tenant:
         """Rebuild an unhealthy tenant's slot (rate-limited per tenant); the tenant as it is after."""
