@@ -43,7 +43,9 @@ class TaskType(StrEnum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # allow_inf_nan=False: `Infinity` / `NaN` (JSON, YAML's .inf, the strings) is refused in every
+    # float field of a spec, naming it; a bound like `ge=0` alone lets +inf through.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ActionModuleSpec(_Strict):

@@ -190,12 +190,28 @@ def tenant_delete(
     url: str | None = URL,
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
-    """Delete a tenant: cancel its workloads, remove its keys, slots and queue data."""
+    """Delete a tenant: cancel its workloads, remove its keys, slots and queue data. Without
+    --delete-artifacts its id stays retired until `joynexus tenant purge`."""
     if not yes:
         typer.confirm(f"delete tenant {tenant_id!r}{' and its artifacts' if delete_artifacts else ''}?", abort=True)
     with _client(url, admin_key, "admin key") as client:
         deleted = _run(lambda: client.delete_tenant(tenant_id, delete_artifacts=delete_artifacts))
     console.print(f"tenant {deleted.tenant_id} deleted: {deleted.removed}")
+
+
+@tenant_app.command("purge")
+def tenant_purge(
+    tenant_id: str = typer.Argument(...),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    url: str | None = URL,
+    admin_key: str | None = ADMIN_KEY,
+) -> None:
+    """Delete the checkpoints and registered model a deleted tenant left; frees its id for reuse."""
+    if not yes:
+        typer.confirm(f"delete every artifact of deleted tenant {tenant_id!r}?", abort=True)
+    with _client(url, admin_key, "admin key") as client:
+        purged = _run(lambda: client.purge_tenant_artifacts(tenant_id))
+    console.print(f"tenant {purged.tenant_id} purged: {purged.removed}")
 
 
 @tenant_app.command("quota")
@@ -413,6 +429,21 @@ def export(
     console.print(f"wrote {path} ({len(payload):,} bytes): {manifest.tenant_id} v{manifest.policy_version}")
 
 
+def delete_version(
+    version: int = typer.Argument(..., min=0, help="The checkpointed version to delete."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Delete one checkpointed version to free storage (allowed at or over the storage quota)."""
+    if not yes:
+        typer.confirm(f"delete checkpoint version {version}?", abort=True)
+    with _client(url, api_key, "api key") as client:
+        deleted = _run(lambda: client.delete_version(version))
+    freed, stored = f"{deleted.freed_bytes:,}", f"{deleted.storage_bytes:,}"
+    console.print(f"deleted version {deleted.version}: freed {freed} B, {stored} B stored")
+
+
 def usage(
     all_tenants: bool = typer.Option(False, "--all", help="Every tenant (admin key)."),
     url: str | None = URL,
@@ -452,4 +483,5 @@ def register(app: typer.Typer) -> None:
     app.add_typer(workload_app, name="workload")
     app.command("versions", context_settings=HELP_SETTINGS)(versions)
     app.command("export", context_settings=HELP_SETTINGS)(export)
+    app.command("delete-version", context_settings=HELP_SETTINGS)(delete_version)
     app.command("usage", context_settings=HELP_SETTINGS)(usage)

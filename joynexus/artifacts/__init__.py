@@ -2,7 +2,7 @@
 (`checkpoints`). This package alone decides how a checkpoint is laid out and found."""
 
 from joynexus.artifacts.blobs import BlobStore, LocalBlobStore
-from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo
+from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo, VersionInUse
 from joynexus.artifacts.codec import (
     ACTION_MODULE_FILE,
     MANIFEST_FILE,
@@ -12,6 +12,7 @@ from joynexus.artifacts.codec import (
     CheckpointError,
     PayloadError,
     TenantManifest,
+    action_module_file,
     decode_tenant_payload,
     encode_tenant_payload,
     export_manifest,
@@ -32,7 +33,9 @@ __all__ = [
     "PayloadError",
     "TenantManifest",
     "VERSION_CREATED_AT_KEY",
+    "VersionInUse",
     "VersionInfo",
+    "action_module_file",
     "blob_store_for",
     "decode_tenant_payload",
     "encode_tenant_payload",

@@ -131,11 +131,9 @@ class LocalBlobStore:
             raise
 
     def total_bytes(self, prefix: str) -> int:
-        """Bytes of every file under ``prefix`` (0 if there is none)."""
-        root = self._path(prefix) if prefix else self.root
-        if not root.is_dir():
-            return 0
-        return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+        """Bytes of every file under ``prefix`` (0 if there is none). One walk that skips files
+        removed while it runs (a prune or delete racing a usage read is no error)."""
+        return sum(self.list_sizes(prefix).values())
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
         """Every file under ``prefix`` -> its size, from one walk of the folder (0 files if absent)."""
@@ -151,6 +149,20 @@ class LocalBlobStore:
                     continue
                 sizes["/".join((*base, name))] = size
         return sizes
+
+    def list_modified(self, prefix: str) -> dict[str, float]:
+        """Every file under ``prefix`` -> its modification time (unix seconds), like `list_sizes`."""
+        root = self._path(prefix) if prefix else self.root
+        times: dict[str, float] = {}
+        for folder, _dirs, names in os.walk(root):
+            base = Path(folder).relative_to(root).parts
+            for name in names:
+                try:
+                    modified = os.stat(os.path.join(folder, name)).st_mtime
+                except FileNotFoundError:  # removed while we walked
+                    continue
+                times["/".join((*base, name))] = modified
+        return times
 
     def put_atomic(self, key: str, data: bytes) -> None:
         target = self._path(key)

@@ -28,11 +28,11 @@ from joynexus.artifacts.codec import (
     PayloadError,
     TenantManifest,
     _load_tensors,
-    _prepare_tensors,
     _save_tensors,
     _sha256,
     _utc_now_iso,
     _validate_version,
+    action_module_file,
     decode_optimizer_state,
     encode_optimizer_state,
     validate_tenant_id,
@@ -51,12 +51,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """One committed checkpoint version as listed: its manifest's time and digest, its bytes."""
+    """One committed checkpoint version as listed: its manifest's time and digest, its bytes, and
+    `problem`: None, or why the version cannot be used (its manifest is unreadable or describes
+    another version, or a file it names is missing); such a version is listed, not hidden."""
 
     version: int
     created_at: str
     digest: str
     size_bytes: int
+    problem: str | None = None
+
+
+class VersionInUse(ValueError):
+    """A version that may not be deleted (LATEST's, or pinned: registered in MLflow)."""
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """What one listing shows of a version folder."""
+
+    committed: bool
+    size_bytes: int
+    names: frozenset[str]
 
 
 class CheckpointStore:
@@ -125,9 +141,7 @@ class CheckpointStore:
             raise TypeError(f"module_config / extra must be JSON-serialisable: {exc}") from exc
 
         small_meta = {"tenant_id": tenant_id, "policy_version": str(policy_version)}
-        files: dict[str, bytes] = {
-            ACTION_MODULE_FILE: _save_tensors(_prepare_tensors(module_state, "module_state"), small_meta)
-        }
+        files: dict[str, bytes] = {ACTION_MODULE_FILE: action_module_file(module_state, tenant_id, policy_version)}
         if optimizer_state is not None:
             opt_tensors, opt_doc = encode_optimizer_state(optimizer_state)
             files[OPTIMIZER_TENSORS_FILE] = _save_tensors(opt_tensors, small_meta)
@@ -270,9 +284,9 @@ class CheckpointStore:
         One listing of the tenant's prefix, whatever the number of versions."""
         return sorted(self._listed_versions(tenant_id))
 
-    def _listed_versions(self, tenant_id: str) -> dict[int, tuple[bool, int]]:
-        """One listing of the tenant: version -> (manifest present, bytes of its folder)."""
-        found: dict[int, tuple[bool, int]] = {}
+    def _listed_versions(self, tenant_id: str) -> dict[int, _Listed]:
+        """One listing of the tenant: committed version -> what the listing shows of its folder."""
+        found: dict[int, _Listed] = {}
         for key, size in self.blobs.list_sizes(self._tenant_prefix(tenant_id)).items():
             folder, sep, name = key.partition("/")
             m = _VERSION_DIR_RE.fullmatch(folder) if sep else None
@@ -280,9 +294,11 @@ class CheckpointStore:
             if m is None or folder != f"v{int(m.group(1)):06d}":
                 continue
             version = int(m.group(1))
-            committed, total = found.get(version, (False, 0))
-            found[version] = (committed or name == MANIFEST_FILE, total + size)
-        return {v: entry for v, entry in found.items() if entry[0]}
+            entry = found.get(version, _Listed(False, 0, frozenset()))
+            found[version] = _Listed(
+                entry.committed or name == MANIFEST_FILE, entry.size_bytes + size, entry.names | {name}
+            )
+        return {v: entry for v, entry in found.items() if entry.committed}
 
     def version_infos(self, tenant_id: str, *, after: int = -1, limit: int | None = None) -> list[VersionInfo]:
         """Committed versions greater than ``after``, ascending, at most ``limit`` of them: one
@@ -297,13 +313,18 @@ class CheckpointStore:
         for version in sorted(v for v in listed if v > after):
             if limit is not None and len(out) >= limit:
                 break
+            size = listed[version].size_bytes
             try:
                 manifest = self.read_manifest(tenant_id, version)
-            except CheckpointError:
-                if self.blobs.exists(f"{self._version_prefix(tenant_id, version)}/{MANIFEST_FILE}"):
-                    raise  # present but unreadable: a real error
-                continue  # pruned since the listing: no longer a version
-            out.append(VersionInfo(version, manifest.created_at, manifest.digest, listed[version][1]))
+            except CheckpointError as error:
+                if not self.blobs.exists(f"{self._version_prefix(tenant_id, version)}/{MANIFEST_FILE}"):
+                    continue  # pruned since the listing: no longer a version
+                # Present but unreadable: listed with the reason, so one bad version never hides
+                # the others (read fresh on every listing: a repaired file shows up at once).
+                out.append(VersionInfo(version, "", "", size, problem=f"file {MANIFEST_FILE} is invalid: {error}"))
+                continue
+            problem = _listing_problem(manifest, tenant_id, version, listed[version].names)
+            out.append(VersionInfo(version, manifest.created_at, manifest.digest, size, problem))
         return out
 
     def read_manifest(self, tenant_id: str, version: int) -> TenantManifest:
@@ -321,8 +342,44 @@ class CheckpointStore:
         return self.blobs.total_bytes(self._version_prefix(tenant_id, version))
 
     def tenant_bytes(self, tenant_id: str) -> int:
-        """Bytes every checkpoint of the tenant takes in the store (its storage usage)."""
-        return self.blobs.total_bytes(self._tenant_prefix(validate_tenant_id(tenant_id)))
+        """Bytes the tenant's checkpoints take in the store (its storage usage): committed versions
+        and pointers; crash leftovers (temp entries, version folders without a manifest) are not
+        billed (`joynexus.artifacts.leftovers` removes them). One listing, tolerant of files that
+        vanish while it runs (a concurrent prune)."""
+        from joynexus.artifacts.leftovers import billable_bytes
+
+        return billable_bytes(self.blobs.list_sizes(self._tenant_prefix(validate_tenant_id(tenant_id))))
+
+    def has_objects(self, tenant_id: str) -> bool:
+        """Whether anything of the tenant id is stored (checkpoints, LATEST, ISSUED, PINS)."""
+        from joynexus.artifacts.leftovers import leftover_entries
+
+        listing = self.blobs.list_sizes(self._tenant_prefix(validate_tenant_id(tenant_id)))
+        leftovers = leftover_entries(listing)
+        return any(key.partition("/")[0] not in leftovers for key in listing)
+
+    def delete_version(self, tenant_id: str, version: int) -> int:
+        """Delete one committed version (never LATEST's nor a pinned one: VersionInUse says which);
+        KeyError if there is no such version. Returns the bytes it took. Allowed whatever the
+        tenant's storage quota: deleting is how a tenant gets back under it."""
+        _validate_version(version)
+        delete = getattr(self.blobs, "delete_prefix", None)
+        if delete is None:
+            raise NotImplementedError(f"{self.blobs!r} cannot delete (it has no delete_prefix)")
+        with self._prune_lock:
+            listed = self._listed_versions(tenant_id)
+            if version not in listed:
+                raise KeyError(f"tenant {tenant_id!r} has no checkpoint version {version}")
+            if version == self.latest_version(tenant_id):
+                raise VersionInUse(
+                    f"version {version} is the tenant's latest checkpoint (LATEST): its slot resumes from it"
+                )
+            if version in self.pinned(tenant_id):
+                raise VersionInUse(f"version {version} is registered in the model registry (pinned)")
+            prefix = self._version_prefix(tenant_id, version)
+            delete(f"{prefix}/{MANIFEST_FILE}")  # first: readers never list a half-deleted version
+            delete(prefix)
+            return listed[version].size_bytes
 
     def tenants(self) -> list[str]:
         """Tenants with at least one committed checkpoint (a LATEST pointer)."""
@@ -410,6 +467,19 @@ class CheckpointStore:
             except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: file {OPTIMIZER_JSON_FILE} is invalid: {exc}") from exc
         return manifest, module_state, optimizer_state
+
+
+def _listing_problem(manifest: TenantManifest, tenant_id: str, version: int, names: frozenset[str]) -> str | None:
+    """Why a listed version cannot be used, from its manifest and the listing alone (no tensor
+    bytes are read; a file whose bytes changed is found when the version is loaded)."""
+    if manifest.tenant_id != tenant_id or manifest.policy_version != version:
+        return f"file {MANIFEST_FILE} describes tenant {manifest.tenant_id!r} version {manifest.policy_version}"
+    if ACTION_MODULE_FILE not in manifest.files:
+        return f"file {MANIFEST_FILE} lists no {ACTION_MODULE_FILE}"
+    missing = sorted(name for name in manifest.files if name not in names)
+    if missing:
+        return f"file {missing[0]} is missing"
+    return None
 
 
 def checkpoint_store(settings: Settings) -> CheckpointStore:

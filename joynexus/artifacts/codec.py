@@ -211,6 +211,13 @@ def _load_tensors(data: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict
     return tensors, metadata
 
 
+def action_module_file(module_state: Mapping[str, Any], tenant_id: str, policy_version: int) -> bytes:
+    """The bytes of a checkpoint's action_module.safetensors for this module state (a function of the
+    tensors, the tenant and the version alone): its sha256 is the manifest's digest of the file."""
+    metadata = {"tenant_id": tenant_id, "policy_version": str(policy_version)}
+    return _save_tensors(_prepare_tensors(module_state, "module_state"), metadata)
+
+
 def encode_tenant_payload(module_state: dict[str, torch.Tensor], manifest: TenantManifest) -> bytes:
     """Serialise a module state as safetensors bytes with the manifest JSON in the metadata."""
     tensors = _prepare_tensors(module_state, "module_state")

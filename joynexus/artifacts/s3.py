@@ -169,6 +169,18 @@ class S3BlobStore:
                     sizes[name] = int(item["Size"])
         return sizes
 
+    def list_modified(self, prefix: str) -> dict[str, float]:
+        """Every object under ``prefix/`` -> its LastModified (unix seconds), one listing."""
+        start = self._dir_key(prefix)
+        paginator = self.client.get_paginator("list_objects_v2")
+        times: dict[str, float] = {}
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=start):
+            for item in page.get("Contents", []):
+                name = item["Key"][len(start) :]
+                if name:
+                    times[name] = item["LastModified"].timestamp()
+        return times
+
     def list_dir(self, prefix: str) -> list[str]:
         start = self._dir_key(prefix)
         names: set[str] = set()

@@ -164,6 +164,9 @@ class AsyncJoyNexusClient(ClientBase):
             return (await self._run(Calls.export_params())).payload
         return await self._run(Calls.export_version(version))
 
+    async def delete_version(self, version: int) -> s.VersionDeleted:
+        return await self._run(Calls.delete_version(version))
+
     async def checkpoint_manifest(self, version: int) -> s.Manifest:
         return await self._run(Calls.checkpoint_manifest(version))
 

@@ -182,6 +182,10 @@ class Calls:
         return Call("GET", f"/v1/versions/{version}/export", params={"format": "safetensors"}, raw=True)
 
     @staticmethod
+    def delete_version(version: int) -> Call:
+        return Call("DELETE", f"/v1/versions/{version}", s.VersionDeleted)
+
+    @staticmethod
     def export_params() -> Call:
         return Call("POST", "/v1/params/export", s.ExportedParams)
 
@@ -310,6 +314,10 @@ class Calls:
     def delete_tenant(tenant_id: str, delete_artifacts: bool) -> Call:
         params = {"delete_artifacts": delete_artifacts}
         return Call("DELETE", f"/v1/admin/tenants/{tenant_id}", s.TenantDeleted, params=params)
+
+    @staticmethod
+    def purge_tenant_artifacts(tenant_id: str) -> Call:
+        return Call("DELETE", f"/v1/admin/tenants/{tenant_id}/artifacts", s.TenantDeleted)
 
     @staticmethod
     def set_quota(

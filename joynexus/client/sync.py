@@ -204,6 +204,11 @@ class JoyNexusClient(ClientBase):
                 raise InvalidArgument([("path", f"cannot write {str(path)!r}: {error.strerror or error}")]) from None
         return payload
 
+    def delete_version(self, version: int) -> s.VersionDeleted:
+        """Delete one checkpointed version (not the latest, a registered or a served one) to free
+        its storage; allowed at or over the storage quota."""
+        return self._run(Calls.delete_version(version))
+
     def checkpoint_manifest(self, version: int) -> s.Manifest:
         return self._run(Calls.checkpoint_manifest(version))
 
@@ -306,6 +311,10 @@ class JoyNexusClient(ClientBase):
         """Delete a tenant with its keys, slots, queue data (and with `delete_artifacts` its
         checkpoints and registered model)."""
         return self._run(Calls.delete_tenant(tenant_id, delete_artifacts))
+
+    def purge_tenant_artifacts(self, tenant_id: str) -> s.TenantDeleted:
+        """Delete the checkpoints and registered model a deleted tenant left, freeing its id."""
+        return self._run(Calls.purge_tenant_artifacts(tenant_id))
 
     def set_quota(
         self,

@@ -225,6 +225,17 @@ class EvaluationDeclarationRecord(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class TenantTombstoneRecord(Base):
+    """The id of a deleted tenant whose artifacts (checkpoints, registered model) were kept: no new
+    tenant may take the id (it would inherit them) until they are purged (issue 26)."""
+
+    __tablename__ = "tenant_tombstones"
+
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    deleted_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ControlPlaneStore:
     """Owns the engine and session factory; `transaction()` is the only way code writes."""
 

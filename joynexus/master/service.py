@@ -56,6 +56,11 @@ class MasterOptions(BaseModel):
         default=None, ge=0, description="checkpoint bytes per tenant; None: no quota"
     )
     health: HealthOptions = Field(default_factory=HealthOptions)
+    # Housekeeping (joynexus.master.tenant_lifecycle): checkpoint crash leftovers older than the
+    # grace are swept at start and then this often; unhealthy tenants' slots are retried this often.
+    leftover_sweep_interval_s: float = Field(default=3600.0, gt=0)
+    leftover_grace_s: float = Field(default=3600.0, ge=0)
+    unhealthy_retry_interval_s: float = Field(default=30.0, gt=0)
 
 
 class TenantUnavailable(RuntimeError):
@@ -103,6 +108,15 @@ class MasterService:
             max_queued=lambda tenant_id: self.ledger.quota(tenant_id).max_queued_workloads,
         )
         self._restore_tenant_slots()
+        from joynexus.master.tenant_lifecycle import TenantHousekeeping
+
+        self.housekeeping = TenantHousekeeping(
+            self.deployment,
+            self._restore_slot,
+            sweep_every_s=self.options.leftover_sweep_interval_s,
+            leftover_grace_s=self.options.leftover_grace_s,
+            retry_unhealthy_every_s=self.options.unhealthy_retry_interval_s,
+        )
         self.last_reconcile = self.workloads.reconcile()
         if any(self.last_reconcile.values()):
             log.warning("reconciled after a restart: %s", self.last_reconcile)
@@ -116,7 +130,7 @@ class MasterService:
                 "inference_service": dep.inference_service,
                 "environment_service": dep.environment_service,
             },
-            check_roles=self.workloads.check_roles,
+            check_roles=self._check_roles,
             on_restart=self._restore_role,
             options=self.options.health,
         ).start()
@@ -125,6 +139,12 @@ class MasterService:
 
         self.declarations = EvaluationDeclarations(self.deployment, self.workloads)
         self.workloads.admission_paused = lambda: bool(self.health_manager.escalated())
+
+    def _check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
+        """Every Health Manager round: the Master's own roles, and the housekeeping that is due."""
+        roles = self.workloads.check_roles(stale_after_s)
+        self.housekeeping.tick()
+        return roles
 
     def _check_spend(self, tenant_id: str) -> None:
         from joynexus.master.usage import SpendCapReached
@@ -220,25 +240,31 @@ class MasterService:
         if not isinstance(spec, WorkloadSpec):
             spec = parse_workload_spec(spec)
         spec = resolve_dataset_source(spec, self.settings)
+        from joynexus.master.tenant_lifecycle import check_id_reusable
+
+        check_id_reusable(self.deployment, spec.tenant)  # no inheriting an earlier tenant's checkpoints
         tenant = self.deployment.creator.create(spec)
         try:
             self.deployment.training_service.add_tenant(tenant.backend_config)
         except Exception as error:
             reason = _reason(error)
             log.warning("tenant %s: the backend could not build its slot (%s); removing it", tenant.tenant_id, reason)
-            self._forget_tenant(tenant.tenant_id, delete_artifacts=False)
+            self._forget_tenant(tenant.tenant_id, delete_artifacts=False, retire_id=False)
             raise SpecError([("action_module", f"the backend could not build this tenant: {reason}")]) from None
         return tenant
 
     def get_tenant(self, tenant_id: str) -> Tenant:
-        return self.deployment.creator.get(tenant_id)
+        """The tenant; an unhealthy one has its slot tried again first (rate-limited), so a
+        repaired checkpoint is picked up without a restart."""
+        tenant = self.deployment.creator.get(tenant_id)
+        return self.housekeeping.heal(tenant) if tenant.status == UNHEALTHY else tenant
 
     def list_tenants(self) -> list[Tenant]:
         return self.deployment.creator.list()
 
     def check_tenant(self, tenant_id: str) -> Tenant:
         """The tenant if it is healthy; TenantUnavailable (with the reason) if not; KeyError if absent."""
-        tenant = self.deployment.creator.get(tenant_id)
+        tenant = self.get_tenant(tenant_id)
         if tenant.status == UNHEALTHY:
             raise TenantUnavailable(tenant_id, tenant.status_reason or "unknown")
         return tenant
@@ -246,14 +272,21 @@ class MasterService:
     def delete_tenant(self, tenant_id: str, *, delete_artifacts: bool = False) -> dict[str, Any]:
         """Remove a tenant: its workloads are cancelled, its jobs released, its queue partitions,
         slots, serving states, sessions, keys, quota and usage rows removed; with
-        `delete_artifacts` its checkpoints and registered model too."""
+        `delete_artifacts` its checkpoints and registered model too. Without them (or when deleting
+        them failed) the id stays retired: no new tenant may take it until `purge_tenant_artifacts`."""
         self.deployment.creator.get(tenant_id)  # KeyError if absent
         for status in self.workloads.list(tenant_id):
             if status.state not in FINAL_WORKLOAD_STATES:
                 self.workloads.cancel(status.workload_id)
         return self._forget_tenant(tenant_id, delete_artifacts=delete_artifacts)
 
-    def _forget_tenant(self, tenant_id: str, *, delete_artifacts: bool) -> dict[str, Any]:
+    def purge_tenant_artifacts(self, tenant_id: str) -> dict[str, Any]:
+        """Delete a deleted tenant's kept checkpoints and registered model, and free its id."""
+        from joynexus.master.tenant_lifecycle import purge
+
+        return purge(self.deployment, tenant_id)
+
+    def _forget_tenant(self, tenant_id: str, *, delete_artifacts: bool, retire_id: bool = True) -> dict[str, Any]:
         dep = self.deployment
         report: dict[str, Any] = {"tenant_id": tenant_id}
         for job in dep.scheduler.jobs(tenant_id=tenant_id):
@@ -275,7 +308,11 @@ class MasterService:
             except Exception as error:  # keep deleting: what is left is reported, the rows go anyway
                 report[name] = f"not removed: {_reason(error)}"
                 log.warning("deleting tenant %s: %s failed: %s", tenant_id, name, _reason(error))
-        dep.creator.delete(tenant_id)
+        from joynexus.master.tenant_lifecycle import retired_reason
+
+        retired = retired_reason(report, delete_artifacts) if retire_id else None
+        dep.creator.delete(tenant_id, tombstone=retired)
+        report["tenant_id_reusable"] = "yes" if retired is None else f"no: {retired}"
         return report
 
     def _restore_tenant_slots(self) -> None:

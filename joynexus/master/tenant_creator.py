@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from joynexus.core.store import Base, ControlPlaneStore, TenantRecord
+from joynexus.core.store import Base, ControlPlaneStore, TenantRecord, TenantTombstoneRecord
 from joynexus.core.tenants import BackendCapabilities, Tenant, TenantBackendConfig, simulator_config, tenant_of
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.spec import SpecError, TaskType, WorkloadSpec, parse_workload_spec
@@ -30,6 +30,23 @@ ACTIVE, UNHEALTHY = "active", "unhealthy"  # TenantRecord.status values
 
 class TenantExists(SpecError):
     pass
+
+
+class TenantIdRetired(TenantExists):
+    """The id belonged to a deleted tenant whose artifacts were kept: a new tenant would inherit them."""
+
+    @classmethod
+    def of(cls, tenant_id: str, why: str) -> TenantIdRetired:
+        return cls(
+            [
+                (
+                    "tenant",
+                    f"tenant_id {tenant_id!r} cannot be reused: {why}; a new tenant would inherit them. Purge "
+                    f"them first (DELETE /v1/admin/tenants/{tenant_id}/artifacts, `joynexus tenant purge "
+                    f"{tenant_id}`) or choose another id",
+                )
+            ]
+        )
 
 
 class SpecCompiler:
@@ -308,6 +325,9 @@ class TenantCreator:
         with self.store.transaction() as session:
             if session.get(TenantRecord, spec.tenant) is not None:
                 raise TenantExists([("tenant", f"tenant {spec.tenant!r} already exists")])
+            tombstone = session.get(TenantTombstoneRecord, spec.tenant)
+            if tombstone is not None:
+                raise TenantIdRetired.of(spec.tenant, tombstone.reason)
             session.add(
                 TenantRecord(
                     tenant_id=spec.tenant,
@@ -358,10 +378,11 @@ class TenantCreator:
                 raise KeyError(f"no tenant {tenant_id!r}")
             record.status, record.status_reason = status, reason
 
-    def delete(self, tenant_id: str) -> None:
+    def delete(self, tenant_id: str, *, tombstone: str | None = None) -> None:
         """Remove the tenant and every control-plane row of it (policies, jobs, workloads, API keys,
         quota, usage, ...) in ONE transaction. Its queue partitions, slots and artifacts are the
-        caller's (the Master Service's) to release."""
+        caller's (the Master Service's) to release. `tombstone`: why the id stays retired (its
+        artifacts were kept), recorded in the same transaction; None: the id is free again."""
         from sqlalchemy import delete
 
         with self.store.transaction() as session:
@@ -372,6 +393,23 @@ class TenantCreator:
             for table in Base.metadata.sorted_tables:
                 if "tenant_id" in table.c:
                     session.execute(delete(table).where(table.c.tenant_id == tenant_id))
+            if tombstone is not None:
+                session.add(TenantTombstoneRecord(tenant_id=tenant_id, reason=tombstone))
+
+    def tombstone(self, tenant_id: str) -> str | None:
+        """Why a deleted tenant's id is retired (its artifacts were kept); None if it is not."""
+        with self.store.read() as session:
+            record = session.get(TenantTombstoneRecord, tenant_id)
+            return None if record is None else record.reason
+
+    def lift_tombstone(self, tenant_id: str) -> bool:
+        """Free a retired id again (its artifacts are gone); False if it was not retired."""
+        with self.store.transaction() as session:
+            record = session.get(TenantTombstoneRecord, tenant_id, with_for_update=True)
+            if record is None:
+                return False
+            session.delete(record)
+            return True
 
 
 def _supports_rl(kind: str) -> bool:

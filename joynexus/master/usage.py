@@ -198,10 +198,9 @@ class UsageLedger:
             return int(self.checkpoints.tenant_bytes(tenant_id))
         if self.checkpoint_root is None:  # deprecated path below: a local checkpoint folder
             return 0
-        folder = Path(self.checkpoint_root) / "tenants" / tenant_id
-        if not folder.is_dir():
-            return 0
-        return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        from joynexus.artifacts import CheckpointStore
+
+        return CheckpointStore(Path(self.checkpoint_root)).tenant_bytes(tenant_id)
 
     def _api_totals(self, tenant_id: str) -> dict[str, dict[str, float]]:
         totals = {c: {"device_seconds": 0.0, "samples": 0, "env_steps": 0} for c in (TRAINING, INFERENCE, ENVIRONMENT)}

@@ -216,21 +216,35 @@ class Manifest(_Response):
 
 
 class CheckpointInfo(_Response):
+    """One checkpointed version. `corrupt`: it cannot be exported or loaded, `problem` says why
+    (an unreadable manifest, a missing file); the other versions are listed and usable as usual."""
+
     version: int
     created_at: str
     digest: str
     size_bytes: int
+    corrupt: bool = False
+    problem: str | None = None
 
 
 class Versions(_Response):
     """`checkpoints` is one page (ascending versions); `next_after` is the `after` of the next
     page, None when this page was the last."""
 
-    training_version: int
-    optimizer_steps: int
+    training_version: int | None  # None while the tenant's slot is not loaded (unhealthy)
+    optimizer_steps: int | None
     checkpoints: list[CheckpointInfo]
     serving_versions: list[int]
     next_after: int | None = None
+
+
+class VersionDeleted(_Response):
+    """A checkpointed version deleted (DELETE /v1/versions/{version}): the bytes it freed and the
+    tenant's storage bytes after."""
+
+    version: int
+    freed_bytes: int
+    storage_bytes: int
 
 
 class ExportedParams(_Response):

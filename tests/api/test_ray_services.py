@@ -392,3 +392,37 @@ def test_openpi_clients_and_foreign_weights_run_on_the_resident_services(ray_api
     (row,) = declaration["table"]
     assert row["tenant_id"] == trained.rl.tenant_id and row["state"] == "completed" and row["episodes"] == 1
     assert declaration["run_id"] and tracker.client.list_artifacts(declaration["run_id"])
+
+
+def test_tenant_and_version_lifecycle_on_the_resident_master(ray_api: RayApi):
+    """Issue 26 on the Ray path: a corrupt version flagged and 409, a version deleted, a retired id
+    refused (the Master actor's TenantIdRetired / TenantNotDeleted arrive as 409s) and purged, and
+    per-workload event numbers."""
+    spec = sft_spec("ray-life", ray_api.data_dir / "datasets" / "ray-life", jobs=1, samples_per_job=8)
+    write_dataset_for(spec, episodes=2, length=12)
+    t = ray_api.create_tenant(spec)
+    client = ray_api.client
+    for seed in (1, 2, 3):
+        batch = wire(sample_batch(spec, 2, seed))
+        assert client.post("/v1/train_batch", json=batch, headers=t.headers).status_code == 200
+        assert client.post("/v1/save", json={}, headers=t.headers).status_code == 200
+    manifest = ray_api.data_dir / "checkpoints" / "tenants" / t.tenant_id / "v000002" / "manifest.json"
+    manifest.write_bytes(b"{")
+    listed = {c["version"]: c for c in client.get("/v1/versions", headers=t.headers).json()["checkpoints"]}
+    assert listed[2]["corrupt"] and not listed[1]["corrupt"]
+    assert client.get("/v1/versions/2/export", headers=t.headers).status_code == 409
+    assert client.delete("/v1/versions/1", headers=t.headers).status_code == 200
+
+    workload_id = ray_api.submit(t, jobs=50)
+    assert client.post(f"/v1/workloads/{workload_id}/cancel", headers=t.headers).status_code == 200
+    assert ray_api.wait(t, workload_id)["state"] == "cancelled"
+    events = client.get(f"/v1/workloads/{workload_id}/events", headers=t.headers).json()["events"]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+
+    path = f"/v1/admin/tenants/{t.tenant_id}"
+    assert client.delete(f"{path}/artifacts", headers=ADMIN).status_code == 409  # it still exists
+    assert client.delete(path, headers=ADMIN).status_code == 200
+    refused = client.post("/v1/admin/tenants", json=spec, headers=ADMIN)
+    assert refused.status_code == 409 and "cannot be reused" in refused.json()["problems"][0]["reason"]
+    assert client.delete(f"{path}/artifacts", headers=ADMIN).status_code == 200
+    ray_api.create_tenant(spec)

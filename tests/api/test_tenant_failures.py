@@ -10,6 +10,7 @@ Each test runs its own app over its own data dir (the tests restart the services
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -145,6 +146,7 @@ def test_a_corrupt_checkpoint_marks_only_its_tenant_unhealthy_and_the_server_ser
     specs = {t: spec_for(t, dataset_root) for t in ("broken", "healthy")}
     with serve(data_dir) as (client, _):
         keys = {t: create(client, spec) for t, spec in specs.items()}
+        assert client.post("/v1/save", json={}, headers=keys["broken"]).status_code == 200  # an intact v0
         for tenant_id in specs:
             train(client, keys[tenant_id])
     checkpoints = CheckpointStore(data_dir / "checkpoints")
@@ -153,7 +155,9 @@ def test_a_corrupt_checkpoint_marks_only_its_tenant_unhealthy_and_the_server_ser
     module_file = data_dir / "checkpoints" / "tenants" / "broken" / f"v{latest:06d}" / "action_module.safetensors"
     data = bytearray(module_file.read_bytes())
     data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # flip bytes of the tensor data
+    good = module_file.read_bytes()
     module_file.write_bytes(bytes(data))
+    leftovers = plant_crash_leftovers(data_dir / "checkpoints" / "tenants" / "broken")
 
     with serve(data_dir) as (client, cluster):  # the server starts
         assert client.get("/v1/health").status_code == 200
@@ -177,6 +181,47 @@ def test_a_corrupt_checkpoint_marks_only_its_tenant_unhealthy_and_the_server_ser
         r = predict(client, specs["healthy"], keys["healthy"])
         assert r.status_code == 200, r.text
         assert r.json()["policy_version"] == status["version"]
+
+        # Issue 26 (10d): old crash leftovers were swept when the Master started; a young one (maybe
+        # a write in progress) stays but is not billed.
+        assert [p.exists() for p in leftovers] == [False, False, True]
+        on_disk = sum(p.stat().st_size for p in leftovers[0].parent.rglob("*") if p.is_file())
+        assert client.get("/v1/usage", headers=keys["broken"]).json()["storage_bytes"] == on_disk - 70_000
+        # Issue 26 (8): its versions still list (the corrupt latest flagged, with why) and the intact
+        # one exports; the corrupt one answers 409 naming it, not 500.
+        r = client.get("/v1/versions", headers=keys["broken"])
+        assert r.status_code == 200 and r.json()["training_version"] is None, r.text
+        listed_versions = {c["version"]: c for c in r.json()["checkpoints"]}
+        assert listed_versions[0]["corrupt"] is False
+        assert listed_versions[latest]["corrupt"] is True
+        assert "action_module.safetensors" in listed_versions[latest]["problem"]
+        assert client.get("/v1/versions/0/export", headers=keys["broken"]).status_code == 200
+        r = client.get(f"/v1/versions/{latest}/export", headers=keys["broken"])
+        assert r.status_code == 409 and r.json()["code"] == "checkpoint_corrupt", r.text
+        # ... and a repaired file is picked up without a restart (lookups rebuild the slot).
+        module_file.write_bytes(good)
+        deadline = time.monotonic() + 30
+        while client.get("/v1/tenant", headers=keys["broken"]).status_code != 200:  # 409 until healed
+            assert time.monotonic() < deadline, "the repaired tenant did not heal"
+            time.sleep(0.5)
+        assert client.get("/v1/versions", headers=keys["broken"]).json()["training_version"] == latest
+        r = client.post("/v1/train_batch", json=wire(sample_batch(specs["broken"], 2, 0)), headers=keys["broken"])
+        assert r.status_code == 200 and r.json()["version"] == latest + 1, r.text  # resumed from the repaired one
+
+
+def plant_crash_leftovers(folder: Path) -> list[Path]:
+    """What crashes mid-write leave in a tenant's checkpoint folder: an old temp folder and an old
+    version without its manifest (both older than the sweep's grace), and a young temp folder."""
+    out = []
+    for name, age_s, size in ((".tmp-v000090-crashed", 7200, 50_000), ("v000091", 7200, 50_000),
+                              (".tmp-v000092-young", 0, 70_000)):  # fmt: skip
+        (folder / name).mkdir()
+        (folder / name / "action_module.safetensors").write_bytes(b"x" * size)
+        then = time.time() - age_s
+        for path in (folder / name / "action_module.safetensors", folder / name):
+            os.utime(path, (then, then))
+        out.append(folder / name)
+    return out
 
 
 def test_deleting_a_tenant_removes_its_keys_slot_queue_data_artifacts_and_rows(tmp_path, dataset_root):

@@ -8,7 +8,7 @@ import numpy as np
 from joynexus.api.errors import InvalidInput
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import service_errors
-from joynexus.api.gateway.tensors import observation_arrays
+from joynexus.api.gateway.tensors import finite_actions, observation_arrays
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 from joynexus.scheduling.inference_queue import Observation
@@ -45,7 +45,7 @@ class InferenceOperations(GatewayBase):
         values, log_probs = result.get("values"), result.get("log_probs")
         return s.PredictResult(
             policy_version=result["policy_version"],
-            actions=Tensor.from_numpy(np.asarray(result["actions"], dtype=np.float32)),
+            actions=Tensor.from_numpy(finite_actions(np.asarray(result["actions"], dtype=np.float32))),
             values=None if values is None else Tensor.from_numpy(np.asarray(values, dtype=np.float32)),
             log_probs=None if log_probs is None else Tensor.from_numpy(np.asarray(log_probs, dtype=np.float32)),
             batch_samples=result["batch_samples"],

@@ -57,3 +57,13 @@ class TenantOperations(GatewayBase):
             self._tenants.pop(tenant_id, None)
             self._queue_bytes.pop(tenant_id, None)
         return report
+
+    def purge_tenant_artifacts(self, tenant_id: str) -> dict[str, Any]:
+        """Delete a deleted tenant's kept artifacts and free its id; 409 while the tenant exists."""
+        from joynexus.master.tenant_lifecycle import TenantNotDeleted
+
+        try:
+            return self.master.purge_tenant_artifacts(tenant_id)
+        except TenantNotDeleted as error:
+            reason = str(error).split(": ", 1)[-1]
+            raise Conflict(reason, [("tenant_id", reason)]) from None

@@ -18,6 +18,10 @@ from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
+# Largest |value| of an observation's state: values near float32's limit (3e38) pass the cast but
+# overflow in the first layer and come back as NaN actions. Generous for any robot's units (raw
+# encoder ticks included); what still overflows inside a module is refused by predict (`finite_actions`).
+MAX_ABS_STATE_VALUE = 1e9
 IMAGE_DTYPES = ("uint8", *FLOAT_DTYPES)
 MASK_DTYPES = ("bool", "uint8")
 
@@ -100,7 +104,28 @@ def observation_arrays(
     if images.size and (images.min() < 0.0 or images.max() > 1.0):
         raise InvalidInput("images", "float images must lie in [0, 1] (or send uint8 in [0, 255])")
     state = float_array(state_in, "state", (n, cfg.state_dim))
+    if state.size and float(np.abs(state).max()) > MAX_ABS_STATE_VALUE:
+        sample, dim = (int(i) for i in np.unravel_index(int(np.abs(state).argmax()), state.shape))
+        raise InvalidInput(
+            "state",
+            f"value {float(state[sample, dim]):.6g} at [{sample}, {dim}] is out of range: |x| must be at most "
+            f"{MAX_ABS_STATE_VALUE:.0e}",
+        )
     return images, state, _instructions(instructions_in, n)
+
+
+def finite_actions(actions: np.ndarray) -> np.ndarray:
+    """The actions a policy computed, refused (naming the observations' state) when some are not
+    finite: the observation drove the module outside float32's range, and a robot must never get NaN."""
+    flat = actions.reshape(actions.shape[0], -1) if actions.ndim else actions.reshape(1, -1)
+    bad = np.flatnonzero(~np.isfinite(flat).all(axis=1))
+    if bad.size:
+        raise InvalidInput(
+            "state",
+            f"the policy's actions for samples {bad.tolist()[:8]} are not finite: their observation values are "
+            "outside the range the action module computes in; send values in the units the tenant trained on",
+        )
+    return actions
 
 
 def _no_camera_images(tenant: Tenant, state_in: Tensor, max_samples: int) -> Tensor:

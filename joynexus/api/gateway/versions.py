@@ -14,11 +14,16 @@ from joynexus.api.errors import ApiError, InvalidInput, NotFound
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import cause_of, service_errors
 from joynexus.artifacts import (
+    ACTION_MODULE_FILE,
     CheckpointError,
     PayloadError,
     TenantManifest,
+    VersionInfo,
+    VersionInUse,
+    action_module_file,
     decode_tenant_payload,
     encode_tenant_payload,
+    payload_digest,
 )
 from joynexus.core.tenants import Tenant
 from joynexus.protocol import schemas as s
@@ -32,36 +37,73 @@ class VersionOperations(GatewayBase):
     def versions(self, tenant_id: str, after: int | None = None, limit: int = 100) -> s.Versions:
         """One page of checkpoints (versions > `after`, None: from version 0 on; ascending, at most
         `limit`) from ONE listing of the tenant's checkpoints; `next_after` continues (None: no more)."""
-        status = self.cluster.training.tenant_status(tenant_id)
+        status = self._slot_status(tenant_id)
         # One more than asked for says whether another page follows without a second listing.
         start = -1 if after is None else after
         infos = self.cluster.checkpoints.version_infos(tenant_id, after=start, limit=limit + 1)
         page = infos[:limit]
+        if status is None:  # no slot: its latest checkpoint failed to load; say which and why
+            page = [self._verified(tenant_id, info) for info in page]
         checkpoints = [
-            s.CheckpointInfo(version=i.version, created_at=i.created_at, digest=i.digest, size_bytes=i.size_bytes)
+            s.CheckpointInfo(
+                version=i.version,
+                created_at=i.created_at,
+                digest=i.digest,
+                size_bytes=i.size_bytes,
+                corrupt=i.problem is not None,
+                problem=i.problem,
+            )
             for i in page
         ]
         return s.Versions(
-            training_version=status["version"],
-            optimizer_steps=status["optimizer_steps"],
+            training_version=None if status is None else status["version"],
+            optimizer_steps=None if status is None else status["optimizer_steps"],
             checkpoints=checkpoints,
             serving_versions=self.cluster.inference.versions(tenant_id),
             next_after=page[-1].version if len(infos) > limit else None,
         )
 
+    def _slot_status(self, tenant_id: str) -> dict[str, Any] | None:
+        """The training slot's status; None when the tenant has no slot loaded (it is unhealthy:
+        e.g. its latest checkpoint is corrupt), so its other versions stay listable and exportable."""
+        if self.tenant(tenant_id, healthy=False).status == "active":
+            return self.cluster.training.tenant_status(tenant_id)
+        try:
+            return self.cluster.training.tenant_status(tenant_id)
+        except Exception as error:
+            if isinstance(cause_of(error), KeyError):  # UnknownTenant: no slot
+                return None
+            raise
+
+    def _verified(self, tenant_id: str, info: VersionInfo) -> VersionInfo:
+        """The latest version, read whole (every file against its digest) when the tenant has no
+        slot: what kept its slot from loading shows in the listing. Other versions as listed."""
+        if info.problem is not None or info.version != self.cluster.checkpoints.latest_version(tenant_id):
+            return info
+        try:
+            self.cluster.checkpoints.load_tenant(tenant_id, info.version)
+        except CheckpointError as error:
+            return dataclasses.replace(info, problem=str(error))
+        return info
+
     def _checkpoint_manifest(self, tenant_id: str, version: int) -> TenantManifest:
         """The manifest of one of the tenant's checkpoints (no tensors read)."""
         if version not in self.cluster.checkpoints.versions(tenant_id):
             raise NotFound("checkpoint version", version, "version")
-        return self.cluster.checkpoints.read_manifest(tenant_id, version)
+        try:
+            return self.cluster.checkpoints.read_manifest(tenant_id, version)
+        except CheckpointError as error:
+            raise _corrupt(version, error) from None
 
     def checkpoint_manifest(self, tenant_id: str, version: int) -> s.Manifest:
         return manifest_model(self._checkpoint_manifest(tenant_id, version))
 
     def export(self, tenant_id: str, version: int | None = None) -> tuple[bytes, TenantManifest]:
         """The tenant payload of `version` (None: the current training parameters)."""
-        current = self.cluster.training.policy_version(tenant_id)
-        if version is None or version == current:
+        status = self._slot_status(tenant_id)
+        if status is None and version is None:
+            self.tenant(tenant_id)  # 409 tenant_unhealthy, with the reason: no current parameters
+        if version is None or (status is not None and version == status["version"]):
             payload = self.cluster.training.export_params(tenant_id)
             return payload, decode_tenant_payload(payload)[1]
         if version not in self.cluster.checkpoints.versions(tenant_id):
@@ -69,10 +111,29 @@ class VersionOperations(GatewayBase):
         try:
             manifest, module_state, _ = self.cluster.checkpoints.load_tenant(tenant_id, version)
         except CheckpointError as error:
-            raise ApiError(f"checkpoint version {version} cannot be read: {error}").with_status(
-                500, "checkpoint_unreadable"
-            ) from None
+            raise _corrupt(version, error) from None
         return encode_tenant_payload(module_state, manifest), manifest
+
+    def delete_version(self, tenant_id: str, version: int) -> s.VersionDeleted:
+        """Delete one checkpointed version: not LATEST's (the slot resumes from it), not a registered
+        one, not one being served. No admission check: a tenant at or over its storage quota
+        deletes versions to get back under it."""
+        self.tenant(tenant_id, healthy=False)
+        served = self.cluster.inference.versions(tenant_id)
+        if version in served:
+            raise ApiError(
+                f"version {version} is being served ({served}); load another version first",
+                [("version", "being served")],
+            ).with_status(409, "version_in_use")
+        try:
+            freed = self.cluster.checkpoints.delete_version(tenant_id, version)
+        except KeyError:
+            raise NotFound("checkpoint version", version, "version") from None
+        except VersionInUse as error:
+            raise ApiError(f"version {version} cannot be deleted: {error}", [("version", str(error))]).with_status(
+                409, "version_in_use"
+            ) from None
+        return s.VersionDeleted(version=version, freed_bytes=freed, storage_bytes=self.ledger.storage_bytes(tenant_id))
 
     def save(self, tenant_id: str, include_optim: bool) -> s.Manifest:
         self.check_admission(tenant_id, storage=True)
@@ -87,7 +148,7 @@ class VersionOperations(GatewayBase):
             payload = request.payload
             module_state, manifest = self._check_payload(tenant, payload)
             self._check_payload_finite(module_state)
-            self._check_payload_issued(tenant_id, manifest)
+            self._check_payload_issued(tenant_id, manifest, module_state)
         else:
             payload, _ = self.export(tenant_id, request.version)
         with service_errors("payload"):
@@ -137,7 +198,7 @@ class VersionOperations(GatewayBase):
             if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
                 raise InvalidInput("payload", f"tensor {name!r} holds NaN or infinite values")
 
-    def _check_payload_issued(self, tenant_id: str, manifest: TenantManifest) -> None:
+    def _check_payload_issued(self, tenant_id: str, manifest: TenantManifest, module_state: dict[str, Any]) -> None:
         """Only versions this service issued, with the manifest it issued them with: a made-up
         version would later collide with the real one of that number in the serving versions."""
         version = manifest.policy_version
@@ -149,22 +210,52 @@ class VersionOperations(GatewayBase):
         newest = current if issued is None else max(issued, current)
         if version < 0 or version > newest:
             raise InvalidInput(field, f"version {version} was never issued for your tenant (the newest is {newest})")
-        expected: list[str] = []  # digests of the manifests this service gave version `version`
+        checkpointed: TenantManifest | None = None
         try:  # one read, not a listing of every checkpoint: a missing manifest means no checkpoint
-            expected.append(self.cluster.checkpoints.read_manifest(tenant_id, version).digest)
+            checkpointed = self.cluster.checkpoints.read_manifest(tenant_id, version)
         except CheckpointError as error:
             if not isinstance(error.__cause__, FileNotFoundError):
-                raise ApiError(f"checkpoint version {version} cannot be read: {error}").with_status(
-                    500, "checkpoint_unreadable"
-                ) from None
+                raise _corrupt(version, error) from None
+        exported: TenantManifest | None = None
+        exported_tensors: dict[str, Any] = {}
         if version == current:
             with service_errors("payload"):
-                _, exported = decode_tenant_payload(self.cluster.training.export_params(tenant_id))
+                exported_tensors, exported = decode_tenant_payload(self.cluster.training.export_params(tenant_id))
             # Each export stamps its own created_at: compare everything but the time stamp.
-            expected.append(dataclasses.replace(exported, created_at=manifest.created_at).digest)
-        if expected and manifest.digest not in expected:
+            exported = dataclasses.replace(exported, created_at=manifest.created_at)
+        # The tensors must be the ones issued with that manifest, not only the manifest: a payload
+        # that copies an issued manifest onto other weights would serve them as that version.
+        if checkpointed is not None and manifest.digest == checkpointed.digest:
+            issued = checkpointed.files.get(ACTION_MODULE_FILE)
+            if issued != payload_digest(action_module_file(module_state, tenant_id, version)):
+                raise _other_tensors(version)
+        elif exported is not None and manifest.digest == exported.digest:
+            if not _same_tensors(module_state, exported_tensors):
+                raise _other_tensors(version)
+        elif checkpointed is not None or exported is not None:
             raise InvalidInput(
                 field,
                 f"the manifest of version {version} differs from the one this service issued for it "
                 f"(digest {manifest.digest[:16]}); to serve that version, load it by version instead",
             )
+
+
+def _same_tensors(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    return ours.keys() == theirs.keys() and all(
+        ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]) for name in ours
+    )
+
+
+def _other_tensors(version: int) -> InvalidInput:
+    return InvalidInput(
+        "payload",
+        f"the tensors differ from the ones this service issued as version {version} (the manifest matches, "
+        "the weights do not); to serve that version, load it by version instead",
+    )
+
+
+def _corrupt(version: int, error: CheckpointError) -> ApiError:
+    """A checkpoint that exists but cannot be used: the caller's version, named, not a server error."""
+    return ApiError(f"checkpoint version {version} is corrupt: {error}", [("version", str(error))]).with_status(
+        409, "checkpoint_corrupt"
+    )

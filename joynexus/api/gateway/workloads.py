@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from pydantic import BaseModel
 
 from joynexus.api.errors import ApiError, InvalidInput, NotFound, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
@@ -69,6 +72,18 @@ class WorkloadOperations(GatewayBase):
                 f"{tenant.tenant_id!r} was created with ({tenant.schema_signature[:16]}); a new interface needs a "
                 "new tenant",
             )
+        # A workload applies only completion_target; any other field set to something else than the
+        # tenant's would be ignored without a word, so it is refused, naming each one.
+        ignored = [(f, mine, theirs) for f, mine, theirs in _changed_fields(spec, tenant.spec) if f not in APPLIED]
+        if ignored:
+            raise ApiError(
+                f"a workload applies only spec.{', spec.'.join(sorted(APPLIED))}; the other fields were fixed "
+                "when the tenant was created (a change needs a new tenant)",
+                [
+                    (f"spec.{field}", f"{mine!r} differs from your tenant's {theirs!r}; a workload cannot change it")
+                    for field, mine, theirs in ignored
+                ],
+            ).with_status(422, "invalid_spec")
         return spec
 
     def workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
@@ -95,3 +110,32 @@ class WorkloadOperations(GatewayBase):
             raise NotFound("workload", workload_id, "workload_id") from None
         info = self.workload(tenant_id, workload_id)
         return s.WorkloadEvents(workload=info, events=[s.WorkloadEvent.model_validate(e) for e in events])
+
+
+# The fields of a submitted spec a workload applies (the rest must equal the tenant's).
+APPLIED = frozenset({"scheduling.completion_target"})
+
+
+def _changed_fields(submitted: BaseModel, declared: BaseModel, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(path, submitted, declared) of every field the submitted spec sets (defaults it leaves out
+    are not its choice) to a value the declared spec does not have."""
+    out: list[tuple[str, Any, Any]] = []
+    for name in sorted(submitted.model_fields_set):
+        mine, theirs = getattr(submitted, name), getattr(declared, name, None)
+        if isinstance(mine, BaseModel) and isinstance(theirs, BaseModel):
+            out.extend(_changed_fields(mine, theirs, f"{prefix}{name}."))
+        elif mine != theirs and not _same_dataset_root(f"{prefix}{name}", mine, theirs):
+            out.append((f"{prefix}{name}", _plain(mine), _plain(theirs)))
+    return out
+
+
+def _same_dataset_root(field: str, mine: Any, theirs: Any) -> bool:
+    """The tenant's dataset.root is stored resolved (joynexus.data.sources): the same folder spelled
+    otherwise is no change."""
+    if field != "dataset.root" or not isinstance(mine, str) or not isinstance(theirs, str):
+        return False
+    return os.path.realpath(mine) == os.path.realpath(theirs)
+
+
+def _plain(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else getattr(value, "value", value)

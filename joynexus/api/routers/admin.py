@@ -72,8 +72,18 @@ def delete_tenant(
 ) -> Response:
     """Delete a tenant: its workloads are cancelled and its jobs released; its keys, slots,
     serving versions, sessions, queue data, quota and usage rows go; with `delete_artifacts`
-    its checkpoints and registered model too."""
+    its checkpoints and registered model too. Without them the id stays retired (a new tenant
+    would inherit them): creating a tenant with it answers 409 until the artifacts are purged
+    (DELETE /v1/admin/tenants/{tenant_id}/artifacts)."""
     report = gateway.delete_tenant(tenant_id, delete_artifacts)
+    return respond(request, s.TenantDeleted(tenant_id=tenant_id, removed=_jsonable_report(report)))
+
+
+@router.delete("/tenants/{tenant_id}/artifacts", response_model=s.TenantDeleted)
+def purge_tenant_artifacts(request: Request, tenant_id: TenantIdPath, _: Admin, gateway: Gateway) -> Response:
+    """Delete the checkpoints and registered model a deleted tenant left (deleted without
+    `delete_artifacts`), which frees its id for a new tenant; 409 while the tenant exists."""
+    report = gateway.purge_tenant_artifacts(tenant_id)
     return respond(request, s.TenantDeleted(tenant_id=tenant_id, removed=_jsonable_report(report)))
 
 

@@ -92,6 +92,13 @@ def export_version(
     return payload_response(request, payload, manifest, format)
 
 
+@router.delete("/versions/{version}", response_model=s.VersionDeleted)
+def delete_version(request: Request, version: Version, tenant_id: Tenant, gateway: Gateway) -> Response:
+    """Delete one checkpointed version to free its storage (allowed at or over the storage quota);
+    409 `version_in_use` for the latest checkpoint, a registered version or a served one."""
+    return respond(request, gateway.delete_version(tenant_id, version))
+
+
 @router.get("/checkpoints/{version}/manifest", response_model=s.Manifest)
 def checkpoint_manifest(request: Request, version: Version, tenant_id: Tenant, gateway: Gateway) -> Response:
     return respond(request, gateway.checkpoint_manifest(tenant_id, version))

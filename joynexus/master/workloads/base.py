@@ -130,14 +130,19 @@ class WorkloadBase:
             return [self._status(r, s) for r in s.scalars(query)]
 
     def events(self, workload_id: str, after: int = 0, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """The workload's events after its `after`-th one. `seq` numbers a workload's own events
+        1, 2, 3, ... (the store's row ids are global: they would show how much every other tenant
+        did in between). Events are only appended, and per workload in order (`_emit_many` locks
+        the workload's row), so the n-th event stays the n-th."""
         self.get(workload_id, tenant_id)
         query = (
             select(WorkloadEventRecord)
-            .where(WorkloadEventRecord.workload_id == workload_id, WorkloadEventRecord.seq > after)
+            .where(WorkloadEventRecord.workload_id == workload_id)
             .order_by(WorkloadEventRecord.seq)
+            .offset(after)
         )
-        with self.deployment.store.transaction() as s:
-            return [_event_dict(r) for r in s.scalars(query)]
+        with self.deployment.store.read() as s:
+            return [_event_dict(r, seq=after + n) for n, r in enumerate(s.scalars(query), start=1)]
 
     def _count(self, tenant_id: str, state: str) -> int:
         query = select(func.count()).where(WorkloadRecord.tenant_id == tenant_id, WorkloadRecord.state == state)
@@ -198,7 +203,8 @@ class WorkloadBase:
         events come together)."""
         now = time.time()
         with self.deployment.store.transaction() as s:
-            record = s.get(WorkloadRecord, workload_id)
+            # The row lock orders one workload's appends (its events' per-workload numbers, `events`).
+            record = s.get(WorkloadRecord, workload_id, with_for_update=True)
             tenant_id = record.tenant_id if record is not None else ""
             rows = [
                 WorkloadEventRecord(
@@ -257,10 +263,12 @@ class WorkloadBase:
                 time.sleep(1.0)
 
 
-def _event_dict(record: WorkloadEventRecord) -> dict[str, Any]:
+def _event_dict(record: WorkloadEventRecord, seq: int | None = None) -> dict[str, Any]:
+    """An event as callers see it; `seq`: its number within its workload (None: the store's row id,
+    for the Master's own listeners)."""
     return {
-        "seq": record.seq, "workload_id": record.workload_id, "kind": record.kind, "time": record.time,
-        **(record.data or {}),
+        "seq": record.seq if seq is None else seq, "workload_id": record.workload_id, "kind": record.kind,
+        "time": record.time, **(record.data or {}),
     }  # fmt: skip
 
 
