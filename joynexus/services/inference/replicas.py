@@ -261,6 +261,8 @@ class InferenceReplicaSet(PredictBySubmit):
                 replica.in_flight -= 1
                 replica.served += 1
                 self._cond.notify_all()
+            if outer.done() or finished.cancelled():  # the caller gave up on it (cancelled): nothing to pass on
+                return
             error = _cause(finished.exception())
             if error is None:
                 with self._cond:
