@@ -34,7 +34,7 @@ def test_predicts_that_time_out_leave_nothing_queued(api, live_server, attacker)
 
 def test_a_disconnecting_robot_leaves_nothing_queued(api, live_server, attacker):
     """A robot sends its in-flight limit of large requests and hangs up: the server calls them off."""
-    batch = attacker.batch(2048, seed=1)  # 256 chunks per frame, ~6 MB of uint8 images
+    batch = attacker.batch(1024, seed=1)  # 128 chunks per frame, ~3 MB of uint8 images
     frame = {
         "type": "obs",
         "observations": {
@@ -49,10 +49,12 @@ def test_a_disconnecting_robot_leaves_nothing_queued(api, live_server, attacker)
         for seq in range(ready["limits"]["max_in_flight"]):
             ws.send(msgpack_dumps({**frame, "seq": seq}))
         wait_for(lambda: queued_chunks(api, attacker.tenant_id) > 0, "the robot's requests queued", timeout_s=30)
-    closed_at = time.monotonic()  # the robot is gone (the connection closed here)
-    wait_for(lambda: queued_chunks(api, attacker.tenant_id) == 0, "its queued chunks dropped", timeout_s=3)
-    # Served meanwhile at most what the worker took before the cancel: far from the 8,192 samples sent.
-    assert time.monotonic() - closed_at < 3
+        served_at_hangup = api.cluster.inference.stats()["samples"]  # only this tenant is busy here
+    wait_for(lambda: queued_chunks(api, attacker.tenant_id) == 0, "its queued chunks dropped", timeout_s=10)
+    time.sleep(0.3)  # a batch taken before the cancel finishes
+    served = api.cluster.inference.stats()["samples"] - served_at_hangup
+    # At most the batches the worker took before the cancel: far from the 4,096 samples sent.
+    assert served < 1024, f"{served} samples computed for a robot that had hung up"
 
 
 def test_a_tenants_queued_samples_are_bounded_with_a_clear_429(api, live_server, attacker, victim):
