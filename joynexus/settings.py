@@ -295,6 +295,11 @@ class Settings(BaseModel):
     environment_workers: int = Field(
         default_factory=lambda: int(os.environ.get("JOYNEXUS_ENVIRONMENT_WORKERS", "1")), ge=1, le=256
     )
+    # Samples one tenant may have waiting in the Inference Queue (issue 26): a request that would pass
+    # it is refused (429 naming this setting); abandoned requests leave the queue, so only live ones count.
+    max_queued_samples_per_tenant: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_MAX_QUEUED_SAMPLES_PER_TENANT", 16384), ge=1, validate_default=True
+    )
 
     @field_validator("resources", mode="before")
     @classmethod

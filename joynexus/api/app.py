@@ -7,8 +7,8 @@ Two layers, as in the paper (section 4.1, Fig. 4):
   optim_step, predict through the shared Inference Queue, environment sessions, Training Queue
   partitions, export_params, load_weights, save.
 
-Every route but /v1/health (and /metrics, unless `ApiSettings.metrics_public` is off) needs
-`Authorization: Bearer <key>`. A tenant key scopes every call to
+Every route but /v1/health needs `Authorization: Bearer <key>`; /metrics the admin (operator)
+key (unless `ApiSettings.metrics_public`). A tenant key scopes every call to
 its tenant; the admin key creates tenants, issues keys and sets quotas. Bodies are JSON, or
 msgpack with `Content-Type: application/msgpack` (answers in msgpack with `Accept:
 application/msgpack`). The OpenAPI document is at /openapi.json, the docs at /docs.
@@ -80,7 +80,7 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.state.generated_admin_key = keys.ensure_admin_key()
     app.state.metrics = MetricsEndpoint(cluster, timeout_s=settings.metrics_timeout_s)
     install_exception_handlers(app)
-    app.add_middleware(IdempotencyMiddleware)
+    app.add_middleware(IdempotencyMiddleware, keys=keys)  # per authenticated tenant (issue 26)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(meta.metrics_router(public=settings.metrics_public))
     for router in (meta.router, admin.router, upper.router, stream.router, lower.router, foreign.router):

@@ -3,10 +3,10 @@
 - `BodyLimitMiddleware` answers 413 before a handler runs when a body is larger than the cap
   (by Content-Length, or by counting when the length is not declared).
 - `IdempotencyMiddleware` makes a POST with an `Idempotency-Key` header safe to retry: the first
-  answer (below 500) is kept for a while and replayed to a retry with the same key, caller and
-  body, so a client retrying after a lost answer never applies an optimizer step twice. Answers
-  are kept per caller (API key), each caller with its own bound, so one tenant's traffic never
-  evicts another tenant's keys.
+  answer (below 500) is kept for a while and replayed to a retry with the same key, tenant and
+  body, so a client retrying after a lost answer never applies an optimizer step twice. The key
+  is verified first and answers are kept per authenticated tenant, each with its own bound, so
+  neither unauthenticated floods nor another tenant's traffic evict a tenant's keys.
 - `WireRoute` lets every JSON endpoint also take `Content-Type: application/msgpack`: the body is
   decoded (no ext types, no pickle) and validated by the same pydantic model, with tensor bytes
   arriving as raw `bin` instead of base64.
@@ -22,10 +22,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import anyio.to_thread
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from joynexus.api.auth import ApiKeyStore
 from joynexus.protocol.wire import MSGPACK_MEDIA_TYPES, msgpack_loads
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -103,40 +105,68 @@ class BodyLimitMiddleware:
 
 
 _Stored = tuple[float, str, int, list[tuple[bytes, bytes]], bytes]  # at, fingerprint, status, headers, body
+PRINCIPAL_SCOPE_KEY = "joynexus.principal"  # (credential, Principal) the middleware verified, for the route
 
 
-def _caller_id(authorization: bytes) -> str:
-    """The caller as a hash of its credential (the scheme's case does not make another caller)."""
-    scheme, _, credential = authorization.strip().partition(b" ")
-    return hashlib.sha256(scheme.lower() + b" " + credential.strip()).hexdigest()
+def _bearer_credential(authorization: bytes | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (scheme in any case), else None."""
+    if not authorization:
+        return None
+    scheme, _, credential = authorization.decode("latin-1").strip().partition(" ")
+    credential = credential.strip()
+    return credential if scheme.lower() == "bearer" and credential else None
 
 
 class IdempotencyMiddleware:
-    """Replays kept answers to retried POSTs. Each caller (API key) keeps at most
-    `max_entries` answers and `max_bytes_per_caller` bytes; at most `max_callers` callers are
-    tracked (the least recently active one is dropped first). Unauthenticated answers (401) are
-    not kept: they change nothing, and keeping them would let made-up keys churn the caller table."""
+    """Replays kept answers to retried POSTs, kept per authenticated tenant (issue 26).
+
+    The caller's key is verified here, before the cache is looked at: a request without a valid
+    key never reads or writes it (it goes on to the route, which answers 401), so made-up keys
+    cannot churn it. Answers are kept per tenant (the admin is one more caller), each with its own
+    bound of `max_entries` answers and `max_bytes_per_caller` bytes, and a tenant only ever evicts
+    its own oldest answers: no caller table shared by an LRU, so no tenant's traffic can push out
+    another's keys. Every key of a tenant shares its answers (a retry after a key rotation still
+    replays). Answers older than `ttl_s` are dropped, for every tenant, as time passes.
+
+    The verified principal is left in the request's scope (`PRINCIPAL_SCOPE_KEY`) so the route's
+    own authentication does not look the key up a second time."""
 
     def __init__(
         self,
         app: ASGIApp,
+        keys: ApiKeyStore,
         *,
         max_entries: int = 1024,
-        max_callers: int = 1024,
         max_bytes_per_caller: int = 64 << 20,
         ttl_s: float = 600.0,
         max_body_bytes: int = 8 << 20,
     ):
         self.app = app
-        self.max_entries = max_entries  # per caller
-        self.max_callers = max_callers
+        self.keys = keys
+        self.max_entries = max_entries  # per tenant
         self.max_bytes_per_caller = max_bytes_per_caller
         self.ttl_s = ttl_s
         self.max_body_bytes = max_body_bytes
-        # caller id (least recently active first) -> (key hash -> stored answer, oldest first)
-        self._done: OrderedDict[str, OrderedDict[str, _Stored]] = OrderedDict()
-        self._bytes: dict[str, int] = {}  # caller id -> body bytes it keeps
+        # tenant ("tenant:<id>", or "admin") -> (key hash -> stored answer, oldest first)
+        self._done: dict[str, OrderedDict[str, _Stored]] = {}
+        self._bytes: dict[str, int] = {}  # caller -> body bytes it keeps
         self._running: dict[tuple[str, str], asyncio.Event] = {}
+        self._next_sweep = 0.0
+
+    def entries(self, caller: str) -> int:
+        """Answers kept for a caller ("tenant:<id>" or "admin")."""
+        return len(self._done.get(caller, ()))
+
+    async def _caller(self, scope: Scope, headers: dict[bytes, bytes]) -> str | None:
+        """The authenticated caller of the request, or None (no valid key: never cached)."""
+        credential = _bearer_credential(headers.get(b"authorization"))
+        if credential is None or len(credential) > 256:
+            return None
+        principal = await anyio.to_thread.run_sync(self.keys.verify, credential)
+        if principal is None:
+            return None
+        scope.setdefault("state", {})[PRINCIPAL_SCOPE_KEY] = (credential, principal)
+        return "admin" if principal.tenant_id is None else f"tenant:{principal.tenant_id}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -152,18 +182,20 @@ class IdempotencyMiddleware:
                 send, *_json_error(422, "invalid_input", "Idempotency-Key is longer than 200 bytes", "idempotency-key")
             )
             return
+        caller = await self._caller(scope, headers)
+        if caller is None:  # unauthenticated: the route answers 401; the cache is not touched
+            await self.app(scope, receive, send)
+            return
         body, pending = await _read_body(receive, None)
         assert body is not None
-        caller = _caller_id(headers.get(b"authorization", b""))
         cache_key = hashlib.sha256(key + b"\n" + scope["path"].encode()).hexdigest()
         running_key = (caller, cache_key)
         fingerprint = hashlib.sha256(body).hexdigest()
         while running_key in self._running:  # the same request is being served: wait for its answer
             await self._running[running_key].wait()
-        self._expire(caller)
+        self._expire()
         stored = self._done.get(caller, {}).get(cache_key)
         if stored is not None:
-            self._done.move_to_end(caller)
             _, stored_fingerprint, status, stored_headers, stored_body = stored
             if stored_fingerprint != fingerprint:
                 message = "this Idempotency-Key was already used with a different request body"
@@ -203,27 +235,27 @@ class IdempotencyMiddleware:
         entries = self._done.get(caller)
         if entries is None:
             entries = self._done[caller] = OrderedDict()
-        self._done.move_to_end(caller)
         old = entries.pop(cache_key, None)
         self._bytes[caller] = self._bytes.get(caller, 0) - (len(old[4]) if old else 0) + len(answer[4])
         entries[cache_key] = answer
         # Evict only this caller's own oldest answers: other callers' keys are never touched here.
         while len(entries) > self.max_entries or (len(entries) > 1 and self._bytes[caller] > self.max_bytes_per_caller):
             self._bytes[caller] -= len(entries.popitem(last=False)[1][4])
-        while len(self._done) > self.max_callers:
-            dropped, _ = self._done.popitem(last=False)
-            self._bytes.pop(dropped, None)
 
-    def _expire(self, caller: str) -> None:
-        entries = self._done.get(caller)
-        if entries is None:
+    def _expire(self) -> None:
+        """Drop answers older than the TTL, every caller's (at most every tenth of the TTL)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
             return
-        cutoff = time.monotonic() - self.ttl_s
-        while entries and next(iter(entries.values()))[0] < cutoff:  # kept in the order they were stored
-            self._bytes[caller] -= len(entries.popitem(last=False)[1][4])
-        if not entries:
-            del self._done[caller]
-            self._bytes.pop(caller, None)
+        self._next_sweep = now + self.ttl_s / 10
+        cutoff = now - self.ttl_s
+        for caller in list(self._done):
+            entries = self._done[caller]
+            while entries and next(iter(entries.values()))[0] < cutoff:  # kept in the order they were stored
+                self._bytes[caller] -= len(entries.popitem(last=False)[1][4])
+            if not entries:
+                del self._done[caller]
+                self._bytes.pop(caller, None)
 
 
 class WireRoute(APIRoute):

@@ -38,8 +38,9 @@ class ApiSettings(BaseModel):
     max_streams_per_tenant: int = Field(default=8, ge=1)
     limits: ApiLimits = Field(default_factory=ApiLimits)
     policy_stream: StreamSettings = Field(default_factory=StreamSettings)  # /v1/stream (websocket)
-    # GET /metrics (Prometheus text format). Public by default: Prometheus scrapes inside the cluster
-    # without credentials, and the page holds aggregate numbers only (tenant ids, no keys, no data);
-    # False: the admin key is needed (bearer_token in the scrape config).
-    metrics_public: bool = True
+    # GET /metrics (Prometheus text format) lists every tenant's loss, versions, steps and
+    # device-seconds, so it needs the operator (admin) key by default: Prometheus sends it as a bearer
+    # token from a Secret (deployments/grafana/). A tenant sees its own figures on GET /v1/usage.
+    # True: anyone who reaches the server may read it (issue 26: the Ingress exposed it).
+    metrics_public: bool = False
     metrics_timeout_s: float = Field(default=3.0, gt=0, description="per-source limit of one scrape")

@@ -338,7 +338,15 @@ class PolicyStream:
                 timeout_s=self.settings.request_timeout_s,
             )
             # Blocks a worker thread while the Inference Queue groups it with other robots' requests.
-            result = await anyio.to_thread.run_sync(self.gateway.predict, tenant_id, request, abandon_on_cancel=True)
+            # Keyed, so that if the robot hangs up meanwhile its queued work is called off (issue 26).
+            request_key = uuid.uuid4().hex
+            try:
+                result = await anyio.to_thread.run_sync(
+                    self.gateway.predict, tenant_id, request, request_key, abandon_on_cancel=True
+                )
+            except asyncio.CancelledError:
+                self._call_off(tenant_id, request_key)
+                raise
             frame: dict[str, Any] = {
                 "type": "actions",
                 "seq": obs.seq,
@@ -360,6 +368,18 @@ class PolicyStream:
             await send(frame)
         except Exception:  # the connection closed meanwhile: nobody to answer
             pass
+
+    def _call_off(self, tenant_id: str, request_key: str) -> None:
+        """Cancel an abandoned predict in the Inference Model Service, off the event loop and
+        without waiting (the connection is going away)."""
+
+        def cancel() -> None:
+            try:
+                self.gateway.cancel_predict(tenant_id, request_key)
+            except Exception as error:  # best effort: the request's own timeout still ends it
+                log.warning("could not call off predict %s of tenant %s: %s", request_key, tenant_id, error)
+
+        threading.Thread(target=cancel, name="stream-call-off", daemon=True).start()
 
 
 __all__ = ["STREAM_PATH", "PolicyStream", "StreamSettings", "TenantCounter", "error_frame"]

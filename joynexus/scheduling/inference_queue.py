@@ -13,10 +13,16 @@ pending work leads a batch within (tenants with pending work) batches -- an inco
 one tenant ahead of it waits at most one batch -- and none is starved. With a single tenant a batch
 is the paper's largest FIFO-compatible prefix. Tenant identity never decides what shares a batch,
 only the order in which tenants are offered a place in it.
+
+Abandoned work leaves at once (issue 26): an entry whose future is cancelled (its caller timed out,
+hung up, or its split request settled) is taken out of its tenant's FIFO by the cancellation itself,
+so it neither runs nor holds memory; and each tenant may have at most `max_samples_per_tenant`
+samples waiting (`TenantQueueFull` beyond), so one tenant's flood cannot grow the queue unbounded.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -51,6 +57,7 @@ class InferenceRequest:
     enqueued_at: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future, repr=False)
     context: Any = field(default=None, repr=False)  # the serving service's own per-request data
+    queued: bool = field(default=False, repr=False, compare=False)  # in a tenant's FIFO now (queue lock)
 
     @property
     def size(self) -> int:
@@ -59,6 +66,26 @@ class InferenceRequest:
 
 class InferenceQueueClosed(RuntimeError):
     pass
+
+
+class TenantQueueFull(RuntimeError):
+    """A tenant already has `limit` samples waiting: its new request is refused, nothing enqueued."""
+
+    def __init__(self, tenant_id: str, queued: int, requested: int, limit: int, setting: str):
+        self.tenant_id, self.queued, self.requested, self.limit, self.setting = (
+            tenant_id,
+            queued,
+            requested,
+            limit,
+            setting,
+        )
+        super().__init__(
+            f"tenant {tenant_id!r} has {queued} samples waiting in the Inference Queue; {requested} more would pass "
+            f"the limit of {limit} queued samples per tenant ({setting}): wait for answers before sending more"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray as itself (the API answers it with 429)
+        return (TenantQueueFull, (self.tenant_id, self.queued, self.requested, self.limit, self.setting))
 
 
 def settle_future(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
@@ -86,7 +113,16 @@ class TenantFairQueue:
     (waiting cannot grow it), or the oldest pending entry has waited T.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, max_samples_per_tenant: int | None = None, *, setting: str = "max_queued_samples_per_tenant"
+    ) -> None:
+        """`max_samples_per_tenant`: samples one tenant may have waiting (None: unbounded);
+        `setting` is the name a refusal cites, so the operator knows what to raise."""
+        if max_samples_per_tenant is not None and max_samples_per_tenant < 1:
+            raise ValueError(f"max_samples_per_tenant must be >= 1 or None, got {max_samples_per_tenant}")
+        self.max_samples_per_tenant = max_samples_per_tenant
+        self._setting = setting
+        self._samples: dict[str, int] = {}  # tenant -> samples waiting
         self._tenants: dict[str, deque[InferenceRequest]] = {}
         self._last_served: dict[str, int] = {}  # tenant -> number of the last batch that took from it
         self._batches = 0
@@ -103,26 +139,77 @@ class TenantFairQueue:
         for request in requests:
             if request.size < 1:
                 raise ValueError("an inference request needs at least one observation")
+        adding: dict[str, int] = {}
+        for request in requests:
+            adding[request.tenant_id] = adding.get(request.tenant_id, 0) + request.size
         with self._cond:
             if self._closed:
                 raise InferenceQueueClosed("the Inference Queue is closed")
+            limit = self.max_samples_per_tenant
+            for tenant, samples in adding.items():
+                queued = self._samples.get(tenant, 0)
+                if limit is not None and queued + samples > limit:
+                    raise TenantQueueFull(tenant, queued, samples, limit, self._setting)
             for request in requests:
                 self._tenants.setdefault(request.tenant_id, deque()).append(request)
+                request.queued = True
+            for tenant, samples in adding.items():
+                self._samples[tenant] = self._samples.get(tenant, 0) + samples
             self._count += len(requests)
             self._cond.notify_all()
+        for request in requests:  # a cancelled entry leaves at once (also one cancelled already)
+            request.future.add_done_callback(functools.partial(self._on_settled, request))
 
-    def depth(self) -> int:
-        """Entries waiting (a split request counts once per unserved chunk). Cheap: the lock is
-        held while a batch is picked, never while one runs."""
+    def discard(self, requests: list[InferenceRequest]) -> int:
+        """Take these entries out of the queue (those still waiting; the rest are ignored), in one
+        pass per tenant; returns how many were waiting. A split request drops its chunks so."""
         with self._cond:
-            return self._count
+            waiting = [request for request in requests if request.queued]
+            for tenant in {request.tenant_id for request in waiting}:
+                gone = {id(request) for request in waiting if request.tenant_id == tenant}
+                self._tenants[tenant] = deque(e for e in self._tenants[tenant] if id(e) not in gone)
+            for request in waiting:
+                self._unqueued(request)
+            return len(waiting)
+
+    def _on_settled(self, request: InferenceRequest, future: Future) -> None:
+        if future.cancelled() and request.queued:
+            self.discard([request])
+
+    def _unqueued(self, request: InferenceRequest) -> None:
+        """Count an entry that left its FIFO. Caller holds the lock."""
+        request.queued = False
+        self._count -= 1
+        left = self._samples.get(request.tenant_id, 0) - request.size
+        if left > 0:
+            self._samples[request.tenant_id] = left
+        else:
+            self._samples.pop(request.tenant_id, None)
+
+    def depth(self, tenant_id: str | None = None) -> int:
+        """Entries waiting (a split request counts once per unserved chunk), of one tenant or of
+        all. Cheap: the lock is held while a batch is picked, never while one runs."""
+        with self._cond:
+            if tenant_id is None:
+                return self._count
+            return len(self._tenants.get(tenant_id, ()))
+
+    def queued_samples(self, tenant_id: str | None = None) -> int:
+        """Samples waiting, of one tenant or of all (what `max_samples_per_tenant` bounds)."""
+        with self._cond:
+            if tenant_id is None:
+                return sum(self._samples.values())
+            return self._samples.get(tenant_id, 0)
 
     def close(self) -> None:
         """Stop accepting work; pending requests fail so no caller waits forever."""
         with self._cond:
             self._closed = True
             pending = [request for entries in self._tenants.values() for request in entries]
+            for request in pending:
+                request.queued = False
             self._tenants.clear()
+            self._samples.clear()
             self._count = 0
             self._cond.notify_all()
         for request in pending:
@@ -176,9 +263,9 @@ class TenantFairQueue:
                 if size >= max_batch_size:
                     break
                 entries, n = self._tenants[tenant], taken.get(tenant, 0)
-                while n < len(entries) and entries[n].future.done():  # cancelled: never run it
+                while n < len(entries) and entries[n].future.done():  # settled meanwhile: never run it
+                    self._unqueued(entries[n])
                     del entries[n]
-                    self._count -= 1
                 if n >= len(entries):
                     continue
                 entry = entries[n]
@@ -200,10 +287,11 @@ class TenantFairQueue:
     def _take(self, order: list[str]) -> list[InferenceRequest]:
         """Remove the planned entries (each tenant's from its front, round-robin order kept)."""
         batch = [self._tenants[tenant].popleft() for tenant in order]
+        for request in batch:
+            self._unqueued(request)
         for tenant in set(order):
             self._last_served[tenant] = self._batches
             if not self._tenants[tenant]:
                 del self._tenants[tenant]
         self._batches += 1
-        self._count -= len(batch)
         return batch

@@ -29,6 +29,7 @@ from joynexus.services.environment.service import (
 from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas, RayReplicas
 from joynexus.services.inference.service import (
     DEFAULT_MAX_CHUNK_SAMPLES,
+    DEFAULT_MAX_QUEUED_SAMPLES_PER_TENANT,
     INFERENCE_SERVICE_ACTOR_NAME,
     InferenceModelService,
 )
@@ -142,6 +143,7 @@ class InferenceServiceConfig:
     max_chunk_samples: int | None = DEFAULT_MAX_CHUNK_SAMPLES
     scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
     replica_resources: RoleResources | None = None
+    max_queued_samples_per_tenant: int | None = DEFAULT_MAX_QUEUED_SAMPLES_PER_TENANT
 
     @classmethod
     def from_settings(cls, settings: Settings) -> InferenceServiceConfig:
@@ -154,6 +156,7 @@ class InferenceServiceConfig:
             spill_dir=str(settings.resolved_spill_dir),
             scaling=settings.inference_scaling,
             replica_resources=settings.resources.get("inference_service"),
+            max_queued_samples_per_tenant=settings.max_queued_samples_per_tenant,
         )
 
     @property
@@ -169,6 +172,7 @@ class InferenceServiceConfig:
             "placement": self.placement,
             "max_resident_serving": self.max_resident_serving,
             "spill_dir": self.spill_dir,
+            "max_queued_samples_per_tenant": self.max_queued_samples_per_tenant,
         }
 
     def build(self) -> InferenceModelService | InferenceReplicaSet:

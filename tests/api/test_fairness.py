@@ -1,6 +1,6 @@
 """Fairness between tenants at the API: open event streams hold no worker thread and are bounded per
-tenant, and the idempotency cache is kept per caller, so one tenant's traffic can neither stall nor
-evict another tenant's."""
+tenant, and the idempotency cache is kept per authenticated tenant, so one tenant's traffic can neither
+stall nor evict another tenant's."""
 
 from __future__ import annotations
 
@@ -164,9 +164,16 @@ def test_one_tenants_idempotency_keys_do_not_evict_anothers(api):
     assert again.status_code == 422 and "idempotent-replayed" not in again.headers
 
 
-def test_the_idempotency_cache_tracks_a_bounded_number_of_callers():
+def test_the_idempotency_cache_keeps_answers_per_authenticated_tenant(tmp_path):
+    """Issue 26: answers are kept per tenant (any key of it), only after its key is verified; refused
+    callers never touch the cache, and a tenant's own bound only ever evicts its own answers."""
+    from joynexus.api.auth import ApiKeyStore
     from joynexus.api.middleware import IdempotencyMiddleware
+    from joynexus.core.store import ControlPlaneStore
 
+    store = ControlPlaneStore(f"sqlite:///{tmp_path / 'keys.db'}")
+    keys = ApiKeyStore(store)
+    x1, x2, y = (keys.issue(t).api_key for t in ("tenant-x", "tenant-x", "tenant-y"))
     calls: list[str] = []
 
     async def app(scope, receive, send) -> None:  # a real ASGI app that counts what reaches it
@@ -174,28 +181,32 @@ def test_the_idempotency_cache_tracks_a_bounded_number_of_callers():
             pass
         auth = dict(scope["headers"]).get(b"authorization", b"").decode()
         calls.append(auth)
-        status = 401 if auth == "Bearer nobody" else 200
+        status = 200 if keys.verify(auth.partition(" ")[2]) else 401
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": f"call {len(calls)}".encode()})
 
-    middleware = IdempotencyMiddleware(app, max_callers=2)
+    middleware = IdempotencyMiddleware(app, keys, max_entries=2)
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=middleware)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
 
-            async def post(who: str) -> httpx.Response:
-                return await client.post("/step", content=b"{}", headers={"Authorization": who, "Idempotency-Key": "k"})
+            async def post(who: str, key: str = "k") -> httpx.Response:
+                return await client.post("/step", content=b"{}", headers={"Authorization": who, "Idempotency-Key": key})
 
-            assert (await post("Bearer x")).text == "call 1"
-            assert (await post("Bearer y")).text == "call 2"
-            assert (await post("bearer x")).text == "call 1"  # same credential, replayed; x is now the most recent
-            for _ in range(3):  # refused callers are not kept, so they cannot push anyone out
-                assert (await post("Bearer nobody")).status_code == 401
-            assert (await post("Bearer y")).headers.get("idempotent-replayed") == "true"
-            assert (await post("Bearer z")).text == "call 6"  # a third caller: the least recent (x) goes
-            assert (await post("Bearer y")).headers.get("idempotent-replayed") == "true"
-            assert (await post("Bearer x")).text == "call 7"  # x's answer was dropped with it: runs again
+            assert (await post(f"Bearer {x1}")).text == "call 1"
+            assert (await post(f"Bearer {y}")).text == "call 2"
+            assert (await post(f"bearer {x2}")).text == "call 1"  # another key of the same tenant: replayed
+            for i in range(50):  # refused callers reach the route (401) and are never kept
+                assert (await post(f"Bearer made-up-{i}", f"k{i}")).status_code == 401
+            assert middleware.entries("tenant:tenant-x") == 1 and middleware.entries("tenant:tenant-y") == 1
+            assert len(middleware._done) == 2  # nothing kept for anyone else
+            for key in ("a", "b", "c"):  # tenant y goes over its own bound of 2: only its oldest goes
+                await post(f"Bearer {y}", key)
+            assert middleware.entries("tenant:tenant-y") == 2
+            assert (await post(f"Bearer {x1}")).headers.get("idempotent-replayed") == "true"
+            assert (await post(f"Bearer {y}")).text == f"call {6 + 50}"  # y's first answer was its own to lose
 
     asyncio.run(run())
-    assert calls.count("Bearer nobody") == 3
+    assert sum(c.startswith("Bearer made-up") for c in calls) == 50
+    store.dispose()

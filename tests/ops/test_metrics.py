@@ -19,6 +19,7 @@ from tests.helpers import sft_spec, write_dataset_for
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deployments" / "grafana" / "joynexus-dashboard.json"
 ADMIN_KEY = "metrics-admin-key-0123456789abcdef"
+OPERATOR = {"Authorization": f"Bearer {ADMIN_KEY}"}  # /metrics needs the operator (admin) key (issue 26)
 TENANT = "metrics-arm"
 SHAPE = dict(cameras=("front",), image_size=(32, 32), state_dim=4, action_dim=3, action_chunk=2)
 # starlette's TestClient warns that it will move to httpx2; nothing to act on here.
@@ -77,7 +78,7 @@ def trained(world) -> dict[str, Any]:
 def scrape(client: Any) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    response = client.get("/metrics")
+    response = client.get("/metrics", headers=OPERATOR)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
     return {family.name: family for family in text_string_to_metric_families(response.text)}
@@ -146,17 +147,27 @@ def test_a_failing_source_is_counted_not_fatal(world, trained):
     assert value(families, "joynexus_training_jobs", tenant=TENANT, state="completed") == 1
 
 
-def test_metrics_can_need_the_admin_key(world):
+def test_metrics_need_the_operator_key(world, trained):
+    """Issue 26: /metrics lists every tenant's series, so by default only the operator (admin) key
+    reads it: no key 401, a tenant's key 403 (its own figures are on /v1/usage), the operator 200."""
     from fastapi.testclient import TestClient
 
     from joynexus.api.app import ApiSettings, create_app
 
-    _app, _client, cluster, _ = world
-    app = create_app(cluster, ApiSettings(metrics_public=False), admin_key=ADMIN_KEY)
-    with TestClient(app, raise_server_exceptions=False) as client:
-        assert client.get("/metrics").status_code == 401
-        response = client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-        assert response.status_code == 200 and "joynexus_training_jobs" in response.text
+    _app, client, cluster, _ = world
+    assert client.get("/metrics").status_code == 401
+    made_up = {"Authorization": "Bearer jnx_0000000000000000_" + "x" * 43}
+    assert client.get("/metrics", headers=made_up).status_code == 401
+    refused = client.get("/metrics", headers=trained["headers"])
+    assert refused.status_code == 403 and TENANT not in refused.text
+    response = client.get("/metrics", headers=OPERATOR)
+    assert response.status_code == 200 and "joynexus_training_jobs" in response.text
+    usage = client.get("/v1/usage", headers=trained["headers"])  # the tenant's own figures
+    assert usage.status_code == 200 and usage.json()["tenant_id"] == TENANT
+    # An operator who wants it open says so.
+    public = create_app(cluster, ApiSettings(metrics_public=True), admin_key=ADMIN_KEY)
+    with TestClient(public, raise_server_exceptions=False) as open_client:
+        assert open_client.get("/metrics").status_code == 200
 
 
 def _promql_metric_names(expr: str) -> set[str]:
@@ -175,7 +186,7 @@ def test_the_dashboard_uses_exposed_metrics(world, trained):
     families = scrape(client)
     exposed = {s.name for family in families.values() for s in family.samples} | set(families)
     # Families with no sample this scrape (no RL tenant here, no CUDA) still have a TYPE line.
-    response = client.get("/metrics").text
+    response = client.get("/metrics", headers=OPERATOR).text
     exposed |= set(re.findall(r"^# TYPE (\S+)", response, flags=re.M))
     exposed |= {f"{name}_total" for name in re.findall(r"^# TYPE (\S+) counter", response, flags=re.M)}
     for suffix in ("_bucket", "_sum", "_count"):

@@ -19,6 +19,7 @@ ENDPOINT_METHODS = sorted(
 def test_the_protocol_names_the_shared_interface():
     assert ENDPOINT_METHODS == sorted(
         [
+            "cancel",
             "close",
             "flush_usage",
             "heartbeat",

@@ -12,10 +12,13 @@ from joynexus.api.gateway.tensors import finite_actions, observation_arrays
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 from joynexus.scheduling.inference_queue import Observation
+from joynexus.services.inference.cancellation import cancel_request
 
 
 class InferenceOperations(GatewayBase):
-    def predict(self, tenant_id: str, request: s.PredictRequest) -> s.PredictResult:
+    def predict(self, tenant_id: str, request: s.PredictRequest, request_key: str | None = None) -> s.PredictResult:
+        """Actions for the observations; a request not answered within `request.timeout_s` is
+        cancelled in the service (504). With `request_key`, `cancel_predict` can call it off."""
         tenant = self.tenant(tenant_id)
         obs = request.observations
         images, state, instructions = observation_arrays(
@@ -40,6 +43,7 @@ class InferenceOperations(GatewayBase):
                 seeds=request.seeds,
                 sample=request.sample,
                 timeout_s=request.timeout_s,
+                request_key=request_key,
             )
         seconds = float(result.get("device_seconds", 0.0))
         values, log_probs = result.get("values"), result.get("log_probs")
@@ -51,3 +55,8 @@ class InferenceOperations(GatewayBase):
             batch_samples=result["batch_samples"],
             device_seconds=seconds,
         )
+
+    def cancel_predict(self, tenant_id: str, request_key: str) -> bool:
+        """Call off the tenant's predict submitted with `request_key` (its client went away): its
+        queued work leaves the Inference Queue now. Also before the predict arrives there."""
+        return cancel_request(self.cluster.inference, tenant_id, request_key)

@@ -14,7 +14,7 @@ from typing import Any
 
 from joynexus.api.errors import ApiError, Conflict, InvalidInput, NotFound, QuotaExceeded, ServiceUnavailable
 from joynexus.envs.base import SimulatorUnavailable
-from joynexus.scheduling.inference_queue import InferenceQueueClosed
+from joynexus.scheduling.inference_queue import InferenceQueueClosed, TenantQueueFull
 from joynexus.services.environment.service import SessionFailed, SessionLimitExceeded, SimulatorError
 from joynexus.services.inference.service import UnknownPolicyVersion
 from joynexus.services.training.service import TenantSlotError
@@ -56,6 +56,8 @@ def service_errors(field: str, not_found: tuple[str, Any, str] | None = None) ->
             raise NotFound(*not_found) from None
         if isinstance(cause, TenantSlotError):
             raise Conflict(str(cause), [(field, str(cause))]) from None
+        if isinstance(cause, TenantQueueFull):  # the tenant's own backlog: its other calls still go
+            raise QuotaExceeded(str(cause), [("max_queued_samples_per_tenant", str(cause))]) from None
         if isinstance(cause, InferenceQueueClosed):
             raise ServiceUnavailable("the Inference Model Service is shutting down") from None
         if isinstance(cause, TimeoutError):

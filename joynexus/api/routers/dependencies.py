@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from joynexus.api.auth import ApiKeyStore, Principal
 from joynexus.api.errors import Forbidden, Unauthenticated
 from joynexus.api.gateway import ApiGateway
+from joynexus.api.middleware import PRINCIPAL_SCOPE_KEY
 from joynexus.protocol import schemas as s
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
@@ -31,6 +32,9 @@ def principal(
     """The caller its bearer key stands for (401 without a valid one)."""
     if credentials is None:
         raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
+    verified = request.scope.get("state", {}).get(PRINCIPAL_SCOPE_KEY)  # by IdempotencyMiddleware
+    if verified is not None and verified[0] == credentials.credentials:
+        return verified[1]
     found = keys_of(request).verify(credentials.credentials)
     if found is None:
         raise Unauthenticated("invalid or revoked API key")

@@ -21,7 +21,8 @@ def health(request: Request, gateway: Gateway) -> Response:
 
 
 def metrics_router(public: bool) -> APIRouter:
-    """GET /metrics; `public` False: only with the admin key."""
+    """GET /metrics; `public` False (the default): only with the admin (operator) key, 401 without
+    a key, 403 with a tenant's: the page holds every tenant's series."""
     router = APIRouter()
 
     @router.get(

@@ -24,7 +24,10 @@ class InferenceEndpoint(Protocol):
         seeds: list[int] | None = None,
         sample: bool = False,
         operation: str = "predict",
+        request_key: str | None = None,
     ) -> Future: ...
+
+    def cancel(self, tenant_id: str, request_key: str) -> bool: ...
 
     def predict(
         self,
@@ -37,6 +40,7 @@ class InferenceEndpoint(Protocol):
         sample: bool = False,
         timeout_s: float | None = 60.0,
         operation: str = "predict",
+        request_key: str | None = None,
     ) -> dict[str, Any]: ...
 
     def load_weights(self, payload: bytes) -> dict[str, Any]: ...
@@ -72,10 +76,13 @@ class PredictBySubmit:
         sample: bool = False,
         timeout_s: float | None = 60.0,
         operation: str = "predict",
+        request_key: str | None = None,
     ) -> dict[str, Any]:
         """Actions (and values where the module has a value head) for a tenant's observations;
         `sample=True` also returns the log-probabilities of the sampled actions (see `submit`).
-        The result's `device_seconds` is this request's share of its shared batch's time."""
+        The result's `device_seconds` is this request's share of its shared batch's time.
+        A request not answered within `timeout_s` is cancelled (its queued work leaves the queue)
+        and TimeoutError raised; `request_key` lets the caller `cancel` it meanwhile."""
         observations = [o if isinstance(o, Observation) else Observation(**o) for o in observations]
         future = self.submit(
             tenant_id,
@@ -85,5 +92,10 @@ class PredictBySubmit:
             seeds=seeds,
             sample=sample,
             operation=operation,
+            request_key=request_key,
         )
-        return future.result(timeout=timeout_s)
+        try:
+            return future.result(timeout=timeout_s)
+        finally:  # timed out (or cancelled, or interrupted): nobody waits for it, so nothing runs it
+            if not future.done():
+                future.cancel()

@@ -43,6 +43,7 @@ from joynexus.actors import ServiceHandle, named_actor, role_unavailable
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation, settle_future
+from joynexus.services.inference.cancellation import KeyedRequests, cancel_request
 from joynexus.services.inference.endpoint import PredictBySubmit
 from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion
 from joynexus.services.inference.service import (
@@ -166,6 +167,7 @@ class InferenceReplicaSet(PredictBySubmit):
         self._counts = {"requests": 0, "failed_requests": 0, "rerouted_requests": 0, "scale_events": 0}
         self._events: deque[dict[str, Any]] = deque(maxlen=32)
         self._last_decision = "none"
+        self._keyed = KeyedRequests()  # requests submitted with a request_key, for `cancel`
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.scale_to(self.policy.min_replicas, reason="start")
@@ -183,9 +185,14 @@ class InferenceReplicaSet(PredictBySubmit):
         seeds: list[int] | None = None,
         sample: bool = False,
         operation: str = "predict",
+        request_key: str | None = None,
     ) -> Future:
         """Route a request to a replica; a future of its result (see `InferenceModelService.submit`).
-        Without a version the request is pinned to the tenant's latest published version."""
+        Without a version the request is pinned to the tenant's latest published version.
+        Cancelling the future (`cancel` by `request_key`, or `predict`'s timeout) cancels it on its
+        replica, whose queue drops its work."""
+        if request_key is not None:
+            KeyedRequests.check(request_key)
         if policy_version is None:
             policy_version = self.latest_published(tenant_id)
         request = {
@@ -199,7 +206,13 @@ class InferenceReplicaSet(PredictBySubmit):
         with self._cond:
             self._counts["requests"] += 1
         self._dispatch(outer, tenant_id, list(observations), request, time.monotonic(), MAX_ATTEMPTS, set())
+        if request_key is not None:
+            self._keyed.register(tenant_id, request_key, outer)
         return outer
+
+    def cancel(self, tenant_id: str, request_key: str) -> bool:
+        """Cancel the tenant's request submitted with `request_key`, here and on its replica."""
+        return self._keyed.cancel(tenant_id, request_key)
 
     def _dispatch(
         self,
@@ -222,20 +235,34 @@ class InferenceReplicaSet(PredictBySubmit):
             replica = min(candidates, key=lambda r: (r.in_flight, r.served))
             replica.in_flight += 1
         tried.add(replica.name)
+        replica_key = uuid.uuid4().hex  # this attempt's key on the replica, to cancel it there
         try:
             if replica.handle.is_remote:
-                inner = replica.handle.start(InferenceModelService.predict, tenant_id, observations, **request)
+                inner = replica.handle.start(
+                    InferenceModelService.predict, tenant_id, observations, **request, request_key=replica_key
+                )
             else:  # the local service's own queue hands out the future
-                inner = replica.handle.target.submit(tenant_id, observations, **request)
+                inner = replica.handle.target.submit(tenant_id, observations, **request, request_key=replica_key)
         except BaseException as error:
             inner = Future()
             inner.set_exception(error)
+
+        def abandoned(_: Future) -> None:  # the caller gave up: the replica drops the queued work too
+            if outer.cancelled() and not inner.done():
+                try:
+                    cancel_request(replica.handle, tenant_id, replica_key, wait=False)
+                except Exception as error:  # the replica is gone: nothing of it is queued
+                    log.debug("cancel on replica %s failed: %s", replica.name, error)
+
+        outer.add_done_callback(abandoned)
 
         def done(finished: Future) -> None:
             with self._cond:
                 replica.in_flight -= 1
                 replica.served += 1
                 self._cond.notify_all()
+            if outer.done() or finished.cancelled():  # the caller gave up on it (cancelled): nothing to pass on
+                return
             error = _cause(finished.exception())
             if error is None:
                 with self._cond:

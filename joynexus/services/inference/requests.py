@@ -32,11 +32,14 @@ class Pinned:
 class SplitRequest:
     """The caller's side of a request split into chunks: gathers the chunks' results, in chunk
     order, into one result on the caller's future. The first chunk that fails fails the request;
-    once the request is settled (or cancelled by its caller) its unserved chunks are cancelled, and
-    the queue drops cancelled chunks instead of running them."""
+    once the request is settled (or cancelled by its caller) its unserved chunks are taken out of
+    the queue (`discard`, one pass) and cancelled, so an abandoned request leaves nothing queued."""
 
     def __init__(
-        self, chunks: list[InferenceRequest], on_result: Callable[[SplitRequest, dict[str, Any]], None]
+        self,
+        chunks: list[InferenceRequest],
+        on_result: Callable[[SplitRequest, dict[str, Any]], None],
+        discard: Callable[[list[InferenceRequest]], Any] | None = None,
     ) -> None:
         self.future: Future = Future()
         self.request_id = chunks[0].request_id
@@ -46,6 +49,7 @@ class SplitRequest:
         self._remaining = len(chunks)
         self._lock = threading.Lock()
         self._on_result = on_result  # (split, joined result) -> None; settles self.future
+        self._discard = discard  # the queue's: removes the chunks still waiting
         for index, chunk in enumerate(chunks):
             chunk.future.add_done_callback(lambda done, index=index: self._chunk_done(index, done))
         self.future.add_done_callback(self._cancel_chunks)
@@ -70,6 +74,8 @@ class SplitRequest:
             self._on_result(self, joined)
 
     def _cancel_chunks(self, _: Future) -> None:
+        if self._discard is not None:
+            self._discard(self._chunks)
         for chunk in self._chunks:
             chunk.future.cancel()  # a no-op on the chunks already served
 

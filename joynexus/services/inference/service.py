@@ -23,6 +23,10 @@ whichever is smaller) is split at submission into chunks of that size (`requests
 tenant's 1,024-sample predict costs another tenant's 1-sample predict at most a chunk-sized batch of
 waiting, not a 1,024-sample forward. The chunks' results are put back together in order for the
 caller: the same actions as unsplit (per-observation seeds draw the same noise wherever a row is served).
+
+Abandoned work (issue 26): a request whose caller stops waiting (`predict`'s timeout, or `cancel`
+with the `request_key` it was submitted with) is cancelled and its entries leave the queue at once;
+each tenant may have at most `max_queued_samples_per_tenant` samples waiting (`TenantQueueFull`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from joynexus.models.backbone import Backbone, BackboneFeatures, BackboneSource
 from joynexus.models.module_batching import StackedParameterCache
 from joynexus.models.placement import DevicePlacement
 from joynexus.scheduling.inference_queue import InferenceRequest, Observation, TenantFairQueue, settle_future
+from joynexus.services.inference.cancellation import KeyedRequests
 from joynexus.services.inference.decode import BatchDecoder, as_tensor
 from joynexus.services.inference.endpoint import PredictBySubmit
 from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion
@@ -73,6 +78,11 @@ INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
 # B would leave the small request a forward of its own (measured: the bulk tenant's throughput is
 # the same, benchmarks/predict_fairness.py).
 DEFAULT_MAX_CHUNK_SAMPLES = 8
+# Samples one tenant may have waiting in the Inference Queue (Settings.max_queued_samples_per_tenant):
+# four of the largest requests, so a client pipelining big predicts is never refused, while a flood
+# of abandoned ones cannot grow the queue (memory, CPU) without bound.
+DEFAULT_MAX_QUEUED_SAMPLES_PER_TENANT = 4 * 4096
+QUEUE_LIMIT_SETTING = "setting max_queued_samples_per_tenant, env JOYNEXUS_MAX_QUEUED_SAMPLES_PER_TENANT"
 RECENT_BATCHES = 32  # batch compositions stats() shows, newest last
 RECENT_BATCH_PARTS = 64  # entries listed per recorded batch (a B of thousands would bloat stats())
 
@@ -99,6 +109,7 @@ class InferenceModelService(PredictBySubmit):
         max_resident_serving: int = DEFAULT_MAX_RESIDENT_SERVING,
         max_resident_serving_bytes: int | None = None,
         spill_dir: str | Path | None = None,
+        max_queued_samples_per_tenant: int | None = DEFAULT_MAX_QUEUED_SAMPLES_PER_TENANT,
     ):
         """`max_resident_serving` / `max_resident_serving_bytes`: how many serving states (one per
         tenant and version; and bytes of their tensors) stay in memory; the least recently used
@@ -109,7 +120,8 @@ class InferenceModelService(PredictBySubmit):
         `meter` (or `database_url`, from which a Ray actor builds its own) records each request's
         device-seconds as inference usage of its tenant; without either nothing is recorded.
         `max_chunk_samples`: a request of more observations (or of more than `max_batch_size`) is
-        split into chunks that queue fairly with other tenants' requests; None never splits."""
+        split into chunks that queue fairly with other tenants' requests; None never splits.
+        `max_queued_samples_per_tenant`: samples one tenant may have waiting (None: unbounded)."""
         # Who this is, for heartbeats: a restarted service answers with a new incarnation.
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = time.time()
@@ -126,7 +138,8 @@ class InferenceModelService(PredictBySubmit):
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0  # read per batch by the worker (tests and benchmarks set it)
         self.max_chunk_samples = max_chunk_samples
-        self.queue = TenantFairQueue()
+        self.queue = TenantFairQueue(max_queued_samples_per_tenant, setting=QUEUE_LIMIT_SETTING)
+        self._keyed = KeyedRequests()  # requests submitted with a request_key, for `cancel`
         limits = ResidencyLimits(
             max_resident_serving, max_resident_serving_bytes, ("max_resident_serving", "max_resident_serving_bytes")
         )
@@ -216,12 +229,37 @@ class InferenceModelService(PredictBySubmit):
         seeds: list[int] | None = None,
         sample: bool = False,
         operation: str = "predict",
+        request_key: str | None = None,
     ) -> Future:
         """Enqueue a request and return its future (the hook rollout loops call per env step).
         The version is resolved now, so the request is served by exactly that version.
         `sample=True` draws from the tenant's Gaussian policy and returns log-probabilities
         (RL rollouts); otherwise the deterministic action (evaluation, serving). `operation` names
-        the purpose in the tenant's usage ("predict", "rollout", ...)."""
+        the purpose in the tenant's usage ("predict", "rollout", ...). With `request_key`, the
+        caller can `cancel` it (its queued entries leave at once)."""
+        if request_key is not None:
+            KeyedRequests.check(request_key)  # before anything is queued
+        future = self._enqueue(tenant_id, observations, policy_version, session_id, seeds, sample, operation)
+        if request_key is not None:
+            self._keyed.register(tenant_id, request_key, future)
+        return future
+
+    def cancel(self, tenant_id: str, request_key: str) -> bool:
+        """Cancel the tenant's request submitted with `request_key` (its caller gave up): its
+        entries leave the queue now. True if it was still waiting; a key not (yet) known is
+        remembered, so a request that arrives after its cancel is cancelled on arrival."""
+        return self._keyed.cancel(tenant_id, request_key)
+
+    def _enqueue(
+        self,
+        tenant_id: str,
+        observations: list[Observation],
+        policy_version: int | None,
+        session_id: str | None,
+        seeds: list[int] | None,
+        sample: bool,
+        operation: str,
+    ) -> Future:
         if not isinstance(operation, str) or not 0 < len(operation) <= 32:
             raise ValueError(f"operation: expected a name of 1..32 characters, got {operation!r}")
         state = self._resolve(tenant_id, policy_version)
@@ -252,7 +290,7 @@ class InferenceModelService(PredictBySubmit):
             return self.queue.enqueue(entry(0, len(observations)))
         # Too large for one turn: chunks queue behind other tenants' requests (see TenantFairQueue).
         chunks = [entry(start, start + size, k) for k, start in enumerate(range(0, len(observations), size))]
-        split = SplitRequest(chunks, self._finish_split)
+        split = SplitRequest(chunks, self._finish_split, discard=self.queue.discard)
         for chunk in chunks:
             chunk.context.split = split
         self.queue.enqueue_many(chunks)
@@ -408,6 +446,7 @@ class InferenceModelService(PredictBySubmit):
         return {
             **self._stats,
             "queue_depth": self.queue.depth(),
+            "queued_samples": self.queue.queued_samples(),
             "mean_batch_samples": float(np.mean(sizes)) if sizes else 0.0,
             "max_batch_samples": max(sizes) if sizes else 0,
             "tenants": {t: self.versions(t) for t in self.tenants()},
