@@ -236,8 +236,8 @@ class Calls:
 
     @staticmethod
     def fork(new_tenant: str, version: int | None, learning_rate: float | None, seed: int | None) -> Call:
-        overrides = sc.ForkOverrides(learning_rate=learning_rate, seed=seed)
-        body = sc.ForkRequest(new_tenant=new_tenant, version=version, overrides=overrides)
+        overrides = {"learning_rate": learning_rate, "seed": seed}  # checked as part of the body: full field paths
+        body = sc.ForkRequest.model_validate({"new_tenant": new_tenant, "version": version, "overrides": overrides})
         return Call("POST", "/v1/fork", sc.TenantForked, body)
 
     @staticmethod
