@@ -244,3 +244,22 @@ def test_export_after_load_state_is_the_kept_version(api):
     tensors, manifest = decode_tenant_payload(exported.content)
     _, kept, _ = api.cluster.checkpoints.load_tenant(t.tenant_id, 1)
     assert manifest.policy_version == 1 and all(torch.equal(v, kept[k]) for k, v in tensors.items())
+
+
+def test_load_state_and_fork_from_the_cli(api, live_server):
+    from typer.testing import CliRunner
+
+    from joynexus.cli import app
+
+    t = api.tenant("lscli")
+    train(api, t, 0)
+    api.client.post("/v1/save", json={}, headers=t.headers)
+    train(api, t, 1)
+    env = {"JOYNEXUS_URL": live_server, "JOYNEXUS_API_KEY": t.api_key}
+    rolled = CliRunner().invoke(app, ["load-state", "1"], env=env)
+    assert rolled.exit_code == 0 and "training slot at version 1 (was 2)" in rolled.output, rolled.output
+    missing = CliRunner().invoke(app, ["load-state", "9"], env=env)
+    assert missing.exit_code != 0 and "version" in missing.output
+    forked = CliRunner().invoke(app, ["fork", f"{t.tenant_id}-cli", "--version", "1", "--lr", "0.02"], env=env)
+    assert forked.exit_code == 0 and "API key (shown once): jnx_" in forked.output, forked.output
+    assert api.cluster.master.get_tenant(f"{t.tenant_id}-cli").backend_config.learning_rate == 0.02
