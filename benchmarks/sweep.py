@@ -41,7 +41,7 @@ TINY_MODEL_ID = "joynexus/tiny-smolvlm"  # the resident tiny backbone's id (the 
 LEARNING_RATES = [1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1, 2e-1, 5e-1]
 
 
-def source_spec(dataset_root: Path, jobs: int, base_model: str) -> dict[str, Any]:
+def source_spec(dataset_root: Path, jobs: int, base_model: str, microbatch: int = MICROBATCH) -> dict[str, Any]:
     return {
         "tenant": "sweep-source",
         "base_model": base_model,
@@ -57,7 +57,7 @@ def source_spec(dataset_root: Path, jobs: int, base_model: str) -> dict[str, Any
         },  # fmt: skip
         "dataset": {"root": str(dataset_root), "repo_id": "bench/sweep-demos"},
         "scheduling": {"max_in_flight_jobs": jobs, "completion_target": jobs},
-        "training": {"samples_per_job": SAMPLES_PER_JOB, "microbatch_size": MICROBATCH, "learning_rate": 1e-3},
+        "training": {"samples_per_job": SAMPLES_PER_JOB, "microbatch_size": microbatch, "learning_rate": 1e-3},
     }
 
 
@@ -97,6 +97,20 @@ def fork_variants(cluster: Any, label: str, n: int) -> tuple[list[str], float]:
     return ids, time.perf_counter() - started
 
 
+def step_totals() -> dict[str, float]:
+    """This process's Training Model Service rounds so far (in-process mode): count and seconds of
+    `serial` rounds (one tenant's step) and `grouped` rounds (one shared forward for several)."""
+    from joynexus.core.service_metrics import service_metrics
+
+    totals: dict[str, float] = {}
+    for metric in service_metrics().training_step_seconds.collect():
+        for sample in metric.samples:
+            kind = sample.name.rsplit("_", 1)[-1]
+            if kind in ("count", "sum"):
+                totals[f"{sample.labels['mode']}_{kind}"] = sample.value
+    return totals
+
+
 def train(cluster: Any, tenant_ids: list[str], jobs: int, side_by_side: bool, timeout_s: float) -> float:
     from joynexus.master.sweeps import train_side_by_side
 
@@ -116,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--variants", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=2, help="training jobs per variant")
     parser.add_argument("--mode", choices=("inprocess", "ray"), default="inprocess")
+    parser.add_argument("--microbatch", type=int, default=MICROBATCH, help="the tenants' microbatch size")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=None)
@@ -126,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from joynexus.data.lerobot_dataset import write_synthetic_dataset
 
     walls: dict[str, list[float]] = {"side_by_side": [], "sequential": []}
+    rounds: dict[str, dict[str, float]] = {"side_by_side": {}, "sequential": {}}  # in-process only
     forks: list[float] = []
     with (
         tempfile.TemporaryDirectory(prefix="sweep-bench-") as tmp,
@@ -143,31 +159,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             episode_length=40,
             task="move the arm to the target",
         )
-        cluster.master.create_tenant(source_spec(root, args.jobs, TINY_MODEL_ID))
+        cluster.master.create_tenant(source_spec(root, args.jobs, TINY_MODEL_ID, args.microbatch))
         cluster.training.save(["sweep-source"])  # version 0, the one every variant forks
         for repeat in range(args.repeats):
             order = ("side_by_side", "sequential") if repeat % 2 == 0 else ("sequential", "side_by_side")
             for setting in order:
                 ids, fork_s = fork_variants(cluster, setting[:3], args.variants)
                 forks.append(fork_s / args.variants)
+                before = step_totals()
                 walls[setting].append(train(cluster, ids, args.jobs, setting == "side_by_side", args.timeout))
+                after = step_totals()
+                for key, value in after.items():
+                    rounds[setting][key] = rounds[setting].get(key, 0.0) + value - before.get(key, 0.0)
                 print(f"repeat {repeat + 1}: {setting:12s} {args.variants} variants x {args.jobs} jobs: "
                       f"{walls[setting][-1]:.2f} s", flush=True)  # fmt: skip
     side, seq = statistics.median(walls["side_by_side"]), statistics.median(walls["sequential"])
     result = {
         "mode": args.mode, "variants": args.variants, "jobs_per_variant": args.jobs,
-        "samples_per_job": SAMPLES_PER_JOB, "side_by_side_s": side, "sequential_s": seq,
+        "samples_per_job": SAMPLES_PER_JOB, "microbatch": args.microbatch, "side_by_side_s": side, "sequential_s": seq,
         "ratio_sequential_over_side_by_side": seq / side, "fork_s_per_variant": statistics.median(forks),
-        "walls": walls,
+        "walls": walls, "training_rounds": rounds if args.mode == "inprocess" else None,
     }  # fmt: skip
     print(
-        f"\n{args.variants} variants x {args.jobs} jobs ({args.mode}): side by side {side:.2f} s "
+        f"\n{args.variants} variants x {args.jobs} jobs, microbatch {args.microbatch} ({args.mode}): side by side {side:.2f} s "
         f"({side / args.variants:.2f} s/variant), sequential {seq:.2f} s ({seq / args.variants:.2f} s/variant); "
         f"sequential / side by side = {seq / side:.2f}x; a fork takes {result['fork_s_per_variant']:.2f} s"
     )
+    if args.mode == "inprocess":  # where the time went: the service's optimizer rounds vs everything else
+        for setting, totals in rounds.items():
+            seconds = totals.get("serial_sum", 0.0) + totals.get("grouped_sum", 0.0)
+            print(
+                f"  {setting}: {totals.get('grouped_count', 0):.0f} grouped + {totals.get('serial_count', 0):.0f} "
+                f"serial optimizer rounds, {seconds:.2f} s in them over {args.repeats} repeat(s) "
+                f"(the rest: data, checkpoints, exports, registration, scheduling)"
+            )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"sweep-{args.mode}.json").write_text(json.dumps(result, indent=2))
+        (args.out / f"sweep-{args.mode}-mb{args.microbatch}.json").write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -87,3 +87,21 @@ def test_a_grid_is_every_combination_in_order():
         "learning_rate=0.001,seed=0", "learning_rate=0.001,seed=1", "learning_rate=0.01,seed=0",
         "learning_rate=0.01,seed=1",
     ]  # fmt: skip
+
+
+def test_a_module_size_variant_is_a_new_tenant_from_the_spec(cluster, tmp_path):
+    from joynexus.master.sweeps import SweepVariant, create_variant
+    from joynexus.spec import SpecError
+
+    spec = sft_spec("sized", tmp_path / "ds", jobs=1, samples_per_job=8, microbatch_size=8)
+    write_dataset_for(spec, episodes=2, length=8)
+    cluster.master.create_tenant(spec)
+    made = create_variant(cluster.master, "sized", None, SweepVariant(module_size="small", seed=4), "sized-small")
+    assert made["forked_from"] is None
+    config = cluster.master.get_tenant("sized-small").backend_config
+    assert config.action_module["size"] == "small" and config.seed == 4
+    assert config.schema_signature == cluster.master.get_tenant("sized").schema_signature
+    with pytest.raises(SpecError) as caught:
+        create_variant(cluster.master, "sized", None, SweepVariant(module_size="colossal"), "sized-bad")
+    assert caught.value.fields == ["module_size"]
+    assert "sized-bad" not in {t.tenant_id for t in cluster.master.list_tenants()}
