@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     print(
         f"\n{args.variants} variants x {args.jobs} jobs, microbatch {args.microbatch} ({args.mode}): "
-        f"side by side {side:.2f} s ({side / args.variants:.2f} s/variant), sequential {seq:.2f} s ({seq / args.variants:.2f} s/variant); "
+        f"side by side {side:.2f} s ({side / args.variants:.2f} s/variant), "
+        f"sequential {seq:.2f} s ({seq / args.variants:.2f} s/variant); "
         f"sequential / side by side = {seq / side:.2f}x; a fork takes {result['fork_s_per_variant']:.2f} s"
     )
     if args.mode == "inprocess":  # where the time went: the service's optimizer rounds vs everything else
