@@ -17,8 +17,6 @@ from tests.api.conftest import wire
 from tests.api.test_client import load_example
 from tests.helpers import assert_state_equal
 
-pytest.importorskip("gym_pusht")  # the RL tenant's environment is checked at creation
-
 LN2 = math.log(2.0)
 
 
@@ -157,6 +155,7 @@ def test_fork_through_both_clients(api, live_server):
 
 @pytest.fixture(scope="module")
 def rl_tenant(api):
+    pytest.importorskip("gym_pusht")  # the RL tenant's environment is checked at creation
     example = load_example("custom_reinforce")
     created = api.client.post("/v1/admin/tenants", json=example.pusht_rl_spec("offpolicy-http"), headers=api.admin)
     assert created.status_code == 201, created.text
