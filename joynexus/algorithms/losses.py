@@ -5,7 +5,9 @@ advantages, so the Training Model Service only routes to them.
 - "advantage_weighted": mean_i(advantages[i] * loss_i) over the module's per-sample losses
   (advantage-weighted regression; any module);
 - "policy_gradient": -mean_i(advantages[i] * log pi(action_i | obs_i)) under the module's Gaussian
-  policy, padded action steps left out (REINFORCE; stochastic modules, i.e. RL tenants).
+  policy, padded action steps left out (REINFORCE; stochastic modules, i.e. RL tenants);
+- "importance_sampling", "ppo_clip": off-policy objectives over `sampling_logprobs`
+  (`algorithms.policy_losses`; stochastic modules).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from joynexus.models.backbone import BackboneFeatures
 
 __all__ = [
     "FORWARD_BACKWARD_LOSSES",
+    "STOCHASTIC_LOSSES",
     "advantage_weighted_loss",
     "check_loss_name",
     "check_objective",
@@ -28,7 +31,9 @@ __all__ = [
 ]
 
 # "default" is the module's own loss (what train_batch optimizes); the others weigh by advantages.
-FORWARD_BACKWARD_LOSSES = ("default", "advantage_weighted", "policy_gradient")
+FORWARD_BACKWARD_LOSSES = ("default", "advantage_weighted", "policy_gradient", "importance_sampling", "ppo_clip")
+# The objectives that need the module's action density (a stochastic policy).
+STOCHASTIC_LOSSES = ("policy_gradient", "importance_sampling", "ppo_clip")
 
 
 def check_loss_name(loss: str) -> None:
@@ -39,9 +44,9 @@ def check_loss_name(loss: str) -> None:
 
 def check_objective(loss: str, module: ActionModule) -> None:
     """Refuse an objective `module` cannot compute (a policy gradient needs a stochastic policy)."""
-    if loss == "policy_gradient" and getattr(module, "log_std", None) is None:
+    if loss in STOCHASTIC_LOSSES and getattr(module, "log_std", None) is None:
         raise ValueError(
-            "loss: 'policy_gradient' needs a stochastic policy (an RL tenant's module); "
+            f"loss: {loss!r} needs a stochastic policy (an RL tenant's module); "
             "use 'advantage_weighted' for this module"
         )
 

@@ -476,6 +476,43 @@ def usage(
     console.print(table)
 
 
+# -- state control (issue 28.3) --------------------------------------------------------------------
+
+
+def load_state(
+    version: int = typer.Argument(..., min=0, help="A kept checkpoint version (see `joynexus versions`)."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Roll your training slot (module, adapter, optimizer) back to a kept checkpoint version."""
+    with _client(url, api_key, "api key") as client:
+        result = _run(lambda: client.load_state(version))
+    optimizer = "restored" if result.optimizer_restored else "fresh (the checkpoint had no optimizer state)"
+    console.print(
+        f"training slot at version [bold]{result.version}[/] (was {result.previous_version}); optimizer "
+        f"{optimizer}; {result.discarded_microbatches} pending microbatch(es) discarded"
+    )
+
+
+def fork(
+    new_tenant: str = typer.Argument(..., help="The new tenant's id."),
+    version: int | None = typer.Option(None, min=0, help="A kept version to fork.", show_default="the current one"),
+    learning_rate: float | None = typer.Option(None, "--lr", help="The new tenant's learning rate."),
+    seed: int | None = typer.Option(None, min=0, help="The new tenant's training seed."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """A new tenant from one of your versions with another learning rate / seed; prints its API key (once)."""
+    with _client(url, api_key, "api key") as client:
+        forked = _run(lambda: client.fork(new_tenant, version=version, learning_rate=learning_rate, seed=seed))
+    console.print(
+        f"tenant [bold]{forked.tenant.tenant_id}[/] forked from {forked.forked_from.tenant_id} "
+        f"v{forked.forked_from.version}"
+    )
+    if forked.key is not None:
+        console.print(f"API key (shown once): {forked.key.api_key}", markup=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add the tenant-API commands to the main `joynexus` app."""
     app.command("serve", context_settings=HELP_SETTINGS)(serve)
@@ -485,3 +522,5 @@ def register(app: typer.Typer) -> None:
     app.command("export", context_settings=HELP_SETTINGS)(export)
     app.command("delete-version", context_settings=HELP_SETTINGS)(delete_version)
     app.command("usage", context_settings=HELP_SETTINGS)(usage)
+    app.command("load-state", context_settings=HELP_SETTINGS)(load_state)
+    app.command("fork", context_settings=HELP_SETTINGS)(fork)

@@ -29,6 +29,7 @@ from joynexus.client.transport import (
     transport_error,
 )
 from joynexus.protocol import schemas as s
+from joynexus.protocol import state_control as sc
 
 
 class AsyncWorkloadHandle:
@@ -186,15 +187,42 @@ class AsyncJoyNexusClient(ClientBase):
         *,
         action_is_pad: Any = None,
         instructions: list[str] | None = None,
-        loss: Literal["default", "advantage_weighted", "policy_gradient"] = "default",
+        loss: s.ForwardBackwardLoss = "default",
         advantages: Any = None,
+        sampling_logprobs: Any = None,
+        loss_config: dict[str, Any] | None = None,
     ) -> s.ForwardBackwardResult:
-        return await self._run(
-            Calls.forward_backward(images, state, action, action_is_pad, instructions, loss, advantages)
+        call = Calls.forward_backward(
+            images, state, action, action_is_pad, instructions, loss, advantages, sampling_logprobs, loss_config
         )
+        return await self._run(call)
 
-    async def optim_step(self) -> s.OptimStepResult:
-        return await self._run(Calls.optim_step())
+    async def optim_step(
+        self,
+        *,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        weight_decay: float | None = None,
+        grad_clip: float | None = None,
+    ) -> s.OptimStepResult:
+        """Apply the pending gradients; the keywords set this step's AdamW hyperparameters only."""
+        return await self._run(Calls.optim_step(lr, betas, weight_decay, grad_clip))
+
+    async def load_state(self, version: int) -> sc.LoadStateResult:
+        """Roll the training slot (module, adapter, optimizer) back to kept checkpoint `version`."""
+        return await self._run(Calls.load_state(version))
+
+    async def fork(
+        self,
+        new_tenant: str,
+        *,
+        version: int | None = None,
+        learning_rate: float | None = None,
+        seed: int | None = None,
+    ) -> sc.TenantForked:
+        """A new tenant from `version` (None: the current one) with another learning rate / seed;
+        the answer carries its first API key."""
+        return await self._run(Calls.fork(new_tenant, version, learning_rate, seed))
 
     async def predict(
         self,

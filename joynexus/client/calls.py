@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from joynexus.client.errors import InvalidArgument, SpecFileError
 from joynexus.client.transport import Call
 from joynexus.protocol import schemas as s
+from joynexus.protocol import state_control as sc
 from joynexus.protocol.wire import (
     Tensor,
     TensorKind,
@@ -204,18 +205,44 @@ class Calls:
 
     @staticmethod
     def forward_backward(
-        images: Any, state: Any, action: Any, action_is_pad: Any, instructions: Any, loss: str, advantages: Any
+        images: Any,
+        state: Any,
+        action: Any,
+        action_is_pad: Any,
+        instructions: Any,
+        loss: str,
+        advantages: Any,
+        sampling_logprobs: Any = None,
+        loss_config: dict[str, Any] | None = None,
     ) -> Call:
         body = s.ForwardBackwardRequest(
             **_samples(images, state, action, action_is_pad, instructions),
             loss=loss,
             advantages=_tensor(advantages, "advantages"),
+            sampling_logprobs=_tensor(sampling_logprobs, "sampling_logprobs"),
+            loss_config=loss_config,
         )
         return Call("POST", "/v1/forward_backward", s.ForwardBackwardResult, body)
 
     @staticmethod
-    def optim_step() -> Call:
-        return Call("POST", "/v1/optim_step", s.OptimStepResult)
+    def optim_step(
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        weight_decay: float | None = None,
+        grad_clip: float | None = None,
+    ) -> Call:
+        body = s.OptimStepRequest(lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip)
+        return Call("POST", "/v1/optim_step", s.OptimStepResult, body)
+
+    @staticmethod
+    def load_state(version: int) -> Call:
+        return Call("POST", "/v1/load_state", sc.LoadStateResult, sc.LoadStateRequest(version=version))
+
+    @staticmethod
+    def fork(new_tenant: str, version: int | None, learning_rate: float | None, seed: int | None) -> Call:
+        overrides = {"learning_rate": learning_rate, "seed": seed}  # checked as part of the body: full field paths
+        body = sc.ForkRequest.model_validate({"new_tenant": new_tenant, "version": version, "overrides": overrides})
+        return Call("POST", "/v1/fork", sc.TenantForked, body)
 
     @staticmethod
     def predict(

@@ -448,6 +448,26 @@ class MasterService:
             self.deployment, tenant, weights, source=source, installed_by=installed_by, config=config
         )
 
+    # -- state control (issue 28.3; master/state_control.py) -----------------------------------------
+    def load_state(self, tenant_id: str, version: int) -> dict[str, Any]:
+        """Roll the tenant's training slot back to a kept checkpoint version (module, adapter,
+        optimizer). Refused while a workload of the tenant runs (it trains the slot)."""
+        from joynexus.master.state_control import load_state
+
+        self.check_tenant(tenant_id)
+        if self.workloads.count(tenant_id, "running"):
+            raise ValueError(f"tenant: {tenant_id!r} has a running workload; wait for it or cancel it first")
+        return load_state(self.deployment, tenant_id, version)
+
+    def fork_tenant(
+        self, tenant_id: str, new_tenant: str, *, version: int | None = None, overrides: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A new tenant from `tenant_id`'s kept `version` (None: its current one) with `overrides`
+        (learning_rate, seed); same schema, nothing mutable shared (master/state_control.py)."""
+        from joynexus.master.state_control import fork_tenant
+
+        return fork_tenant(self, self.check_tenant(tenant_id), new_tenant, version=version, overrides=overrides)
+
     # -- evaluation declarations (paper 4.2) --------------------------------------------------------
     def declare_evaluation(
         self,

@@ -8,7 +8,7 @@ working against a newer server.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -288,13 +288,28 @@ class SampleBatch(_Request):
     instructions: list[str] | None = Field(default=None, max_length=MAX_SAMPLES_PER_REQUEST)
 
 
+ForwardBackwardLoss = Literal["default", "advantage_weighted", "policy_gradient", "importance_sampling", "ppo_clip"]
+
+
+class LossConfig(_Request):
+    """Parameters of an objective; each loss refuses the ones it does not read."""
+
+    clip_eps: float | None = Field(default=None, gt=0, lt=1, description="ppo_clip: the ratio's clip range")
+
+
 class ForwardBackwardRequest(SampleBatch):
     """`loss`: "default" (the module's own), "advantage_weighted" (mean of advantages[i] * the
     module's loss on sample i, any module) or "policy_gradient" (-mean of advantages[i] * log
-    pi(action_i | obs_i), stochastic modules). The last two need `advantages`, one float per sample."""
+    pi(action_i | obs_i), stochastic modules). The last two need `advantages`, one float per sample.
+    "importance_sampling" (-mean of ratio_i * advantages[i], ratio_i = exp(log pi(action_i | obs_i)
+    - sampling_logprobs[i])) and "ppo_clip" (the PPO clipped surrogate of that ratio,
+    `loss_config.clip_eps`, default 0.2) also need `sampling_logprobs`, one per sample: the
+    log-density of each sample's action chunk under the policy that drew it (stochastic modules)."""
 
-    loss: Literal["default", "advantage_weighted", "policy_gradient"] = "default"
+    loss: ForwardBackwardLoss = "default"
     advantages: Tensor | None = None
+    sampling_logprobs: Tensor | None = None
+    loss_config: LossConfig | None = None
 
 
 class TrainStepResult(_Response):
@@ -314,6 +329,16 @@ class ForwardBackwardResult(_Response):
     device_seconds: float
 
 
+class OptimStepRequest(_Request):
+    """This step's AdamW hyperparameters; unset ones keep the tenant's (its spec's learning rate,
+    betas (0.9, 0.999), weight decay 0.01, gradient clip norm 1.0). They last for this step only."""
+
+    lr: float | None = Field(default=None, gt=0, le=1)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] | None = None
+    weight_decay: float | None = Field(default=None, ge=0, le=1)
+    grad_clip: float | None = Field(default=None, gt=0, le=1e4, description="max gradient norm")
+
+
 class OptimStepResult(_Response):
     loss: float
     grad_norm: float
@@ -322,6 +347,10 @@ class OptimStepResult(_Response):
     optimizer_steps: int
     version: int
     device_seconds: float
+    lr: float | None = None  # the hyperparameters this step used
+    betas: tuple[float, float] | None = None
+    weight_decay: float | None = None
+    grad_clip: float | None = None
 
 
 # -- lower layer: inference -----------------------------------------------------------------------

@@ -426,3 +426,41 @@ def test_tenant_and_version_lifecycle_on_the_resident_master(ray_api: RayApi):
     assert refused.status_code == 409 and "cannot be reused" in refused.json()["problems"][0]["reason"]
     assert client.delete(f"{path}/artifacts", headers=ADMIN).status_code == 200
     ray_api.create_tenant(spec)
+
+
+def test_state_control_and_off_policy_losses_run_on_the_resident_services(ray_api: RayApi, trained: Trained):
+    """Issue 28.3/28.4 on the Ray path: load_state and fork go through the resident Master actor to
+    the Training Model Service actor; ppo_clip and per-step AdamW through the actor too."""
+    sft, client = trained.sft, ray_api.client
+    kept = client.get("/v1/versions", headers=sft.headers).json()["checkpoints"][-1]["version"]
+    stepped = client.post("/v1/train_batch", json=wire(sample_batch(sft.spec, 4, seed=1)), headers=sft.headers)
+    assert stepped.status_code == 200 and stepped.json()["version"] > kept
+    rolled = client.post("/v1/load_state", json={"version": kept}, headers=sft.headers)
+    assert rolled.status_code == 200, rolled.text
+    assert rolled.json()["version"] == kept and rolled.json()["optimizer_restored"]
+
+    body = {"new_tenant": "ray-sft-fork", "version": kept, "overrides": {"learning_rate": 0.01}}
+    forked = client.post("/v1/fork", json=body, headers=sft.headers)
+    assert forked.status_code == 201, forked.text
+    fork_headers = {"Authorization": f"Bearer {forked.json()['key']['api_key']}"}
+    versions = client.get("/v1/versions", headers=fork_headers).json()
+    assert versions["training_version"] == 0 and [c["version"] for c in versions["checkpoints"]] == [0]
+    assert client.post("/v1/fork", json=body, headers=sft.headers).status_code == 409  # the id is taken now
+
+    rl = trained.rl
+    batch = wire(sample_batch(rl.spec, 1, seed=2))
+    pg = client.post(
+        "/v1/forward_backward", json={**batch, "loss": "policy_gradient", "advantages": wire({"a": np.ones(1)})["a"]},
+        headers=rl.headers,
+    )  # fmt: skip
+    assert pg.status_code == 200, pg.text
+    ratio_two = np.asarray([-pg.json()["loss"] - np.log(2.0)], dtype=np.float32)
+    clipped = client.post(
+        "/v1/forward_backward",
+        json={**batch, "loss": "ppo_clip", "advantages": wire({"a": np.ones(1)})["a"],
+              "sampling_logprobs": wire({"s": ratio_two})["s"]},
+        headers=rl.headers,
+    )  # fmt: skip
+    assert clipped.status_code == 200 and abs(clipped.json()["loss"] + 1.2) < 1e-3, clipped.text
+    step = client.post("/v1/optim_step", json={"lr": 1e-4, "grad_clip": 0.5}, headers=rl.headers)
+    assert step.status_code == 200 and step.json()["lr"] == 1e-4 and step.json()["grad_clip"] == 0.5

@@ -40,19 +40,19 @@ def test_entrypoints_import_and_parameters_match_the_flow_signatures():
     from prefect import Flow
 
     deployments = load_deployments()
-    assert set(deployments) == {"on-demand", "hourly"}
-    expected = {"on-demand": "tenant-lifecycle", "hourly": "periodic-evaluation"}
+    assert set(deployments) == {"on-demand", "hourly", "sweep"}
+    expected = {"on-demand": "tenant-lifecycle", "hourly": "periodic-evaluation", "sweep": "sweep"}
     for name, deployment in deployments.items():
         flow = load_flow(deployment["entrypoint"])
         assert isinstance(flow, Flow) and flow.name == expected[name]
         signature = flow.parameters.model_dump()
         assert set(deployment["parameters"]) <= set(signature["properties"]), name
-        assert set(signature.get("required", [])) - set(deployment["parameters"]) <= {"spec"}  # given per run
+        given_per_run = {"spec", "tenant_id"}  # no default: every run names them
+        assert set(signature.get("required", [])) - set(deployment["parameters"]) <= given_per_run
         assert deployment["enforce_parameter_schema"] is True
         for key, value in deployment["parameters"].items():  # each default validates against its type
-            flow.validate_parameters(
-                {**({"spec": _any_spec()} if "spec" in signature["properties"] else {}), key: value}
-            )
+            per_run = {"spec": _any_spec(), "tenant_id": "t"}
+            flow.validate_parameters({**{k: v for k, v in per_run.items() if k in signature["properties"]}, key: value})
 
 
 def test_work_pool_schedule_and_concurrency():

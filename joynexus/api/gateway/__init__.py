@@ -20,6 +20,7 @@ tenant would reach raises the same `NotFound` as an id that does not exist.
 | `tensors.py` | request tensors against the tenant's schema; results onto the wire |
 | `foreign.py` | install foreign weights (tenant or admin), evaluation declarations |
 | `service_errors.py` | service exceptions as API errors |
+| `state_control.py` | load_state, fork (issue 28.3) |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from joynexus.api.gateway.environment import EnvironmentOperations
 from joynexus.api.gateway.foreign import ForeignOperations
 from joynexus.api.gateway.inference import InferenceOperations
 from joynexus.api.gateway.queue import QueueOperations
+from joynexus.api.gateway.state_control import StateControlOperations
 from joynexus.api.gateway.tenants import TenantOperations, tenant_info
 from joynexus.api.gateway.training import TrainingPrimitives, timed_call
 from joynexus.api.gateway.versions import VersionOperations, manifest_model
@@ -44,6 +46,7 @@ class ApiGateway(
     QueueOperations,
     EnvironmentOperations,
     ForeignOperations,
+    StateControlOperations,
 ):
     """Every tenant-scoped operation of the API over one deployment (`GatewayBase` holds the state)."""
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar
 
 from joynexus.actors import SerializedService, handle_of
+from joynexus.algorithms.policy_losses import OFF_POLICY_LOSSES
 from joynexus.api.errors import InvalidInput
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import service_errors
@@ -61,12 +62,22 @@ class TrainingPrimitives(GatewayBase):
                 raise InvalidInput("advantages", f"required when loss is {request.loss!r}: one float per sample")
             columns["advantages"] = float_array(request.advantages, "advantages", (samples,))
         elif request.advantages is not None:
-            raise InvalidInput("advantages", "only used with loss 'advantage_weighted' or 'policy_gradient'")
+            raise InvalidInput("advantages", "not used by loss 'default'")
+        off_policy = request.loss in OFF_POLICY_LOSSES
+        if off_policy and request.sampling_logprobs is None:
+            raise InvalidInput("sampling_logprobs", f"required when loss is {request.loss!r}: one float per sample")
+        if request.sampling_logprobs is not None:
+            if not off_policy:
+                used_by = " or ".join(map(repr, OFF_POLICY_LOSSES))
+                raise InvalidInput("sampling_logprobs", f"only used with loss {used_by}")
+            columns["sampling_logprobs"] = float_array(request.sampling_logprobs, "sampling_logprobs", (samples,))
+        loss_config = None if request.loss_config is None else request.loss_config.model_dump(exclude_none=True)
         self.check_admission(tenant_id)
         with service_errors("batch"):
             result, seconds = timed_call(
-                TrainingModelService.forward_backward, self.cluster.training, tenant_id, columns, request.loss
-            )
+                TrainingModelService.forward_backward, self.cluster.training, tenant_id, columns, request.loss,
+                loss_config,
+            )  # fmt: skip
         seconds = result.get("seconds", seconds)
         self.meter.record(tenant_id, TRAINING, "forward_backward", device_seconds=seconds, samples=samples)
         return s.ForwardBackwardResult(
@@ -78,10 +89,11 @@ class TrainingPrimitives(GatewayBase):
             device_seconds=seconds,
         )
 
-    def optim_step(self, tenant_id: str) -> s.OptimStepResult:
+    def optim_step(self, tenant_id: str, request: s.OptimStepRequest | None = None) -> s.OptimStepResult:
         self.tenant(tenant_id)
+        adamw = None if request is None else request.model_dump(exclude_none=True)
         with service_errors("tenant"):
-            result, seconds = timed_call(TrainingModelService.optim_step, self.cluster.training, tenant_id)
+            result, seconds = timed_call(TrainingModelService.optim_step, self.cluster.training, tenant_id, adamw)
         seconds = result.get("seconds", seconds)
         self.meter.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
         return s.OptimStepResult(
@@ -92,4 +104,8 @@ class TrainingPrimitives(GatewayBase):
             optimizer_steps=result["optimizer_steps"],
             version=result["version"],
             device_seconds=seconds,
+            lr=result.get("lr"),
+            betas=result.get("betas"),
+            weight_decay=result.get("weight_decay"),
+            grad_clip=result.get("grad_clip"),
         )

@@ -28,9 +28,12 @@ def forward_backward(request: Request, body: s.ForwardBackwardRequest, tenant_id
 
 
 @router.post("/optim_step", response_model=s.OptimStepResult)
-def optim_step(request: Request, tenant_id: Tenant, gateway: Gateway) -> Response:
-    """Apply the pending gradients (clip, AdamW), zero them, bump the version."""
-    return respond(request, gateway.optim_step(tenant_id))
+def optim_step(
+    request: Request, tenant_id: Tenant, gateway: Gateway, body: s.OptimStepRequest | None = None
+) -> Response:
+    """Apply the pending gradients (clip, AdamW), zero them, bump the version; the body (optional)
+    sets this step's lr, betas, weight_decay, grad_clip."""
+    return respond(request, gateway.optim_step(tenant_id, body))
 
 
 @router.post("/params/export", response_model=s.ExportedParams)

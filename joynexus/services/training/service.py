@@ -61,6 +61,7 @@ from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS, Activ
 from joynexus.services.training.primitives import LowerLayerPrimitives
 from joynexus.services.training.slot_table import SlotTable, manifest_dict
 from joynexus.services.training.slots import TenantSlot, TenantSlotError, UnknownTenant, microbatch_to_tensors
+from joynexus.services.training.state_control import load_slot_state
 from joynexus.services.training.trainer import RL_FIELDS, SFT_FIELDS, SlotTrainer
 
 __all__ = [
@@ -314,7 +315,9 @@ class TrainingModelService:
 
     # -- lower-layer composition primitives (used by joynexus/api) ---------------------------
     @pins_during_call("_slots")
-    def forward_backward(self, tenant_id: str, batch: dict[str, Any], loss: str = "default") -> dict[str, Any]:
+    def forward_backward(
+        self, tenant_id: str, batch: dict[str, Any], loss: str = "default", loss_config: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Loss and gradients of one microbatch, summed into the tenant's pending gradients; no
         optimizer step, no version change (call `optim_step` to apply them).
 
@@ -323,15 +326,26 @@ class TrainingModelService:
         (advantage-weighted regression, any module); "policy_gradient" is
         -mean_i(advantages[i] * log pi(action_i | obs_i)) under the tenant's Gaussian policy
         (REINFORCE; stochastic modules, i.e. RL tenants). Both take `batch["advantages"]` of shape
-        (N,). Bad annotations, an unknown loss, bad advantages or a non-finite loss raise and leave
-        the pending gradients as they were.
+        (N,). "importance_sampling" and "ppo_clip" (`algorithms.policy_losses`; stochastic modules)
+        also take `batch["sampling_logprobs"]` (N,), the log-probabilities the actions were drawn
+        with; `loss_config` holds a loss's parameters ("ppo_clip": `clip_eps` in (0, 1)). Bad
+        annotations, an unknown loss or parameter, bad advantages or log-probabilities or a
+        non-finite loss raise and leave the pending gradients as they were.
         """
-        return self.primitives.forward_backward(tenant_id, batch, loss)
+        return self.primitives.forward_backward(tenant_id, batch, loss, loss_config)
 
     @pins_during_call("_slots")
-    def optim_step(self, tenant_id: str) -> dict[str, Any]:
+    def optim_step(self, tenant_id: str, adamw: dict[str, Any] | None = None) -> dict[str, Any]:
         """Apply the pending gradients of `forward_backward` calls: clip (norm 1.0, as train_batch),
-        AdamW step, zero them, bump the tenant's version."""
-        return self.primitives.optim_step(tenant_id)
+        AdamW step, zero them, bump the tenant's version. `adamw`: this step's own `lr`, `betas`,
+        `weight_decay`, `grad_clip` (`algorithms.adamw_step`; unset ones keep the tenant's)."""
+        return self.primitives.optim_step(tenant_id, adamw)
+
+    # -- state control (issue 28.3) ----------------------------------------------------------
+    @pins_during_call("_slots")
+    def load_state(self, tenant_id: str, version: int) -> dict[str, Any]:
+        """Roll the tenant's slot (module, adapter, optimizer, counters) back to a checkpointed
+        version (`state_control`); pending gradients are discarded. All or nothing."""
+        return load_slot_state(self.slot_table, self._slot(tenant_id), version)
 
 

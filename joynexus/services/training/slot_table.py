@@ -127,10 +127,14 @@ class SlotTable:
             config=config, module=module, optimizer=optimizer, adapter=adapter, adapter_parameters=adapter_parameters
         )
 
-    def restore(self, slot: TenantSlot) -> None:
-        """The tenant's latest checkpoint into `slot` (module, adapter, optimizer, counters), or refuse it."""
+    def restore(self, slot: TenantSlot, version: int | None = None) -> TenantManifest:
+        """The tenant's checkpoint `version` (None: its latest) into `slot` (module, adapter, optimizer,
+        counters), or refuse it. A checkpoint saved without optimizer state leaves AdamW with no
+        state (fresh moments, as before a first step); the learning rate is always the tenant's."""
         tenant_id = slot.config.tenant_id
-        manifest, module_state, optimizer_state = self.checkpoints.load_tenant(tenant_id, map_location=self.device)
+        manifest, module_state, optimizer_state = self.checkpoints.load_tenant(
+            tenant_id, version, map_location=self.device
+        )
         if manifest.schema_signature != slot.config.schema_signature:
             raise TenantSlotError(
                 f"checkpoint of tenant {tenant_id!r} v{manifest.policy_version} has schema signature "
@@ -152,12 +156,17 @@ class SlotTable:
                 raise CheckpointError(
                     f"{where}: file {OPTIMIZER_TENSORS_FILE} does not fit the tenant's optimizer: {exc}"
                 ) from exc
+        else:
+            slot.optimizer.state.clear()
+        for group in slot.optimizer.param_groups:  # a forked tenant's checkpoint carries its source's lr
+            group["lr"] = slot.config.learning_rate
         slot.version = manifest.policy_version
         created = manifest.extra.get(VERSION_CREATED_AT_KEY)
         slot.version_created_at = created if isinstance(created, str) else manifest.created_at
         slot.optimizer_steps = int(manifest.extra.get("optimizer_steps", 0))
         slot.jobs_completed = int(manifest.extra.get("jobs_completed", 0))
         slot.samples_trained = int(manifest.extra.get("samples_trained", 0))
+        return manifest
 
     def _restore_adapter(
         self, slot: TenantSlot, manifest: TenantManifest, adapter_state: dict[str, torch.Tensor], where: str

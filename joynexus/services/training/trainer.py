@@ -81,9 +81,11 @@ def backward_loss(slot: TenantSlot, compute_loss: Callable[[], torch.Tensor], *,
     return float(loss.detach())
 
 
-def clip_gradients(slot: TenantSlot, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
-    """Clip the slot's gradients to norm `MAX_GRAD_NORM`; a non-finite norm raises (the caller drops them)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters() if params is None else params, MAX_GRAD_NORM)
+def clip_gradients(
+    slot: TenantSlot, params: list[torch.nn.Parameter] | None = None, max_norm: float = MAX_GRAD_NORM
+) -> torch.Tensor:
+    """Clip the slot's gradients to norm `max_norm`; a non-finite norm raises (the caller drops them)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters() if params is None else params, max_norm)
     if not torch.isfinite(grad_norm):
         raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
     return grad_norm

@@ -1,0 +1,59 @@
+"""State control of the caller's tenant (issue 28.3): `load_state` rolls its training slot back to
+a kept version; `fork` makes a new tenant from one of its versions with another learning rate or
+seed, and issues the new tenant's first API key to the caller (the holder of the source's key owns
+the fork). Thin calls of the Master Service (`master/state_control.py`), its errors as API errors."""
+
+from __future__ import annotations
+
+from joynexus.api.errors import ApiError, Conflict, NotFound
+from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.service_errors import cause_of, invalid_from
+from joynexus.api.gateway.tenants import tenant_info
+from joynexus.master.service import TenantUnavailable
+from joynexus.master.tenant_creator import TenantExists
+from joynexus.protocol import state_control as sc
+from joynexus.spec import SpecError
+
+
+def _master_errors(error: BaseException, field: str) -> ApiError:
+    cause = cause_of(error)
+    if isinstance(cause, TenantUnavailable):
+        return ApiError(str(cause), [("tenant", cause.reason)]).with_status(409, "tenant_unhealthy")
+    if isinstance(cause, TenantExists):
+        return Conflict(str(cause), list(cause.problems))
+    if isinstance(cause, SpecError):
+        return ApiError("invalid request", list(cause.problems)).with_status(422, "invalid_input")
+    if isinstance(cause, KeyError):
+        return NotFound("tenant", field, "tenant_id")
+    if isinstance(cause, ValueError):
+        return invalid_from(cause, field)
+    raise error
+
+
+class StateControlOperations(GatewayBase):
+    def load_state(self, tenant_id: str, request: sc.LoadStateRequest) -> sc.LoadStateResult:
+        self.tenant(tenant_id)
+        try:
+            result = self.master.load_state(tenant_id, request.version)
+        except Exception as error:
+            raise _master_errors(error, "version") from None
+        return sc.LoadStateResult.model_validate(result)
+
+    def fork(self, tenant_id: str, request: sc.ForkRequest, key_id: str) -> sc.TenantForked:
+        self.tenant(tenant_id)
+        self.check_admission(tenant_id, storage=True)  # a checkpoint copy and a new slot
+        try:
+            forked = self.master.fork_tenant(
+                tenant_id,
+                request.new_tenant,
+                version=request.version,
+                overrides=request.overrides.model_dump(exclude_none=True),
+            )
+        except Exception as error:
+            raise _master_errors(error, "new_tenant") from None
+        tenant = forked["tenant"]
+        key = self.keys.issue(tenant.tenant_id, label=f"fork of {tenant_id} (by key {key_id})")
+        return sc.TenantForked(
+            tenant=tenant_info(tenant), key=key, forked_from=sc.ForkedFrom(**forked["forked_from"]),
+            version=forked["version"],
+        )  # fmt: skip

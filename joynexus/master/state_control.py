@@ -1,0 +1,118 @@
+"""State control in the Master (issue 28.3): roll a tenant's training slot back to a kept version,
+and fork a tenant's version into a new tenant with another learning rate or seed.
+
+A fork is the source's workload spec with a new tenant id and the overridden `training` fields:
+the same schema, module, adapter, data and environment, so it joins the same shared backbone and
+groups with its source. Its weights are a copy: the source version's checkpoint (module, adapter,
+AdamW state, counters) is written as the new tenant's version 0, then the tenant is created the
+usual way (validated, persisted, its slot restored from that checkpoint). The two tenants share
+nothing mutable — separate checkpoint folders, slots, optimizers, version counters, queues — and a
+fork that fails at any step leaves neither a tenant nor a checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from joynexus.artifacts import VERSION_CREATED_AT_KEY
+from joynexus.core.tenants import Tenant
+from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FORK_OVERRIDES", "fork_spec", "fork_tenant", "load_state"]
+
+# What a fork may change; everything else is the source's (a fork keeps its schema).
+FORK_OVERRIDES = ("learning_rate", "seed")
+FORKED_FROM_KEY = "forked_from"
+
+
+def fork_spec(source: Tenant, new_tenant: str, overrides: dict[str, Any] | None) -> WorkloadSpec:
+    """The new tenant's spec: the source's with `new_tenant` and the `training` overrides, checked
+    (SpecError: `new_tenant` or `overrides.<field>` with the reason)."""
+    overrides = {k: v for k, v in dict(overrides or {}).items() if v is not None}
+    unknown = sorted(set(overrides) - set(FORK_OVERRIDES))
+    if unknown:
+        reason = f"a fork keeps its source's schema, module and data; only {list(FORK_OVERRIDES)} may change"
+        raise SpecError([(f"overrides.{name}", reason) for name in unknown])
+    data = source.spec.model_dump(mode="json")
+    data["tenant"] = new_tenant
+    data["training"] = {**data["training"], **overrides}
+    try:
+        return parse_workload_spec(data)
+    except SpecError as error:
+        renamed = {"tenant": "new_tenant", **{f"training.{k}": f"overrides.{k}" for k in FORK_OVERRIDES}}
+        raise SpecError([(renamed.get(field, field), reason) for field, reason in error.problems]) from None
+
+
+def load_state(deployment: Any, tenant_id: str, version: Any) -> dict[str, Any]:
+    """Roll the tenant's training slot back to checkpoint `version` (the Training Model Service's
+    `load_state`: module, adapter, optimizer, counters; pending gradients discarded)."""
+    return deployment.training_service.load_state(tenant_id, version)
+
+
+def _source_version(deployment: Any, source: Tenant, version: int | None) -> int:
+    """The kept checkpoint version to fork (None: the source's current training version, saved now)."""
+    checkpoints = deployment.checkpoints
+    if version is None:
+        manifest = deployment.training_service.save([source.tenant_id], True)[0]
+        return int(manifest["policy_version"])
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise SpecError([("version", f"{version!r} must be an int >= 0 (a kept checkpoint version)")])
+    kept = checkpoints.versions(source.tenant_id)
+    if version not in kept:
+        reason = f"tenant {source.tenant_id!r} has no checkpoint of version {version} (kept: {kept})"
+        raise SpecError([("version", reason)])
+    return version
+
+
+def _copy_checkpoint(checkpoints: Any, source_id: str, version: int, new_tenant: str) -> None:
+    """The source version's checkpoint (verified on read) as `new_tenant`'s version 0."""
+    manifest, module_state, optimizer_state = checkpoints.load_tenant(source_id, version)
+    extra = {k: v for k, v in manifest.extra.items() if k != VERSION_CREATED_AT_KEY}  # v0 is made now
+    extra[FORKED_FROM_KEY] = {"tenant_id": source_id, "version": version}
+    checkpoints.save_tenant(
+        tenant_id=new_tenant,
+        policy_version=0,
+        schema_signature=manifest.schema_signature,
+        base_model_id=manifest.base_model_id,
+        module_kind=manifest.module_kind,
+        module_config=manifest.module_config,
+        module_state=module_state,
+        optimizer_state=optimizer_state,
+        extra=extra,
+    )
+
+
+def fork_tenant(
+    master: Any, source: Tenant, new_tenant: str, *, version: int | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Create `new_tenant` from `source`'s `version` (module docstring). Returns the new Tenant, the
+    source version forked and the new tenant's version (0). Raises SpecError naming the field
+    (`new_tenant`, `version`, `overrides.*`), TenantExists if the id is taken."""
+    from joynexus.master.tenant_creator import TenantExists
+
+    deployment = master.deployment
+    spec = fork_spec(source, new_tenant, overrides)
+    try:
+        deployment.creator.get(new_tenant)
+    except KeyError:
+        pass
+    else:
+        raise TenantExists([("new_tenant", f"tenant {new_tenant!r} already exists")])
+    checkpoints = deployment.checkpoints
+    if checkpoints.versions(new_tenant) or checkpoints.latest_version(new_tenant) is not None:
+        raise SpecError([("new_tenant", f"checkpoints of an earlier tenant {new_tenant!r} remain; choose another id")])
+    forked = _source_version(deployment, source, version)
+    _copy_checkpoint(checkpoints, source.tenant_id, forked, new_tenant)
+    try:
+        tenant = master.create_tenant(spec)
+    except BaseException:
+        try:
+            checkpoints.delete_tenant(new_tenant)
+        except Exception:  # reported, the original error is the one to raise
+            log.warning("fork %s: its checkpoint could not be removed after a failed create", new_tenant,
+                        exc_info=True)  # fmt: skip
+        raise
+    return {"tenant": tenant, "forked_from": {"tenant_id": source.tenant_id, "version": forked}, "version": 0}
