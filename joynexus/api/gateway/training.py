@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from joynexus.actors import SerializedService, handle_of
 from joynexus.api.errors import InvalidInput
@@ -52,7 +52,8 @@ class TrainingPrimitives(GatewayBase):
             device_seconds=seconds,
         )
 
-    def forward_backward(self, tenant_id: str, request: s.ForwardBackwardRequest) -> s.ForwardBackwardResult:
+    def forward_backward_columns(self, tenant_id: str, request: s.ForwardBackwardRequest) -> dict[str, Any]:
+        """The checked columns of a forward_backward call (blocking, or a future's)."""
         tenant = self.tenant(tenant_id)
         columns = sample_columns(tenant, request, self.limits.max_samples_per_request)
         samples = len(columns["task"])
@@ -62,6 +63,11 @@ class TrainingPrimitives(GatewayBase):
             columns["advantages"] = float_array(request.advantages, "advantages", (samples,))
         elif request.advantages is not None:
             raise InvalidInput("advantages", "only used with loss 'advantage_weighted' or 'policy_gradient'")
+        return columns
+
+    def forward_backward(self, tenant_id: str, request: s.ForwardBackwardRequest) -> s.ForwardBackwardResult:
+        columns = self.forward_backward_columns(tenant_id, request)
+        samples = len(columns["task"])
         self.check_admission(tenant_id)
         with service_errors("batch"):
             result, seconds = timed_call(
