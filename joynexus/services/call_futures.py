@@ -108,6 +108,7 @@ class _TenantQueue:
     draining: bool = False
     last_contact: float = 0.0
     open_gradients: bool = False  # a future's forward_backward succeeded since the last step / discard
+    chain_mark: tuple[int, int] | None = None  # (version, accumulated microbatches) its last one left
     failed_in_chain: str | None = None  # the failed forward_backward future of the open chain
     discarded: str | None = None  # why the chain's gradients were discarded (for the next optim_step)
 
@@ -203,8 +204,10 @@ class CallFutures:
             tenants = list(self._tenants)
         discarded = [t for t in tenants if self._discard_if_abandoned(t, now)]
         with self._lock:
-            for queue in self._tenants.values():
+            for tenant_id, queue in list(self._tenants.items()):
                 self._expire(queue, now)
+                if not (queue.kept or queue.pending or queue.draining or queue.open_gradients or queue.discarded):
+                    del self._tenants[tenant_id]  # nothing left of it: a deleted tenant leaves no trace
         return discarded
 
     def close(self) -> None:
@@ -263,6 +266,7 @@ class CallFutures:
         if call.kind == "forward_backward":
             if error is None:
                 queue.open_gradients, queue.discarded = True, None
+                queue.chain_mark = (result["version"], result["accumulated_microbatches"])
             elif queue.failed_in_chain is None:  # the next optim_step of this chain is refused
                 queue.failed_in_chain = call.future_id
         elif call.kind == "optim_step":
@@ -290,16 +294,18 @@ class CallFutures:
                 return False
             queue.open_gradients, queue.failed_in_chain = False, None
             queue.draining = True  # nothing of this tenant runs while its gradients go
-        try:
-            dropped = self.training.discard_pending_gradients(tenant_id)
+            mark = queue.chain_mark
+        try:  # only what the chain left: a blocking step or microbatch since then keeps them
+            dropped = self.training.discard_pending_gradients(tenant_id, mark)
         except Exception:  # the tenant is gone (its slot with it): nothing left to discard
             dropped = {"microbatches": 0}
         with self._lock:
-            queue.discarded = (
-                f"the futures chain's {dropped['microbatches']} forward_backward microbatches were discarded "
-                f"after {idle:.0f} s without a call or collect from the client (abandon_after_s="
-                f"{self.limits.abandon_after_s:g})"
-            )
+            if dropped["microbatches"]:
+                queue.discarded = (
+                    f"the futures chain's {dropped['microbatches']} forward_backward microbatches were discarded "
+                    f"after {idle:.0f} s without a call or collect from the client (abandon_after_s="
+                    f"{self.limits.abandon_after_s:g})"
+                )
             queue.draining = False
             start = bool(queue.pending)
             queue.draining = start

@@ -103,3 +103,20 @@ def test_kept_results_and_waiting_calls_are_bounded(service):
     with pytest.raises(UnknownFuture):  # and nobody else reads them
         queue.collect("someone-else", ids[1])
     queue.close()
+
+
+def test_the_sweep_keeps_gradients_the_chain_did_not_leave(service):
+    cfg = add(service, "cf-mixed", "arm")
+    queue = futures(service, abandon_after_s=30.0)
+    first = queue.submit(cfg.tenant_id, "forward_backward", {"batch": columns(cfg, "arm")})
+    result(queue, cfg.tenant_id, first["future_id"])
+    # The client went on with blocking calls: a step, then a fresh microbatch of its own.
+    service.optim_step(cfg.tenant_id)
+    service.forward_backward(cfg.tenant_id, columns(cfg, "arm", seed=5))
+    queue._tenants[cfg.tenant_id].last_contact -= 31.0
+    queue.sweep()
+    assert queue.tenant_status(cfg.tenant_id)["discarded"] is None
+    assert service.optim_step(cfg.tenant_id)["microbatches"] == 1  # its microbatch was kept
+    queue.sweep(now=time.time() + 700.0)  # results expired, nothing open: the tenant's entry goes
+    assert cfg.tenant_id not in queue._tenants
+    queue.close()

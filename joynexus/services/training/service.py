@@ -337,13 +337,20 @@ class TrainingModelService:
         return self.primitives.optim_step(tenant_id)
 
     @pins_during_call("_slots")
-    def discard_pending_gradients(self, tenant_id: str) -> dict[str, Any]:
+    def discard_pending_gradients(
+        self, tenant_id: str, expect: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
         """Drop the gradients `forward_backward` calls summed since the last optimizer step (an
         abandoned chain of futures, `services.call_futures`); parameters, optimizer state and
-        version stay. What was dropped: microbatches and samples (0 and 0 if there were none)."""
+        version stay. `expect`: (version, accumulated microbatches) the chain's last call left;
+        other pending gradients (someone stepped or added since) are kept. What was dropped:
+        microbatches and samples (0 and 0 if nothing)."""
         slot = self._slot(tenant_id)
-        pending = self.primitives.pending.pop(tenant_id, None)
+        pending = self.primitives.pending.get(tenant_id)
+        if pending is not None and expect is not None and tuple(expect) != (slot.version, pending.microbatches):
+            pending = None
         if pending is not None:
+            del self.primitives.pending[tenant_id]
             slot.optimizer.zero_grad(set_to_none=True)
         return {
             "tenant_id": tenant_id,
