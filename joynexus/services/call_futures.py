@@ -333,6 +333,9 @@ def call_futures_actor(training: Any, inference: Any, *, database_url: str, name
         "lifetime": "detached",
         "num_cpus": 0,
         "max_concurrency": 64,
+        # Restarted in place if its process dies: the futures it held are lost (collecting one
+        # answers "not found"), new submissions work again at once.
+        "max_restarts": -1,
     }
     if namespace is not None:
         options["namespace"] = namespace
