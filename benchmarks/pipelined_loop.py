@@ -77,7 +77,8 @@ def measure(example: Any, url: str, keys: tuple[str, str], args: argparse.Namesp
         for name in order:
             with JoyNexusClient(url, keys[0] if name == "blocking" else keys[1]) as client:
                 batches = example.Batches(client.tenant(), args.batch)
-                client.sample(*batches(0), n=1, seed=0)  # warm-up
+                client.sample(*batches(0), n=1, seed=0)  # warm-up, the futures path too (on Ray its
+                client.sample_async(*batches(0), n=1, seed=0).result(timeout=300)  # actor starts on first use)
                 started = time.perf_counter()
                 loops[name](client, batches, args.iterations, args.n, work_ms / 1000.0)
                 rates[name].append(args.iterations / (time.perf_counter() - started))

@@ -6,9 +6,10 @@ Each iteration draws `n` action chunks per observation from the tenant's current
 is to a target that depends on the state; `--client-work-ms` stands for a simulator or a reward
 model), and takes one policy-gradient step with group-normalized advantages.
 
-Pipelined: the next batch's `sample_async` is queued BEFORE this batch's step, so the server samples
-it while the client scores this one, and the client scores the next batch while the server runs
-this step. The next batch was therefore drawn one version behind the policy it trains: the loss is
+Pipelined: the next batch's `sample_async` is queued BEFORE this batch's step, and its
+`compute_logprobs_async` right after the step, so while the client scores a batch the server runs
+the previous step, these log-probabilities and the next draw; the client waits only when the server
+is behind. The next batch is therefore drawn one version behind the policy it trains: the loss is
 importance-sampled, ratio = pi_current / pi_behavior from `compute_logprobs_async` (queued after the
 step, so it sees the new version; a tenant's calls run in submission order), clipped to [0, 2], and
 the step's advantages are ratio * advantage (the gradient of -mean(ratio * A) with the ratio's own
@@ -104,22 +105,23 @@ def blocking_loop(client: JoyNexusClient, batches: Batches, iterations: int, n: 
 def pipelined_loop(client: JoyNexusClient, batches: Batches, iterations: int, n: int, work_s: float) -> list[dict]:
     history, steps = [], []
     images, state = batches(0)
-    drawing = client.sample_async(images, state, n=n, seed=0)
+    drawn = client.sample(images, state, n=n, seed=0)
+    current = client.compute_logprobs_async(*_flat(images, state, drawn.actions.to_numpy()))
     for i in range(iterations):
-        drawn = drawing.result(timeout=120)
-        if i + 1 < iterations:  # queued before this step: the server samples while we score
+        actions, behavior = drawn.actions.to_numpy(), drawn.log_probs.to_numpy().reshape(-1)
+        if i + 1 < iterations:  # queued before this step: drawn by the policy this batch trains
             next_images, next_state = batches(i + 1)
             drawing = client.sample_async(next_images, next_state, n=n, seed=i + 1)
-        actions = drawn.actions.to_numpy()
-        advantages = score(state, actions, work_s).reshape(-1)  # overlaps the previous step on the server
+        # Scored while the server runs what is queued (the last step, these log-probs, the next draw).
+        advantages = score(state, actions, work_s).reshape(-1)
+        ratio = np.clip(np.exp(current.result(timeout=120).log_probs.to_numpy() - behavior), 0.0, 2.0)
         rows = _flat(images, state, actions)
-        current = client.compute_logprobs_async(*rows).result(timeout=120).log_probs.to_numpy()
-        ratio = np.clip(np.exp(current - drawn.log_probs.to_numpy().reshape(-1)), 0.0, 2.0)
-        weighted = (ratio * advantages).astype(np.float32)
-        client.forward_backward_async(*rows, loss="policy_gradient", advantages=weighted)
+        client.forward_backward_async(*rows, loss="policy_gradient", advantages=(ratio * advantages).astype(np.float32))
         steps.append((client.optim_step_async(), float(ratio.mean())))
         if i + 1 < iterations:
-            images, state = next_images, next_state
+            images, state, drawn = next_images, next_state, drawing.result(timeout=120)
+            # Queued after the step: the next batch's log-probs under the policy it will train.
+            current = client.compute_logprobs_async(*_flat(images, state, drawn.actions.to_numpy()))
     for step, ratio_mean in steps:  # collected at the end: nothing above waited for a step
         result = step.result(timeout=120)
         history.append({"version": result.version, "loss": result.loss, "ratio_mean": ratio_mean})
