@@ -28,7 +28,18 @@ from joynexus.api.errors import install_exception_handlers
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware
 from joynexus.api.openpi import OpenPiStream
-from joynexus.api.routers import admin, base_model, datasets, foreign, lower, meta, state_control, stream, upper
+from joynexus.api.routers import (
+    admin,
+    base_model,
+    datasets,
+    foreign,
+    futures,
+    lower,
+    meta,
+    state_control,
+    stream,
+    upper,
+)
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import PolicyStream, TenantCounter
 from joynexus.connect import Cluster
@@ -88,6 +99,7 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.include_router(base_model.router)  # GET /v1/base_model: exports run outside JoyNexus
     app.include_router(datasets.router)  # /v1/datasets: tenant dataset uploads
     app.include_router(state_control.router)  # /v1/load_state, /v1/fork
+    app.include_router(futures.router)  # /v1/sample, /v1/compute_logprobs, /v1/futures (issue 28)
     robots = PolicyStream(gateway, keys, settings.policy_stream)
     app.include_router(robots.router())  # robots: /v1/stream
     # openpi clients: /v1/openpi, the same limits and per-tenant connection counts as /v1/stream

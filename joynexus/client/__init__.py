@@ -42,14 +42,18 @@ from joynexus.client.errors import (
     WorkloadFailed,
     WorkloadTimeout,
 )
+from joynexus.client.futures import AsyncCallFuture, CallFuture, FutureTimeout
 from joynexus.client.sync import JoyNexusClient, WorkloadHandle
 from joynexus.client.transport import RetryPolicy
 
 __all__ = [
     "ApiRequestError",
+    "AsyncCallFuture",
     "AsyncJoyNexusClient",
     "AsyncWorkloadHandle",
+    "CallFuture",
     "ConnectionFailed",
+    "FutureTimeout",
     "InvalidArgument",
     "InvalidResponse",
     "JoyNexusClient",

@@ -16,6 +16,7 @@ from joynexus.client.errors import (
     WorkloadFailed,
     WorkloadTimeout,
 )
+from joynexus.client.futures import AsyncFutureCalls
 from joynexus.client.transport import (
     Call,
     ClientBase,
@@ -60,7 +61,7 @@ class AsyncWorkloadHandle:
             await asyncio.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
-class AsyncJoyNexusClient(ClientBase):
+class AsyncJoyNexusClient(ClientBase, AsyncFutureCalls):
     """The same API with `await`; many calls can be in flight at once (e.g. `asyncio.gather`)."""
 
     def __init__(

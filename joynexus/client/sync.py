@@ -17,6 +17,7 @@ from joynexus.client.errors import (
     WorkloadFailed,
     WorkloadTimeout,
 )
+from joynexus.client.futures import SyncFutureCalls
 from joynexus.client.transport import (
     TRANSIENT_ERRORS,
     Call,
@@ -73,7 +74,7 @@ class WorkloadHandle:
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
-class JoyNexusClient(ClientBase):
+class JoyNexusClient(ClientBase, SyncFutureCalls):
     """Synchronous client. `base_url` / `api_key` default to env JOYNEXUS_URL / JOYNEXUS_API_KEY."""
 
     def __init__(

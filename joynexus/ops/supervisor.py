@@ -435,7 +435,9 @@ def remove_service_actors(namespace: str) -> list[str]:
     import ray
 
     removed = []
-    for name in SERVICE_ACTORS:
+    # The lower layer's call queue (`services.call_futures`, detached, created by the first API
+    # server that needs it) goes after the Master and before the services its calls reach.
+    for name in (*SERVICE_ACTORS[:1], "joynexus.call_futures", *SERVICE_ACTORS[1:]):
         try:
             handle = ray.get_actor(name, namespace=namespace)
         except ValueError:

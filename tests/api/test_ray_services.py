@@ -464,3 +464,40 @@ def test_state_control_and_off_policy_losses_run_on_the_resident_services(ray_ap
     assert clipped.status_code == 200 and abs(clipped.json()["loss"] + 1.2) < 1e-3, clipped.text
     step = client.post("/v1/optim_step", json={"lr": 1e-4, "grad_clip": 0.5}, headers=rl.headers)
     assert step.status_code == 200 and step.json()["lr"] == 1e-4 and step.json()["grad_clip"] == 0.5
+
+
+def test_futures_and_sampling_run_on_the_shared_call_queue_actor(ray_api: RayApi, trained: Trained):
+    """Issue 28 on the Ray path: a tenant's futures go to the deployment's ONE `joynexus.call_futures`
+    actor, so calls submitted through two API servers run in order and either server collects them;
+    sampling runs on the resident Training Model Service; the futures' training time is metered."""
+    from joynexus.protocol.wire import Tensor
+
+    sft, rl = trained.sft, trained.rl
+    version = ray_api.client.get("/v1/versions", headers=sft.headers).json()["training_version"]
+    before = ray_api.usage(sft)["device_seconds"]["training"]
+    batch = wire(sample_batch(sft.spec, 2, seed=9))
+    first = ray_api.client.post("/v1/futures/forward_backward", json=batch, headers=sft.headers)
+    second = ray_api.client2.post("/v1/futures/forward_backward", json=batch, headers=sft.headers)
+    step = ray_api.client.post("/v1/futures/optim_step", headers=sft.headers)
+    assert [r.status_code for r in (first, second, step)] == [202, 202, 202], step.text
+    done = ray_api.client2.get(f"/v1/futures/{step.json()['future_id']}", params={"wait_s": 60}, headers=sft.headers)
+    assert done.status_code == 200, done.text
+    assert done.json()["microbatches"] == 2 and done.json()["version"] == version + 1
+    again = ray_api.client.get(f"/v1/futures/{second.json()['future_id']}", headers=sft.headers)
+    assert again.json()["accumulated_microbatches"] == 2
+    named = ray.util.list_named_actors(all_namespaces=True)
+    assert [a for a in named if a["name"] == "joynexus.call_futures" and a["namespace"] == ray_api.namespace]
+
+    obs = sample_batch(rl.spec, 2, seed=1)
+    body = {"observations": wire({"images": obs["images"], "state": obs["state"]}), "n": 2, "seed": 4}
+    sampled = ray_api.client2.post("/v1/futures/sample", json=body, headers=rl.headers).json()
+    drawn = ray_api.client.get(f"/v1/futures/{sampled['future_id']}", params={"wait_s": 60}, headers=rl.headers)
+    blocking = ray_api.client.post("/v1/sample", json=body, headers=rl.headers)
+    assert drawn.status_code == 200 and blocking.status_code == 200, (drawn.text, blocking.text)
+    actions = Tensor.model_validate(drawn.json()["actions"]).to_numpy()
+    np.testing.assert_array_equal(actions, Tensor.model_validate(blocking.json()["actions"]).to_numpy())
+    assert actions.shape == (2, 2, 1, 2) and drawn.json()["log_probs"] is not None
+    deadline = time.monotonic() + 10  # the actor's meter writes within a second or so
+    while ray_api.usage(sft)["device_seconds"]["training"] <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_api.usage(sft)["device_seconds"]["training"] > before

@@ -21,11 +21,13 @@ tenant would reach raises the same `NotFound` as an id that does not exist.
 | `foreign.py` | install foreign weights (tenant or admin), evaluation declarations |
 | `service_errors.py` | service exceptions as API errors |
 | `state_control.py` | load_state, fork (issue 28.3) |
+| `call_futures.py` | sample, compute_logprobs; futures of lower-layer calls (per-tenant ordered queue) |
 """
 
 from __future__ import annotations
 
 from joynexus.api.gateway.base import ApiLimits
+from joynexus.api.gateway.call_futures import FutureOperations
 from joynexus.api.gateway.environment import EnvironmentOperations
 from joynexus.api.gateway.foreign import ForeignOperations
 from joynexus.api.gateway.inference import InferenceOperations
@@ -47,6 +49,7 @@ class ApiGateway(
     EnvironmentOperations,
     ForeignOperations,
     StateControlOperations,
+    FutureOperations,
 ):
     """Every tenant-scoped operation of the API over one deployment (`GatewayBase` holds the state)."""
 

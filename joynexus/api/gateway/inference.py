@@ -3,6 +3,8 @@ of the resident Inference Model Service (which meters the device time itself).""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from joynexus.api.errors import InvalidInput
@@ -19,6 +21,20 @@ class InferenceOperations(GatewayBase):
     def predict(self, tenant_id: str, request: s.PredictRequest, request_key: str | None = None) -> s.PredictResult:
         """Actions for the observations; a request not answered within `request.timeout_s` is
         cancelled in the service (504). With `request_key`, `cancel_predict` can call it off."""
+        arguments = self.predict_arguments(tenant_id, request)
+        self.check_admission(tenant_id)
+        with service_errors("observations"):
+            # The request rides the shared Inference Queue of the resident service, which meters it.
+            result = self.cluster.inference.predict(tenant_id, **arguments, request_key=request_key)
+        return predict_result(result)
+
+    def cancel_predict(self, tenant_id: str, request_key: str) -> bool:
+        """Call off the tenant's predict submitted with `request_key` (its client went away): its
+        queued work leaves the Inference Queue now. Also before the predict arrives there."""
+        return cancel_request(self.cluster.inference, tenant_id, request_key)
+
+    def predict_arguments(self, tenant_id: str, request: s.PredictRequest) -> dict[str, Any]:
+        """The checked arguments of `InferenceModelService.predict` (blocking, or a future's)."""
         tenant = self.tenant(tenant_id)
         obs = request.observations
         images, state, instructions = observation_arrays(
@@ -32,31 +48,25 @@ class InferenceOperations(GatewayBase):
         observations = [
             Observation(images=tuple(images[i]), state=state[i], instruction=instructions[i]) for i in range(n)
         ]
-        self.check_admission(tenant_id)
-        with service_errors("observations"):
-            # The request rides the shared Inference Queue of the resident service, which meters it.
-            result = self.cluster.inference.predict(
-                tenant_id,
-                observations,
-                policy_version=request.policy_version,
-                session_id=request.session_id,
-                seeds=request.seeds,
-                sample=request.sample,
-                timeout_s=request.timeout_s,
-                request_key=request_key,
-            )
-        seconds = float(result.get("device_seconds", 0.0))
-        values, log_probs = result.get("values"), result.get("log_probs")
-        return s.PredictResult(
-            policy_version=result["policy_version"],
-            actions=Tensor.from_numpy(finite_actions(np.asarray(result["actions"], dtype=np.float32))),
-            values=None if values is None else Tensor.from_numpy(np.asarray(values, dtype=np.float32)),
-            log_probs=None if log_probs is None else Tensor.from_numpy(np.asarray(log_probs, dtype=np.float32)),
-            batch_samples=result["batch_samples"],
-            device_seconds=seconds,
-        )
+        return {
+            "observations": observations,
+            "policy_version": request.policy_version,
+            "session_id": request.session_id,
+            "seeds": request.seeds,
+            "sample": request.sample,
+            "timeout_s": request.timeout_s,
+        }
 
-    def cancel_predict(self, tenant_id: str, request_key: str) -> bool:
-        """Call off the tenant's predict submitted with `request_key` (its client went away): its
-        queued work leaves the Inference Queue now. Also before the predict arrives there."""
-        return cancel_request(self.cluster.inference, tenant_id, request_key)
+
+def predict_result(result: dict[str, Any]) -> s.PredictResult:
+    """The service's predict answer on the wire (non-finite actions refused: never sent to a robot)."""
+    seconds = float(result.get("device_seconds", 0.0))
+    values, log_probs = result.get("values"), result.get("log_probs")
+    return s.PredictResult(
+        policy_version=result["policy_version"],
+        actions=Tensor.from_numpy(finite_actions(np.asarray(result["actions"], dtype=np.float32))),
+        values=None if values is None else Tensor.from_numpy(np.asarray(values, dtype=np.float32)),
+        log_probs=None if log_probs is None else Tensor.from_numpy(np.asarray(log_probs, dtype=np.float32)),
+        batch_samples=result["batch_samples"],
+        device_seconds=seconds,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from joynexus.actors import SerializedService, handle_of
 from joynexus.algorithms.policy_losses import OFF_POLICY_LOSSES
@@ -53,7 +53,8 @@ class TrainingPrimitives(GatewayBase):
             device_seconds=seconds,
         )
 
-    def forward_backward(self, tenant_id: str, request: s.ForwardBackwardRequest) -> s.ForwardBackwardResult:
+    def forward_backward_columns(self, tenant_id: str, request: s.ForwardBackwardRequest) -> dict[str, Any]:
+        """The checked columns of a forward_backward call (blocking, or a future's)."""
         tenant = self.tenant(tenant_id)
         columns = sample_columns(tenant, request, self.limits.max_samples_per_request)
         samples = len(columns["task"])
@@ -71,6 +72,11 @@ class TrainingPrimitives(GatewayBase):
                 used_by = " or ".join(map(repr, OFF_POLICY_LOSSES))
                 raise InvalidInput("sampling_logprobs", f"only used with loss {used_by}")
             columns["sampling_logprobs"] = float_array(request.sampling_logprobs, "sampling_logprobs", (samples,))
+        return columns
+
+    def forward_backward(self, tenant_id: str, request: s.ForwardBackwardRequest) -> s.ForwardBackwardResult:
+        columns = self.forward_backward_columns(tenant_id, request)
+        samples = len(columns["task"])
         loss_config = None if request.loss_config is None else request.loss_config.model_dump(exclude_none=True)
         self.check_admission(tenant_id)
         with service_errors("batch"):

@@ -59,6 +59,7 @@ from joynexus.services.training.grouped import GroupTrainer
 from joynexus.services.training.job_groups import JobGroupTrainer
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS, ActiveSlots
 from joynexus.services.training.primitives import LowerLayerPrimitives
+from joynexus.services.training.sampling import PolicySampler
 from joynexus.services.training.slot_table import SlotTable, manifest_dict
 from joynexus.services.training.slots import TenantSlot, TenantSlotError, UnknownTenant, microbatch_to_tensors
 from joynexus.services.training.state_control import load_slot_state
@@ -130,6 +131,7 @@ class TrainingModelService:
         self.grouped = GroupTrainer(self.trainer, self.slot_table)
         self.job_groups = JobGroupTrainer(self.trainer, self.slot_table)
         self.primitives = LowerLayerPrimitives(self.trainer, self.slot_table)
+        self.sampler = PolicySampler(self.trainer, self.slot_table)
         # Which life of this role is answering: a Ray restart in place builds a new one (empty slots),
         # and the Master's Health Manager restores the tenants when it sees the change.
         self.incarnation = uuid.uuid4().hex[:12]
@@ -348,4 +350,42 @@ class TrainingModelService:
         version (`state_control`); pending gradients are discarded. All or nothing."""
         return load_slot_state(self.slot_table, self._slot(tenant_id), version)
 
+    @pins_during_call("_slots")
+    def discard_pending_gradients(
+        self, tenant_id: str, expect: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
+        """Drop the gradients `forward_backward` calls summed since the last optimizer step (an
+        abandoned chain of futures, `services.call_futures`); parameters, optimizer state and
+        version stay. `expect`: (version, accumulated microbatches) the chain's last call left;
+        other pending gradients (someone stepped or added since) are kept. What was dropped:
+        microbatches and samples (0 and 0 if nothing)."""
+        slot = self._slot(tenant_id)
+        pending = self.primitives.pending.get(tenant_id)
+        if pending is not None and expect is not None and tuple(expect) != (slot.version, pending.microbatches):
+            pending = None
+        if pending is not None:
+            del self.primitives.pending[tenant_id]
+            slot.optimizer.zero_grad(set_to_none=True)
+        return {
+            "tenant_id": tenant_id,
+            "microbatches": pending.microbatches if pending else 0,
+            "samples": pending.samples if pending else 0,
+            "version": slot.version,
+        }
 
+    # -- forward-only sampling on the training slot (`sampling`) ------------------------------
+    @pins_during_call("_slots")
+    def sample(
+        self, tenant_id: str, batch: dict[str, Any], n: int = 1, temperature: float = 1.0, seed: int = 0
+    ) -> dict[str, Any]:
+        """`n` action chunks per observation from the slot's current policy, (N, n, chunk, dim),
+        with their log-probabilities (N, n) for a Gaussian policy head (None for a flow-matching
+        head); the same seed gives the same draws. No graph, no gradient, no version change.
+        `batch`: train_batch's columns without `action` / `action_is_pad` (see `sampling`)."""
+        return self.sampler.sample(tenant_id, batch, n, temperature, seed)
+
+    @pins_during_call("_slots")
+    def compute_logprobs(self, tenant_id: str, batch: dict[str, Any]) -> dict[str, Any]:
+        """log pi(action_i | obs_i) under the slot's current Gaussian policy, summed over each
+        sample's unpadded steps: (N,). Forward only: no gradient, no version change."""
+        return self.sampler.compute_logprobs(tenant_id, batch)

@@ -1,0 +1,86 @@
+"""Lower-layer sampling and call futures (a tenant key; issue 28).
+
+- `POST /v1/sample`, `POST /v1/compute_logprobs`: forward-only calls on the caller's training slot;
+- `POST /v1/futures/{call}` (forward_backward, optim_step, predict, sample, compute_logprobs; the
+  body of the blocking call): 202 with the future, queued behind the tenant's earlier calls;
+- `GET /v1/futures/{future_id}?wait_s=`: 200 with the call's own answer once done, the call's own
+  error if it failed, 202 with the future while it waits or runs (after up to `wait_s` seconds).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request, Response
+
+from joynexus.api.middleware import WireRoute
+from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant
+from joynexus.api.routers.responses import respond
+from joynexus.protocol import sampling_schemas as ss
+from joynexus.protocol import schemas as s
+
+router = APIRouter(prefix="/v1", route_class=WireRoute, tags=["lower layer"], responses=ERRORS)
+
+FutureId = Annotated[str, Path(pattern=ss.FUTURE_ID_PATTERN, description="a future of your tenant")]
+
+
+# -- sampling (blocking) ----------------------------------------------------------------------------
+@router.post("/sample", response_model=ss.SampleResult)
+def sample(request: Request, body: ss.SampleRequest, tenant_id: Tenant, gateway: Gateway) -> Response:
+    """`n` action chunks per observation from the current training policy, with log-probabilities."""
+    return respond(request, gateway.sample(tenant_id, body))
+
+
+@router.post("/compute_logprobs", response_model=ss.ComputeLogprobsResult)
+def compute_logprobs(
+    request: Request, body: ss.ComputeLogprobsRequest, tenant_id: Tenant, gateway: Gateway
+) -> Response:
+    """log pi(action | obs) under the current training policy; no gradient, no version change."""
+    return respond(request, gateway.compute_logprobs(tenant_id, body))
+
+
+# -- futures ----------------------------------------------------------------------------------------
+@router.post("/futures/forward_backward", response_model=ss.FutureInfo, status_code=202)
+def forward_backward_async(
+    request: Request, body: s.ForwardBackwardRequest, tenant_id: Tenant, gateway: Gateway
+) -> Response:
+    return respond(request, gateway.submit_call(tenant_id, "forward_backward", body), 202)
+
+
+@router.post("/futures/optim_step", response_model=ss.FutureInfo, status_code=202)
+def optim_step_async(request: Request, tenant_id: Tenant, gateway: Gateway) -> Response:
+    return respond(request, gateway.submit_call(tenant_id, "optim_step", None), 202)
+
+
+@router.post("/futures/predict", response_model=ss.FutureInfo, status_code=202)
+def predict_async(request: Request, body: s.PredictRequest, tenant_id: Tenant, gateway: Gateway) -> Response:
+    return respond(request, gateway.submit_call(tenant_id, "predict", body), 202)
+
+
+@router.post("/futures/sample", response_model=ss.FutureInfo, status_code=202)
+def sample_async(request: Request, body: ss.SampleRequest, tenant_id: Tenant, gateway: Gateway) -> Response:
+    return respond(request, gateway.submit_call(tenant_id, "sample", body), 202)
+
+
+@router.post("/futures/compute_logprobs", response_model=ss.FutureInfo, status_code=202)
+def compute_logprobs_async(
+    request: Request, body: ss.ComputeLogprobsRequest, tenant_id: Tenant, gateway: Gateway
+) -> Response:
+    return respond(request, gateway.submit_call(tenant_id, "compute_logprobs", body), 202)
+
+
+@router.get("/futures/{future_id}", responses={202: {"model": ss.FutureInfo, "description": "not done yet"}})
+def collect(
+    request: Request,
+    future_id: FutureId,
+    tenant_id: Tenant,
+    gateway: Gateway,
+    wait_s: Annotated[float, Query(ge=0, le=60, description="wait this long for the call to finish")] = 0.0,
+) -> Response:
+    """The call's own answer once it is done (the blocking call's model), else 202 with the future."""
+    info, result = gateway.collect_call(tenant_id, future_id, wait_s)
+    if result is None:
+        return respond(request, info, 202)
+    response = respond(request, result)
+    response.headers["X-JoyNexus-Future-Kind"] = info.kind
+    return response
