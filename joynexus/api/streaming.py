@@ -60,6 +60,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from joynexus.api.auth import ApiKeyStore, Principal
 from joynexus.api.errors import ApiError, validation_problems
 from joynexus.api.gateway import ApiGateway
+from joynexus.api.rate_limits import TenantCallLimiter
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import WireError, msgpack_dumps, msgpack_loads
 
@@ -159,6 +160,11 @@ def tenant_interface(cfg: Any) -> dict[str, Any]:
         "action_chunk": cfg.action_chunk,
     }
 
+def _rows(request: s.PredictRequest) -> int:
+    shape = request.observations.state.shape
+    return shape[0] if shape else 0
+
+
 class PolicyStream:
     """The websocket endpoint; one instance per app (it holds the per-tenant connection counts)."""
 
@@ -171,9 +177,13 @@ class PolicyStream:
         keys: ApiKeyStore,
         settings: StreamSettings | None = None,
         connections: TenantCounter | None = None,
+        *,
+        limiter: TenantCallLimiter | None = None,
     ):
         """`connections`: the per-tenant connection counts, shared with another robot endpoint
-        (/v1/openpi) so a tenant's limit covers its robots on both."""
+        (/v1/openpi) so a tenant's limit covers its robots on both. `limiter`: the app's per-tenant
+        rate limits and worker threads, shared with the HTTP routes."""
+        self.limiter = limiter or TenantCallLimiter()
         self.gateway = gateway
         self.keys = keys
         self.settings = settings or StreamSettings()
@@ -337,8 +347,11 @@ class PolicyStream:
                 seeds=obs.seeds,
                 timeout_s=self.settings.request_timeout_s,
             )
-            # Blocks a worker thread while the Inference Queue groups it with other robots' requests.
-            result = await anyio.to_thread.run_sync(self.gateway.predict, tenant_id, request, abandon_on_cancel=True)
+            # Blocks one of the tenant's own worker threads while the Inference Queue groups it with
+            # other robots' requests; over the tenant's rate limit: an error frame with retry_after_s.
+            result = await self.limiter.run(
+                tenant_id, self.gateway.predict, tenant_id, request, samples=_rows(request), wait=True
+            )
             frame: dict[str, Any] = {
                 "type": "actions",
                 "seq": obs.seq,
@@ -349,6 +362,8 @@ class PolicyStream:
             }
         except ApiError as error:
             frame = error_frame(obs.seq, error.code, error.message, error.problems)
+            if error.headers and "Retry-After" in error.headers:
+                frame["retry_after_s"] = float(error.headers["Retry-After"])
         except ValidationError as error:
             problems = [(p.field, p.reason) for p in validation_problems(list(error.errors()), ())]
             frame = error_frame(obs.seq, "invalid_input", "invalid request", problems)
