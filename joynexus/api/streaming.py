@@ -271,7 +271,7 @@ class PolicyStream:
                 raise _Refused(CLOSE_POLICY, "missing API key: send 'Authorization: Bearer <key>' or a hello frame")
         if len(key) > 256:
             raise _Refused(CLOSE_POLICY, "invalid or revoked API key")
-        principal = await anyio.to_thread.run_sync(self.keys.verify, key)
+        principal = await self.keys.authenticate(key)
         if principal is None:
             raise _Refused(CLOSE_POLICY, "invalid or revoked API key")
         if principal.tenant_id is None:

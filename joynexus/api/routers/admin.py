@@ -75,6 +75,7 @@ def delete_tenant(
     its checkpoints and registered model too."""
     report = gateway.delete_tenant(tenant_id, delete_artifacts)
     request.app.state.limiter.forget(tenant_id)  # a tenant created again under this id starts afresh
+    request.app.state.keys.forget_tenant(tenant_id)  # its key rows are gone: no verified key lingers
     return respond(request, s.TenantDeleted(tenant_id=tenant_id, removed=_jsonable_report(report)))
 
 
