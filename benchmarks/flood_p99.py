@@ -2,7 +2,7 @@
 per-tenant rate limits (issues 26.3, 28.6), side by side in one run.
 
   .venv/bin/python benchmarks/flood_p99.py [--seconds 6] [--flood-factor 10] [--victim-callers 2]
-      [--noisy-requests-per-s 20] [--json out.json]
+      [--noisy-requests-per-s 20] [--rounds 2] [--json out.json]
 
 One in-process deployment (`joynexus.connect.in_process`: tiny backbone, SQLite store), two API
 servers over it (uvicorn, real sockets), each with two tenants that trained one step and serve it:
@@ -13,7 +13,8 @@ servers over it (uvicorn, real sockets), each with two tenants that trained one 
 For each server the victim's --victim-callers closed-loop callers send 1-sample predicts, first
 alone (idle), then while the noisy tenant's flood-factor x as many closed-loop callers send the
 same predicts (a 429 waits its Retry-After, as a client should). Callers run in processes of
-their own, so their CPU is not the server's. Printed: the victim's p50 / p99 idle and flooded,
+their own, so their CPU is not the server's. --rounds rounds per server, in alternating order, are
+pooled (a loaded machine's drift then hits both servers alike). Printed: the victim's p50 / p99 idle and flooded,
 the ratio flooded p99 / idle p99 per server, and what the flood got (answers by status).
 
   python benchmarks/flood_p99.py callers <json>    one caller process (used by the above and by
@@ -164,20 +165,29 @@ def serving_tenant(url: str, tenant_id: str, data_dir: Path) -> tuple[str, bytes
 
 
 def measure(url: str, victim: tuple[str, Path], noisy: tuple[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+    """One round on one server: the victim alone, then under the flood."""
     idle = result_of(start_callers(url, victim[0], victim[1], args.victim_callers, args.seconds))
     flood = start_callers(url, noisy[0], noisy[1], args.victim_callers * args.flood_factor, args.seconds + 2)
     time.sleep(1.0)  # the flood is on before the victim measures
     flooded = result_of(start_callers(url, victim[0], victim[1], args.victim_callers, args.seconds))
-    noisy_seen = result_of(flood)
-    idle_p99, flooded_p99 = percentile(idle["latencies"], 99), percentile(flooded["latencies"], 99)
+    return {"idle": idle["latencies"], "flooded": flooded["latencies"], "noisy": result_of(flood)["statuses"]}
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one server pooled: p50 / p99 idle and flooded, their p99 ratio."""
+    idle = [x for r in rounds for x in r["idle"]]
+    flooded = [x for r in rounds for x in r["flooded"]]
+    noisy: dict[str, int] = {}
+    for r in rounds:
+        for status, count in r["noisy"].items():
+            noisy[status] = noisy.get(status, 0) + count
     return {
-        "victim_idle_p50_ms": percentile(idle["latencies"], 50) * 1e3,
-        "victim_idle_p99_ms": idle_p99 * 1e3,
-        "victim_flooded_p50_ms": percentile(flooded["latencies"], 50) * 1e3,
-        "victim_flooded_p99_ms": flooded_p99 * 1e3,
-        "p99_ratio": flooded_p99 / idle_p99,
-        "victim_statuses": flooded["statuses"],
-        "noisy_statuses": noisy_seen["statuses"],
+        "victim_idle_p50_ms": percentile(idle, 50) * 1e3,
+        "victim_idle_p99_ms": percentile(idle, 99) * 1e3,
+        "victim_flooded_p50_ms": percentile(flooded, 50) * 1e3,
+        "victim_flooded_p99_ms": percentile(flooded, 99) * 1e3,
+        "p99_ratio": percentile(flooded, 99) / percentile(idle, 99),
+        "noisy_statuses": noisy,
     }
 
 
@@ -187,6 +197,7 @@ def main() -> None:
     parser.add_argument("--flood-factor", type=int, default=10)
     parser.add_argument("--victim-callers", type=int, default=2)
     parser.add_argument("--noisy-requests-per-s", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per server, alternating, pooled")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -216,8 +227,12 @@ def main() -> None:
                     key, body = serving_tenant(first, who, data_dir)
                     (data_dir / f"{who}.json").write_bytes(body)
                     bodies[who] = (key, data_dir / f"{who}.json")
-                for name, url in urls.items():
-                    results[name] = measure(url, bodies["victim"], bodies["noisy"], args)
+                rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
+                for round_ in range(args.rounds):  # alternating order: drift of the machine hits both
+                    for name in list(urls)[:: 1 if round_ % 2 == 0 else -1]:
+                        rounds[name].append(measure(urls[name], bodies["victim"], bodies["noisy"], args))
+                for name, measured in rounds.items():
+                    results[name] = summary(measured)
         finally:
             cluster.close()
     print(f"victim p99 of 1-sample predicts, {args.victim_callers} callers; noisy tenant: "
