@@ -10,6 +10,8 @@
 | `streaming.py` | the robots' policy stream (/v1/stream, websocket) |
 | `errors.py`, `middleware.py` | JSON error bodies; body-size cap, idempotent replays, msgpack bodies |
 | `cli.py` | `joynexus serve / tenant / workload / versions / export / usage` |
+| `rate_limits.py` | per-tenant token buckets, in-flight bound, worker threads of its own (429 + Retry-After) |
+| `priority_gate.py` | lower-layer training calls admitted to the Training Model Service by tenant priority |
 
 Request / response models and the wire format are in `joynexus.protocol` (shared with `joynexus.client`),
 usage metering and quotas in `joynexus.master.usage`.

@@ -28,6 +28,8 @@ from joynexus.api.errors import install_exception_handlers
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import BodyLimitMiddleware, IdempotencyMiddleware
 from joynexus.api.openpi import OpenPiStream
+from joynexus.api.priority_gate import PriorityGate
+from joynexus.api.rate_limits import TenantCallLimiter
 from joynexus.api.routers import (
     admin,
     base_model,
@@ -86,6 +88,8 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app = FastAPI(title="JoyNexus tenant API", version=API_VERSION, description=__doc__, lifespan=lifespan)
     app.state.gateway = gateway
     app.state.event_streams = TenantCounter()  # open GET /v1/workloads/{id}/stream per tenant
+    app.state.limiter = TenantCallLimiter(settings.rate_limits)  # per-tenant rate limits, in-flight bound
+    app.state.training_gate = PriorityGate(settings.training_call_slots)  # training calls by tenant priority
     app.state.keys = keys
     app.state.settings = settings
     app.state.generated_admin_key = keys.ensure_admin_key()
@@ -100,10 +104,11 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     app.include_router(datasets.router)  # /v1/datasets: tenant dataset uploads
     app.include_router(state_control.router)  # /v1/load_state, /v1/fork
     app.include_router(futures.router)  # /v1/sample, /v1/compute_logprobs, /v1/futures (issue 28)
-    robots = PolicyStream(gateway, keys, settings.policy_stream)
+    robots = PolicyStream(gateway, keys, settings.policy_stream, limiter=app.state.limiter)
     app.include_router(robots.router())  # robots: /v1/stream
     # openpi clients: /v1/openpi, the same limits and per-tenant connection counts as /v1/stream
-    app.include_router(OpenPiStream(gateway, keys, settings.policy_stream, robots.connections).router())
+    openpi = OpenPiStream(gateway, keys, settings.policy_stream, robots.connections, limiter=app.state.limiter)
+    app.include_router(openpi.router())
     return app
 
 

@@ -12,13 +12,17 @@ at the first start and printed once) creates tenants and issues keys.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
 import re
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 
+import anyio.to_thread
 from sqlalchemy import select
 
 from joynexus.core.store import ApiKeyRecord, ControlPlaneStore, utcnow
@@ -69,12 +73,60 @@ def _info(record: ApiKeyRecord) -> KeyInfo:
     )
 
 
+VERIFIED_CACHE_S = 2.0  # how long a verified key is trusted without reading the store again
+_VERIFIED_CACHE_MAX = 4096
+
+
 class ApiKeyStore:
-    """API keys in the control-plane store (table `api_keys`)."""
+    """API keys in the control-plane store (table `api_keys`).
+
+    Keys that verified are remembered for VERIFIED_CACHE_S (`cached`), so a tenant's every call does
+    not take a worker thread for a store read: a burst of one tenant's calls would otherwise fill
+    the shared thread pool with its own authentications. Only valid keys are kept (made-up keys
+    cannot churn it); `revoke` and `forget_tenant` drop entries at once in this process, another
+    API replica trusts a revoked key for at most VERIFIED_CACHE_S."""
 
     def __init__(self, store: ControlPlaneStore, admin_key: str | None = None):
         self.store = store
         self._admin_digest = key_digest(admin_key) if admin_key else None
+        self._verified: dict[str, tuple[float, Principal]] = {}  # digest -> (verified at, principal)
+        self._verified_lock = threading.Lock()
+        self._pending: dict[str, asyncio.Future[Principal | None]] = {}  # digest -> its store read under way
+
+    def cached(self, api_key: str) -> Principal | None:
+        """The principal of a key verified less than VERIFIED_CACHE_S ago; None: ask `verify`."""
+        digest = key_digest(api_key)
+        with self._verified_lock:
+            entry = self._verified.get(digest)
+        if entry is None or time.monotonic() - entry[0] >= VERIFIED_CACHE_S:
+            return None
+        return entry[1]
+
+    async def authenticate(self, api_key: str) -> Principal | None:
+        """`verify` without blocking the event loop: a recently verified key from memory, else one
+        store read in a worker thread, shared by every call that presents the same key meanwhile
+        (a burst of one tenant's calls is one read, not a thread each)."""
+        found = self.cached(api_key)
+        if found is not None:
+            return found
+        digest = key_digest(api_key)
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = self._pending[digest] = asyncio.ensure_future(anyio.to_thread.run_sync(self.verify, api_key))
+            pending.add_done_callback(lambda _: self._pending.pop(digest, None))
+        return await asyncio.shield(pending)
+
+    def forget_tenant(self, tenant_id: str) -> None:
+        """Forget the verified keys of a tenant (deleted: its key rows are gone)."""
+        with self._verified_lock:
+            for digest in [d for d, (_, p) in self._verified.items() if p.tenant_id == tenant_id]:
+                del self._verified[digest]
+
+    def _remember(self, digest: str, principal: Principal) -> None:
+        with self._verified_lock:
+            if len(self._verified) >= _VERIFIED_CACHE_MAX:
+                self._verified.clear()  # rare (thousands of live keys within 2 s): start over
+            self._verified[digest] = (time.monotonic(), principal)
 
     def issue(self, tenant_id: str | None, *, role: str = TENANT, label: str = "") -> IssuedKey:
         if role not in (ADMIN, TENANT):
@@ -103,7 +155,9 @@ class ApiKeyStore:
         stored = record.key_sha256 if record is not None else _DUMMY_DIGEST
         if not hmac.compare_digest(digest, stored) or record is None or record.revoked_at is not None:
             return None
-        return Principal(record.role, record.tenant_id, record.key_id)
+        principal = Principal(record.role, record.tenant_id, record.key_id)
+        self._remember(digest, principal)
+        return principal
 
     def revoke(self, key_id: str) -> KeyInfo | None:
         with self.store.transaction() as session:
@@ -112,6 +166,8 @@ class ApiKeyStore:
                 return None
             if record.revoked_at is None:
                 record.revoked_at = utcnow()
+            with self._verified_lock:
+                self._verified = {d: e for d, e in self._verified.items() if e[1].key_id != key_id}
             session.flush()
             return _info(record)
 

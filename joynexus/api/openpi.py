@@ -193,7 +193,10 @@ class OpenPiStream(PolicyStream):
         started = time.perf_counter()
         try:
             request = predict_request(obs, cfg, self.settings.request_timeout_s)
-            result = await anyio.to_thread.run_sync(self.gateway.predict, tenant_id, request, abandon_on_cancel=True)
+            samples = request.observations.state.shape[0] if request.observations.state.shape else 0
+            result = await self.limiter.run(
+                tenant_id, self.gateway.predict, tenant_id, request, samples=samples, wait=True
+            )
         except ObservationError as error:
             return f"invalid_input: {error.field}: {error.reason}"
         except ValidationError as error:

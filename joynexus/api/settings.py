@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.api.gateway import ApiLimits
+from joynexus.api.rate_limits import RateLimitSettings
 from joynexus.api.streaming import StreamSettings
 from joynexus.master.service import MasterOptions
 
@@ -44,3 +45,10 @@ class ApiSettings(BaseModel):
     # True: anyone who reaches the server may read it (issue 26: the Ingress exposed it).
     metrics_public: bool = False
     metrics_timeout_s: float = Field(default=3.0, gt=0, description="per-source limit of one scrape")
+    # Per-tenant token buckets (requests/s, samples/s) and in-flight bound of lower-layer calls and
+    # robot-stream observations, with per-tenant overrides (joynexus.api.rate_limits); the
+    # environment variable JOYNEXUS_RATE_LIMITS_JSON sets them for `joynexus serve`.
+    rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings.from_env)
+    # Lower-layer training calls at once from this server to the Training Model Service; the waiting
+    # ones pass by tenant priority (spec scheduling.priority), first come first served within one.
+    training_call_slots: int = Field(default=2, ge=1, le=256)

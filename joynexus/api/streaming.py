@@ -60,6 +60,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from joynexus.api.auth import ApiKeyStore, Principal
 from joynexus.api.errors import ApiError, validation_problems
 from joynexus.api.gateway import ApiGateway
+from joynexus.api.rate_limits import TenantCallLimiter
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import WireError, msgpack_dumps, msgpack_loads
 
@@ -159,6 +160,11 @@ def tenant_interface(cfg: Any) -> dict[str, Any]:
         "action_chunk": cfg.action_chunk,
     }
 
+def _rows(request: s.PredictRequest) -> int:
+    shape = request.observations.state.shape
+    return shape[0] if shape else 0
+
+
 class PolicyStream:
     """The websocket endpoint; one instance per app (it holds the per-tenant connection counts)."""
 
@@ -171,9 +177,13 @@ class PolicyStream:
         keys: ApiKeyStore,
         settings: StreamSettings | None = None,
         connections: TenantCounter | None = None,
+        *,
+        limiter: TenantCallLimiter | None = None,
     ):
         """`connections`: the per-tenant connection counts, shared with another robot endpoint
-        (/v1/openpi) so a tenant's limit covers its robots on both."""
+        (/v1/openpi) so a tenant's limit covers its robots on both. `limiter`: the app's per-tenant
+        rate limits and worker threads, shared with the HTTP routes."""
+        self.limiter = limiter or TenantCallLimiter()
         self.gateway = gateway
         self.keys = keys
         self.settings = settings or StreamSettings()
@@ -261,7 +271,7 @@ class PolicyStream:
                 raise _Refused(CLOSE_POLICY, "missing API key: send 'Authorization: Bearer <key>' or a hello frame")
         if len(key) > 256:
             raise _Refused(CLOSE_POLICY, "invalid or revoked API key")
-        principal = await anyio.to_thread.run_sync(self.keys.verify, key)
+        principal = await self.keys.authenticate(key)
         if principal is None:
             raise _Refused(CLOSE_POLICY, "invalid or revoked API key")
         if principal.tenant_id is None:
@@ -337,13 +347,19 @@ class PolicyStream:
                 seeds=obs.seeds,
                 timeout_s=self.settings.request_timeout_s,
             )
-            # Blocks a worker thread while the Inference Queue groups it with other robots' requests.
-            # Keyed, so that if the robot hangs up meanwhile its queued work is called off (issue 26).
+            # Blocks one of the tenant's own worker threads while the Inference Queue groups it with
+            # other robots' requests; over the tenant's rate limit: an error frame with retry_after_s.
+            # Keyed, so that if the robot hangs up meanwhile its queued work is called off at once
+            # (issue 26); the thread keeps its slot until the call really ends (the shield).
             request_key = uuid.uuid4().hex
-            try:
-                result = await anyio.to_thread.run_sync(
-                    self.gateway.predict, tenant_id, request, request_key, abandon_on_cancel=True
+            call = asyncio.ensure_future(
+                self.limiter.run(
+                    tenant_id, self.gateway.predict, tenant_id, request, request_key, samples=_rows(request), wait=True
                 )
+            )
+            call.add_done_callback(_consume_outcome)
+            try:
+                result = await asyncio.shield(call)
             except asyncio.CancelledError:
                 self._call_off(tenant_id, request_key)
                 raise
@@ -357,6 +373,8 @@ class PolicyStream:
             }
         except ApiError as error:
             frame = error_frame(obs.seq, error.code, error.message, error.problems)
+            if error.headers and "Retry-After" in error.headers:
+                frame["retry_after_s"] = float(error.headers["Retry-After"])
         except ValidationError as error:
             problems = [(p.field, p.reason) for p in validation_problems(list(error.errors()), ())]
             frame = error_frame(obs.seq, "invalid_input", "invalid request", problems)
@@ -380,6 +398,12 @@ class PolicyStream:
                 log.warning("could not call off predict %s of tenant %s: %s", request_key, tenant_id, error)
 
         threading.Thread(target=cancel, name="stream-call-off", daemon=True).start()
+
+
+def _consume_outcome(call: asyncio.Future) -> None:
+    """A shielded call whose caller went away: its outcome is nobody's (no 'never retrieved')."""
+    if not call.cancelled():
+        call.exception()
 
 
 __all__ = ["STREAM_PATH", "PolicyStream", "StreamSettings", "TenantCounter", "error_frame"]

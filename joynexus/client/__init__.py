@@ -22,7 +22,9 @@ before sending; `SpecFileError` for a spec file that does not parse, with its li
 `WorkloadFailed` and `WorkloadTimeout` (from a workload handle's `result`).
 
 Retries: only transient failures — connection errors and 502 / 503 / 504 — with exponential
-backoff and jitter; never a 4xx. Every POST carries an `Idempotency-Key` that its retries reuse,
+backoff and jitter; never a 4xx, except with `RetryPolicy(retry_rate_limited=True)` a 429 of a
+per-tenant rate limit (`RateLimited`, which carries the server's `retry_after`), after that wait.
+Every POST carries an `Idempotency-Key` that its retries reuse,
 so a retried optimizer step is applied once.
 
 The package: `errors` (the error kinds), `transport` (URL, retries, encoding and decoding, SSE),
@@ -37,6 +39,7 @@ from joynexus.client.errors import (
     InvalidArgument,
     InvalidResponse,
     JoyNexusError,
+    RateLimited,
     ServerError,
     SpecFileError,
     WorkloadFailed,
@@ -58,6 +61,7 @@ __all__ = [
     "InvalidResponse",
     "JoyNexusClient",
     "JoyNexusError",
+    "RateLimited",
     "RetryPolicy",
     "ServerError",
     "SpecFileError",

@@ -101,7 +101,8 @@ class AsyncJoyNexusClient(ClientBase, AsyncFutureCalls):
             else:
                 if not self._should_retry(attempt, response, None):
                     return self._parse(call, response)
-                await asyncio.sleep(self.retry.delay(attempt, response.headers.get("retry-after")))
+                retry_after = response.headers.get("retry-after")
+                await asyncio.sleep(self.retry.delay(attempt, retry_after, response.status_code))
             attempt += 1
 
     async def tenant(self) -> s.TenantInfo:

@@ -41,6 +41,17 @@ class ApiRequestError(JoyNexusError):
     """4xx: the request was wrong (or refused); retrying the same request will not help."""
 
 
+class RateLimited(ApiRequestError):
+    """429 from a per-tenant rate limit (`code` "rate_limited", "too_many_in_flight" or
+    "too_many_streams"; the problem's field names the setting): the same request succeeds later.
+    `retry_after` is the server's Retry-After in seconds (None if it sent none). A quota refusal
+    ("quota_exceeded") is a plain ApiRequestError: waiting does not lift it."""
+
+    def __init__(self, status_code: int | None, body: s.ErrorBody, retry_after: float | None):
+        super().__init__(status_code, body)
+        self.retry_after = retry_after
+
+
 class ServerError(JoyNexusError):
     """5xx (after the retries, for 502 / 503 / 504)."""
 

@@ -114,7 +114,7 @@ class JoyNexusClient(ClientBase, SyncFutureCalls):
             else:
                 if not self._should_retry(attempt, response, None):
                     return self._parse(call, response)
-                time.sleep(self.retry.delay(attempt, response.headers.get("retry-after")))
+                time.sleep(self.retry.delay(attempt, response.headers.get("retry-after"), response.status_code))
             attempt += 1
 
     # upper layer

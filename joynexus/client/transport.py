@@ -20,6 +20,7 @@ from joynexus.client.errors import (
     InvalidArgument,
     InvalidResponse,
     JoyNexusError,
+    RateLimited,
     ServerError,
 )
 from joynexus.protocol import schemas as s
@@ -47,20 +48,29 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+RATE_LIMIT_CODES = frozenset({"rate_limited", "too_many_in_flight", "too_many_streams"})
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
+    """Retries of transient failures. `retry_rate_limited`: also retry a 429 of a rate limit
+    (`RateLimited`) after the server's Retry-After, waiting at most `max_rate_limit_wait_s` per try."""
+
     attempts: int = 4  # total tries, the first included
     backoff_s: float = 0.25
     max_backoff_s: float = 5.0
     retry_statuses: frozenset[int] = frozenset({502, 503, 504})
+    retry_rate_limited: bool = False
+    max_rate_limit_wait_s: float = 30.0
 
-    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+    def delay(self, attempt: int, retry_after: str | None = None, status_code: int | None = None) -> float:
+        cap = self.max_rate_limit_wait_s if status_code == 429 else self.max_backoff_s
         if retry_after is not None:
             try:
-                return min(self.max_backoff_s, max(0.0, float(retry_after)))
+                return min(cap, max(0.0, float(retry_after)))
             except ValueError:
                 pass
-        return min(self.max_backoff_s, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
+        return min(cap, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
 
 
 @dataclass
@@ -99,8 +109,17 @@ def response_error(response: httpx.Response) -> JoyNexusError:
         except (UnicodeDecodeError, LookupError):
             text = ""
         body = s.ErrorBody(code="http_error", message=text or response.reason_phrase or "no message")
+    if response.status_code == 429 and body.code in RATE_LIMIT_CODES:
+        return RateLimited(response.status_code, body, _seconds(response.headers.get("retry-after")))
     cls = ApiRequestError if response.status_code < 500 else ServerError
     return cls(response.status_code, body)
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return None if value is None else max(0.0, float(value))
+    except ValueError:
+        return None
 
 
 def transport_error(url: str, error: Exception) -> JoyNexusError:
@@ -214,6 +233,8 @@ class ClientBase:
             return False
         if error is not None:
             return isinstance(error, TRANSIENT_ERRORS)
+        if response is not None and response.status_code == 429 and self.retry.retry_rate_limited:
+            return isinstance(response_error(response), RateLimited)
         return response is not None and response.status_code in self.retry.retry_statuses
 
 

@@ -123,6 +123,16 @@ class DeviceSeconds(_Response):
     total: float = 0.0
 
 
+class ThrottleCounts(_Response):
+    """The tenant's calls this API server refused with 429 since it started, by the limit that
+    refused them (`joynexus.api.rate_limits`; `streams`: `max_streams_per_tenant`)."""
+
+    requests_per_s: int = 0
+    samples_per_s: int = 0
+    max_in_flight: int = 0
+    streams: int = 0
+
+
 class Usage(_Response):
     tenant_id: str
     device_seconds: DeviceSeconds
@@ -134,6 +144,7 @@ class Usage(_Response):
     workloads_queued: int = 0
     quota: Quota
     remaining_device_seconds: float | None = None
+    throttled: ThrottleCounts = Field(default_factory=ThrottleCounts)  # this API server's 429s
 
 
 # -- workloads (upper layer) -------------------------------------------------------------------

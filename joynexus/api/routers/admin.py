@@ -76,6 +76,8 @@ def delete_tenant(
     would inherit them): creating a tenant with it answers 409 until the artifacts are purged
     (DELETE /v1/admin/tenants/{tenant_id}/artifacts)."""
     report = gateway.delete_tenant(tenant_id, delete_artifacts)
+    request.app.state.limiter.forget(tenant_id)  # a tenant created again under this id starts afresh
+    request.app.state.keys.forget_tenant(tenant_id)  # its key rows are gone: no verified key lingers
     return respond(request, s.TenantDeleted(tenant_id=tenant_id, removed=_jsonable_report(report)))
 
 
@@ -95,7 +97,9 @@ def set_quota(request: Request, tenant_id: TenantIdPath, body: s.QuotaUpdate, _:
 
 @router.get("/usage", response_model=list[s.Usage])
 def all_usage(request: Request, _: Admin, gateway: Gateway) -> Response:
-    return respond(request, [gateway.usage(t.tenant_id) for t in gateway.tenants()])
+    limiter = request.app.state.limiter
+    usages = [gateway.usage(t.tenant_id) for t in gateway.tenants()]
+    return respond(request, [u.model_copy(update={"throttled": limiter.throttled(u.tenant_id)}) for u in usages])
 
 
 def _jsonable_report(report: dict[str, Any]) -> dict[str, str]:

@@ -18,37 +18,41 @@ from joynexus.protocol import schemas as s
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
 
 
-def gateway_of(request: Request) -> ApiGateway:
+# The dependencies that do no I/O are `async def`: FastAPI runs a sync one in the shared worker
+# thread pool, and a hop there per request is a wait behind whatever fills that pool.
+async def gateway_of(request: Request) -> ApiGateway:
     return request.app.state.gateway
 
 
-def keys_of(request: Request) -> ApiKeyStore:
+async def keys_of(request: Request) -> ApiKeyStore:
     return request.app.state.keys
 
 
-def principal(
+async def principal(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
-    """The caller its bearer key stands for (401 without a valid one)."""
+    """The caller its bearer key stands for (401 without a valid one). A key verified moments ago
+    costs no thread; otherwise the store is read in a worker thread."""
     if credentials is None:
         raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
     verified = request.scope.get("state", {}).get(PRINCIPAL_SCOPE_KEY)  # by IdempotencyMiddleware
     if verified is not None and verified[0] == credentials.credentials:
         return verified[1]
-    found = keys_of(request).verify(credentials.credentials)
+    keys: ApiKeyStore = request.app.state.keys
+    found = await keys.authenticate(credentials.credentials)
     if found is None:
         raise Unauthenticated("invalid or revoked API key")
     return found
 
 
-def tenant_scope(caller: Annotated[Principal, Depends(principal)]) -> str:
+async def tenant_scope(caller: Annotated[Principal, Depends(principal)]) -> str:
     """The caller's tenant id (403 for the admin key, which has no tenant)."""
     if caller.tenant_id is None:
         raise Forbidden("this endpoint acts on a tenant's own resources: call it with that tenant's API key")
     return caller.tenant_id
 
 
-def admin_only(caller: Annotated[Principal, Depends(principal)]) -> Principal:
+async def admin_only(caller: Annotated[Principal, Depends(principal)]) -> Principal:
     if not caller.is_admin:
         raise Forbidden("this endpoint needs the admin key")
     return caller
@@ -71,7 +75,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "no such resource in the caller's tenant (another tenant's id answers the same)"),
         (413, "request body over the size limit"),
         (422, "invalid input: each problem names the field and the reason"),
-        (429, "a quota stops this: the message says which"),
+        (429, "a quota or rate limit stops this: the message says which (rate limits add Retry-After)"),
     )
 }
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {

@@ -8,13 +8,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-import anyio.to_thread
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from joynexus.api.errors import ApiError
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.middleware import WireRoute
+from joynexus.api.rate_limits import TenantCallLimiter
 from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant, WorkloadId
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import TenantCounter
@@ -36,7 +36,7 @@ def event_streams_of(request: Request) -> TenantCounter:
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}},
 )
-def stream_workload(
+async def stream_workload(
     request: Request,
     workload_id: WorkloadId,
     tenant_id: Tenant,
@@ -49,17 +49,27 @@ def stream_workload(
     """Progress and metric events as Server-Sent Events (`event: <kind>`, `id: <seq>`,
     `data: <json>`), ending with `event: end` carrying the final status. A tenant holds at
     most `max_streams_per_tenant` open streams (429 `too_many_streams` beyond)."""
-    gateway.workload(tenant_id, workload_id)  # 404 before the stream starts
     if last_event_id is not None and last_event_id.isdigit():
         after = max(after, int(last_event_id))
+    limiter: TenantCallLimiter = request.app.state.limiter
     limit = settings.max_streams_per_tenant
+    # The slot first: a refused open costs nothing but this check (no thread, no Master call), so a
+    # burst of opens cannot queue up work in front of other tenants' calls.
     if not event_streams.acquire(tenant_id, limit):
+        limiter.refuse_stream(tenant_id)
         raise ApiError(
             f"your tenant already has {limit} open event streams (the limit is {limit} per tenant); "
             "close one, or poll GET /v1/workloads/{id}/events instead",
             [("max_streams_per_tenant", f"limit of {limit} open event streams per tenant reached")],
+            headers={"Retry-After": "1"},
         ).with_status(429, "too_many_streams")
     slot = _StreamSlot(event_streams, tenant_id)
+    try:
+        # 404 before the stream starts; the stream slots already bound these, so they wait for a thread.
+        await limiter.run(tenant_id, gateway.workload, tenant_id, workload_id, wait=True)
+    except BaseException:
+        slot.release()
+        raise
     return _EventStreamResponse(
         slot,
         _event_stream(request, gateway, settings, slot, workload_id, after),
@@ -102,13 +112,14 @@ async def _event_stream(
     """Polls the Master for new events. Async on purpose: between polls the stream holds no
     worker thread (a sleeping sync generator pinned one each, so one tenant's open streams could
     exhaust the threadpool every tenant's calls run in); each poll borrows a thread only for the
-    short blocking call."""
+    short blocking call, one of its tenant's own."""
     tenant_id = slot.tenant_id
+    limiter: TenantCallLimiter = request.app.state.limiter
     try:
         last_sent = time.monotonic()
         while True:
             try:
-                batch = await anyio.to_thread.run_sync(gateway.workload_events, tenant_id, workload_id, after)
+                batch = await limiter.run_unmetered(tenant_id, gateway.workload_events, tenant_id, workload_id, after)
             except ApiError as error:
                 yield f"event: error\ndata: {error.body().model_dump_json()}\n\n"
                 return

@@ -106,5 +106,7 @@ def checkpoint_manifest(request: Request, version: Version, tenant_id: Tenant, g
 
 @router.get("/usage", response_model=s.Usage)
 def usage(request: Request, tenant_id: Tenant, gateway: Gateway) -> Response:
-    """Device-seconds (training, inference), samples, env steps, checkpoint bytes, quota."""
-    return respond(request, gateway.usage(tenant_id))
+    """Device-seconds (training, inference), samples, env steps, checkpoint bytes, quota, and the
+    calls this server refused over the tenant's rate limits (`throttled`)."""
+    throttled = request.app.state.limiter.throttled(tenant_id)
+    return respond(request, gateway.usage(tenant_id).model_copy(update={"throttled": throttled}))

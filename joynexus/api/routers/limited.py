@@ -1,0 +1,45 @@
+"""How lower-layer routes run their blocking work: through the caller tenant's rate limits,
+in-flight bound and own worker threads (`joynexus.api.rate_limits`), training calls also through
+the priority gate in front of the Training Model Service (`joynexus.api.priority_gate`).
+
+The routes are `async def` on purpose: a sync route runs in the server's shared thread pool, which
+one tenant's waiting calls could fill for everyone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import Request, Response
+
+from joynexus.protocol import schemas as s
+from joynexus.protocol.wire import Tensor
+
+
+def rows(tensor: Tensor | None) -> int:
+    """Samples a request tensor carries (its first dimension), for the samples/s bucket."""
+    return tensor.shape[0] if tensor is not None and tensor.shape else 0
+
+
+def batch_samples(batch: s.SampleBatch | s.ObservationBatch) -> int:
+    return rows(batch.state)
+
+
+def column_rows(put: s.QueuePut) -> int:
+    return max((len(column) if isinstance(column, list) else rows(column)) for column in put.columns.values())
+
+
+async def call_limited(
+    request: Request, tenant_id: str, answer: Callable[[], Response], *, samples: int = 0, training: bool = False
+) -> Response:
+    """`answer()` in one of the tenant's worker threads once its limits let it (429 otherwise);
+    with `training`, in its tenant's priority turn for the Training Model Service."""
+    state = request.app.state
+    if not training:
+        return await state.limiter.run(tenant_id, answer, samples=samples)
+    gate, gateway = state.training_gate, state.gateway
+
+    def answer_in_turn() -> Response:
+        priority = gateway.tenant(tenant_id).spec.scheduling.priority  # cached by the gateway
+        return gate.call(priority, answer)
+
+    return await state.limiter.run(tenant_id, answer_in_turn, samples=samples)
