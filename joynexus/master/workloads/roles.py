@@ -171,7 +171,7 @@ class RoleSupervisor(WorkloadBase):
         return {
             "healthy": dead == 0,
             "restarts": self._producer_restarts,
-            "detail": f"{len(running) - dead} of {len(running)} running workloads have a live, starting or done producer",
+            "detail": f"{len(running) - dead} of {len(running)} running workloads have no dead producer",
         }
 
     def _stop_roles(self) -> None:
