@@ -266,11 +266,29 @@ def named_actor(
     )
 
 
-def role_unavailable(error: BaseException) -> bool:
-    """True for errors that mean the service behind a handle is gone or restarting (its calls
-    fail until it is back), not that the call itself was wrong: callers retry or re-queue."""
+class RoleUnavailable(RuntimeError):
+    """A role (the Master, a service, or the Ray cluster under them) is away: restarting in place,
+    or being replaced by a new deployment. Not the call's fault: the caller may retry after
+    `retry_after_s` (the tenant API answers 503 with `Retry-After`)."""
+
+    def __init__(self, role: str, reason: str, retry_after_s: float = 2.0):
+        self.role, self.reason, self.retry_after_s = role, reason, retry_after_s
+        super().__init__(f"{role} is unavailable: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.role, self.reason, self.retry_after_s))
+
+
+def role_unavailable_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean a role is away (`role_unavailable`), for handlers by class."""
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     except ImportError:  # pragma: no cover - ray is a hard dependency
-        return False
-    return isinstance(error, RayActorError | ActorDiedError | ActorUnavailableError)
+        return (RoleUnavailable,)
+    return (RoleUnavailable, RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def role_unavailable(error: BaseException) -> bool:
+    """True for errors that mean the service behind a handle is gone or restarting (its calls
+    fail until it is back), not that the call itself was wrong: callers retry or re-queue."""
+    return isinstance(error, role_unavailable_errors())
