@@ -291,11 +291,11 @@ class ExperimentTracker:
     ) -> None:
         """The payload, its manifest and (if any) its normalizer as the run's artifacts under `artifact_path`."""
         with tempfile.TemporaryDirectory(prefix="joynexus-payload-") as tmp:
-                (Path(tmp) / ACTION_MODULE_FILE).write_bytes(bytes(payload))
-                (Path(tmp) / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-                if normalizer is not None:  # the statistics that turn the module's actions into dataset units
-                    (Path(tmp) / NORMALIZATION_FILE).write_text(normalizer.to_json(), encoding="utf-8")
-                self.client.log_artifacts(run_id, tmp, artifact_path=artifact_path)
+            (Path(tmp) / ACTION_MODULE_FILE).write_bytes(bytes(payload))
+            (Path(tmp) / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+            if normalizer is not None:  # the statistics that turn the module's actions into dataset units
+                (Path(tmp) / NORMALIZATION_FILE).write_text(normalizer.to_json(), encoding="utf-8")
+            self.client.log_artifacts(run_id, tmp, artifact_path=artifact_path)
 
     def _registered_before(
         self, name: str, run_id: str, artifact_path: str, payload: bytes, manifest: TenantManifest
