@@ -57,7 +57,7 @@ class ServiceHandle:
     This is the one place that knows the difference; build one with `service_handle`, which types
     it as the service class so call sites are checked like direct calls."""
 
-    __slots__ = ("_target", "_remote", "_timeout_s")
+    __slots__ = ("_target", "_remote", "_timeout_s", "_gate")
 
     def __init__(self, target: Any, *, timeout_s: float | None = None):
         if isinstance(target, ServiceHandle):
@@ -67,6 +67,18 @@ class ServiceHandle:
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_remote", _is_actor_handle(target))
         object.__setattr__(self, "_timeout_s", timeout_s)
+        object.__setattr__(self, "_gate", None)
+
+    def retarget(self, target: Any) -> None:
+        """Point this handle at another actor of the same role (the role was looked up again: a new
+        deployment, or an actor replaced under its name); every holder of the handle follows."""
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_remote", _is_actor_handle(target))
+
+    def set_gate(self, gate: Callable[[], None] | None) -> None:
+        """`gate()` runs before every remote call and raises `RoleUnavailable` while the role cannot
+        be reached (its deployment is down or being reconnected to), so no call waits on a dead Ray."""
+        object.__setattr__(self, "_gate", gate)
 
     @property
     def is_remote(self) -> bool:
@@ -83,12 +95,14 @@ class ServiceHandle:
         attribute = getattr(self._target, name)
         if not self._remote:
             return attribute
-        timeout_s = self._timeout_s
+        timeout_s, gate = self._timeout_s, self._gate
 
         def remote_call(*args: Any, **kwargs: Any) -> Any:
             import ray
             from ray.exceptions import RayTaskError
 
+            if gate is not None:
+                gate()
             try:
                 return ray.get(attribute.remote(*args, **kwargs), timeout=timeout_s)
             except RayTaskError as error:  # the service's own exception, as a local call would raise it
@@ -107,6 +121,8 @@ class ServiceHandle:
         if self._remote:
             import ray
 
+            if self._gate is not None:
+                self._gate()
             call = getattr(self._target, method).options(concurrency_group=HEALTH_GROUP)
             return ray.get(call.remote(), timeout=timeout_s)
         target = self._target.target if isinstance(self._target, SerializedService) else self._target
@@ -116,6 +132,8 @@ class ServiceHandle:
         """Start `method` (given as the service class's function, e.g. `InferenceModelService.predict`)
         without waiting: a future of its result. Local calls run on a small shared thread pool."""
         if self._remote:
+            if self._gate is not None:
+                self._gate()
             return getattr(self._target, method.__name__).remote(*args, **kwargs).future()
         return _local_pool().submit(getattr(self._target, method.__name__), *args, **kwargs)
 
