@@ -157,6 +157,15 @@ def install_exception_handlers(app: FastAPI) -> None:
     for unavailable in role_unavailable_errors():
         app.add_exception_handler(unavailable, _role_away)
 
+    from joynexus.services.training.slots import UnknownTenant
+
+    @app.exception_handler(UnknownTenant)
+    async def _slot_away(request: Request, error: Exception) -> JSONResponse:
+        # The caller's tenant exists (its key authenticated it): the Training Model Service restarted
+        # and its slot is being restored from the last checkpoint.
+        log.warning("%s %s: %s", request.method, request.url.path, error)
+        return error_response(ServiceUnavailable("the Training Model Service is restoring your tenant's slot"))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(error.status_code, "error")

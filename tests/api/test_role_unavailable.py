@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from joynexus.actors import RoleUnavailable
 from joynexus.api.errors import install_exception_handlers
+from joynexus.services.training.slots import UnknownTenant
 from tests.api.conftest import free_port
 
 ray_exceptions = pytest.importorskip("ray.exceptions")
@@ -28,6 +29,7 @@ def server():
         "died": lambda: ray_exceptions.ActorDiedError(),
         "unavailable": lambda: ray_exceptions.ActorUnavailableError("restarting", None),
         "role": lambda: RoleUnavailable("master", "a new deployment is coming up", retry_after_s=5),
+        "slot": lambda: UnknownTenant("t1"),  # a restarted Training Model Service before its restore
         "bug": lambda: ZeroDivisionError("a real bug"),
     }
 
@@ -52,7 +54,7 @@ def server():
     thread.join(timeout=30)
 
 
-@pytest.mark.parametrize("kind, retry_after", [("died", "2"), ("unavailable", "2"), ("role", "5")])
+@pytest.mark.parametrize("kind, retry_after", [("died", "2"), ("unavailable", "2"), ("role", "5"), ("slot", "2")])
 def test_a_role_away_is_a_503_with_retry_after_on_a_kept_connection(server, kind, retry_after):
     app, port = server
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
