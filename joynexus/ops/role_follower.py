@@ -133,7 +133,8 @@ class RoleFollower:
         init_ray(address)
         self._address = address
         self._look_up_roles()
-        self.cluster.master.ping()  # the new Master has reconciled and started
+        # The new Master has reconciled and started (its raw actor: the handles' gate is still closed).
+        ray.get(handle_of(self.cluster.master).target.ping.remote(), timeout=600)
         self.reconnects += 1
         self._away = None
 
