@@ -200,7 +200,10 @@ class MasterService:
 
         try:
             account = restore_serving_sets(self.deployment)
-            unrecorded = set(served_before or ()) - set(ServingSetStore(self.deployment.store).all())
+            recorded = set(ServingSetStore(self.deployment.store).all())
+            unrecorded = set(served_before or ()) - recorded
+            # A recorded tenant none of whose versions could be loaded still gets its current one.
+            unrecorded |= {t for t in recorded if t in account and not self.deployment.inference_service.versions(t)}
         except Exception as error:  # the service is away: its restart restores it (Health Manager)
             log.warning("serving sets not restored: %s", _reason(error))
             return f"serving sets not restored: {_reason(error)}"

@@ -33,19 +33,21 @@ def restore_serving_sets(deployment: Deployment) -> dict[str, list[int] | str]:
             continue
         served = set(inference.versions(tenant_id))
         loaded: list[int] = []
+        missing: list[str] = []
         for version in serving.versions:
             if version in served:
                 continue
             try:
                 inference.load_weights(_payload(deployment, tenant_id, version))
-            except Exception as error:  # reported; the tenant's other versions still load
-                account[tenant_id] = f"v{version} not restored: {type(error).__name__}: {error}"[:300]
-                log.warning("tenant %s: %s", tenant_id, account[tenant_id])
-                break
+            except Exception as error:  # e.g. a checkpoint pruned since; the tenant's other versions still load
+                missing.append(f"v{version}: {type(error).__name__}: {error}"[:200])
+                continue
             loaded.append(version)
-        else:
-            if loaded:
-                account[tenant_id] = loaded
+        if missing:
+            account[tenant_id] = f"not restored: {'; '.join(missing)}"
+            log.warning("tenant %s: %s", tenant_id, account[tenant_id])
+        elif loaded:
+            account[tenant_id] = loaded
     return account
 
 
