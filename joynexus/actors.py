@@ -57,7 +57,7 @@ class ServiceHandle:
     This is the one place that knows the difference; build one with `service_handle`, which types
     it as the service class so call sites are checked like direct calls."""
 
-    __slots__ = ("_target", "_remote", "_timeout_s")
+    __slots__ = ("_target", "_remote", "_timeout_s", "_gate")
 
     def __init__(self, target: Any, *, timeout_s: float | None = None):
         if isinstance(target, ServiceHandle):
@@ -67,6 +67,18 @@ class ServiceHandle:
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_remote", _is_actor_handle(target))
         object.__setattr__(self, "_timeout_s", timeout_s)
+        object.__setattr__(self, "_gate", None)
+
+    def retarget(self, target: Any) -> None:
+        """Point this handle at another actor of the same role (the role was looked up again: a new
+        deployment, or an actor replaced under its name); every holder of the handle follows."""
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_remote", _is_actor_handle(target))
+
+    def set_gate(self, gate: Callable[[], None] | None) -> None:
+        """`gate()` runs before every remote call and raises `RoleUnavailable` while the role cannot
+        be reached (its deployment is down or being reconnected to), so no call waits on a dead Ray."""
+        object.__setattr__(self, "_gate", gate)
 
     @property
     def is_remote(self) -> bool:
@@ -83,12 +95,14 @@ class ServiceHandle:
         attribute = getattr(self._target, name)
         if not self._remote:
             return attribute
-        timeout_s = self._timeout_s
+        timeout_s, gate = self._timeout_s, self._gate
 
         def remote_call(*args: Any, **kwargs: Any) -> Any:
             import ray
             from ray.exceptions import RayTaskError
 
+            if gate is not None:
+                gate()
             try:
                 return ray.get(attribute.remote(*args, **kwargs), timeout=timeout_s)
             except RayTaskError as error:  # the service's own exception, as a local call would raise it
@@ -107,6 +121,8 @@ class ServiceHandle:
         if self._remote:
             import ray
 
+            if self._gate is not None:
+                self._gate()
             call = getattr(self._target, method).options(concurrency_group=HEALTH_GROUP)
             return ray.get(call.remote(), timeout=timeout_s)
         target = self._target.target if isinstance(self._target, SerializedService) else self._target
@@ -116,6 +132,8 @@ class ServiceHandle:
         """Start `method` (given as the service class's function, e.g. `InferenceModelService.predict`)
         without waiting: a future of its result. Local calls run on a small shared thread pool."""
         if self._remote:
+            if self._gate is not None:
+                self._gate()
             return getattr(self._target, method.__name__).remote(*args, **kwargs).future()
         return _local_pool().submit(getattr(self._target, method.__name__), *args, **kwargs)
 
@@ -266,11 +284,29 @@ def named_actor(
     )
 
 
-def role_unavailable(error: BaseException) -> bool:
-    """True for errors that mean the service behind a handle is gone or restarting (its calls
-    fail until it is back), not that the call itself was wrong: callers retry or re-queue."""
+class RoleUnavailable(RuntimeError):
+    """A role (the Master, a service, or the Ray cluster under them) is away: restarting in place,
+    or being replaced by a new deployment. Not the call's fault: the caller may retry after
+    `retry_after_s` (the tenant API answers 503 with `Retry-After`)."""
+
+    def __init__(self, role: str, reason: str, retry_after_s: float = 2.0):
+        self.role, self.reason, self.retry_after_s = role, reason, retry_after_s
+        super().__init__(f"{role} is unavailable: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.role, self.reason, self.retry_after_s))
+
+
+def role_unavailable_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean a role is away (`role_unavailable`), for handlers by class."""
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     except ImportError:  # pragma: no cover - ray is a hard dependency
-        return False
-    return isinstance(error, RayActorError | ActorDiedError | ActorUnavailableError)
+        return (RoleUnavailable,)
+    return (RoleUnavailable, RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def role_unavailable(error: BaseException) -> bool:
+    """True for errors that mean the service behind a handle is gone or restarting (its calls
+    fail until it is back), not that the call itself was wrong: callers retry or re-queue."""
+    return isinstance(error, role_unavailable_errors())

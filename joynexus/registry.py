@@ -233,6 +233,10 @@ class ExperimentTracker:
         API's ``X-JoyNexus-Manifest-Digest`` says) and ``payload_sha256`` (the payload's bytes).
         Exports of one policy version are byte-identical, so a later export of the same version
         matches both tags. Returns the new registry version number.
+
+        Idempotent: registering again what this run already registered for that policy version (the
+        same manifest digest) returns the existing registry version, so a Master restarted mid-publish
+        completes the workload instead of failing it; a different payload for that version is refused.
         """
         validate_tenant_id(tenant_id)
         if manifest.tenant_id != tenant_id:
@@ -256,17 +260,13 @@ class ExperimentTracker:
         name = registered_model_name(tenant_id)
         normalizer = Normalizer.from_dict(manifest.extra.get("normalization"))
         with self._register_lock:
-            if self.client.list_artifacts(run_id, artifact_path):
-                raise ValueError(
-                    f"run {run_id} already holds a payload for tenant {tenant_id!r} "
-                    f"policy_version {manifest.policy_version} (artifacts are immutable)"
-                )
-            with tempfile.TemporaryDirectory(prefix="joynexus-payload-") as tmp:
-                (Path(tmp) / ACTION_MODULE_FILE).write_bytes(bytes(payload))
-                (Path(tmp) / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-                if normalizer is not None:  # the statistics that turn the module's actions into dataset units
-                    (Path(tmp) / NORMALIZATION_FILE).write_text(normalizer.to_json(), encoding="utf-8")
-                self.client.log_artifacts(run_id, tmp, artifact_path=artifact_path)
+            logged = bool(self.client.list_artifacts(run_id, artifact_path))
+            if logged:
+                existing = self._registered_before(name, run_id, artifact_path, payload, manifest)
+                if existing is not None:
+                    return existing
+            else:
+                self._log_payload(run_id, artifact_path, payload, manifest, normalizer)
             source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
             self._ensure_registered_model(name, tenant_id)
             mv = self.client.create_model_version(
@@ -285,6 +285,42 @@ class ExperimentTracker:
                 description=f"tenant {tenant_id} policy_version {manifest.policy_version}",
             )
         return int(mv.version)
+
+    def _log_payload(
+        self, run_id: str, artifact_path: str, payload: bytes, manifest: TenantManifest, normalizer: Normalizer | None
+    ) -> None:
+        """The payload, its manifest and (if any) its normalizer as the run's artifacts under `artifact_path`."""
+        with tempfile.TemporaryDirectory(prefix="joynexus-payload-") as tmp:
+            (Path(tmp) / ACTION_MODULE_FILE).write_bytes(bytes(payload))
+            (Path(tmp) / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+            if normalizer is not None:  # the statistics that turn the module's actions into dataset units
+                (Path(tmp) / NORMALIZATION_FILE).write_text(normalizer.to_json(), encoding="utf-8")
+            self.client.log_artifacts(run_id, tmp, artifact_path=artifact_path)
+
+    def _registered_before(
+        self, name: str, run_id: str, artifact_path: str, payload: bytes, manifest: TenantManifest
+    ) -> int | None:
+        """The run already holds a payload for this policy version: its registry version if it is
+        these bytes with this manifest (None: the artifacts are there but the version was never
+        created, e.g. the Master died between the two); anything else is refused (artifacts are
+        immutable). The manifest alone does not cover the tensors, so the payload digest counts too."""
+        digest = payload_digest(payload)  # the payload embeds its manifest: equal bytes, equal manifest
+        refused = ValueError(
+            f"run {run_id} already holds a different payload for tenant {manifest.tenant_id!r} "
+            f"policy_version {manifest.policy_version} (artifacts are immutable)"
+        )
+        for mv in self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+            if mv.tags.get("policy_version") != str(manifest.policy_version):
+                continue
+            if (mv.tags.get("manifest_digest"), mv.tags.get("payload_sha256")) != (manifest.digest, digest):
+                raise refused
+            return int(mv.version)
+        with tempfile.TemporaryDirectory(prefix="joynexus-payload-") as tmp:
+            local = self.client.download_artifacts(run_id, f"{artifact_path}/{ACTION_MODULE_FILE}", tmp)
+            logged = Path(local).read_bytes()
+        if payload_digest(logged) != digest:
+            raise refused
+        return None
 
     def set_alias(self, tenant_id: str, alias: str, version: int) -> None:
         """Point ``alias`` (e.g. "production") of the tenant's model at ``version`` (moves it if set)."""

@@ -119,8 +119,24 @@ def test_register_versions_aliases_and_fetch(tracker: ExperimentTracker) -> None
     assert tracker.fetch_tenant_payload("tenant-a")[1] == m2  # newest by default
     with pytest.raises(ValueError, match="either"):
         tracker.fetch_tenant_payload("tenant-a", version=1, alias="production")
-    with pytest.raises(ValueError, match="already holds"):
-        tracker.register_tenant_payload(run_id=run_id, tenant_id="tenant-a", payload=p1, manifest=m1)
+    # Registering the same payload again (a Master restarted mid-publish) is the version registered.
+    assert tracker.register_tenant_payload(run_id=run_id, tenant_id="tenant-a", payload=p1, manifest=m1) == v1
+    p1_other, m1_other, _ = _payload("tenant-a", 1, seed=7)  # other weights under the same policy version
+    with pytest.raises(ValueError, match="already holds a different payload"):
+        tracker.register_tenant_payload(run_id=run_id, tenant_id="tenant-a", payload=p1_other, manifest=m1_other)
+
+
+def test_registration_finishes_what_a_dead_master_left_half_done(tracker: ExperimentTracker) -> None:
+    """Artifacts logged, model version never created (the Master died between the two): registering
+    the same payload again creates the version instead of refusing the logged artifacts."""
+    run_id = tracker.start_workload_run("tenant-h", "wl-h", {})
+    payload, manifest, _ = _payload("tenant-h", 3, seed=3)
+    first = tracker.register_tenant_payload(run_id=run_id, tenant_id="tenant-h", payload=payload, manifest=manifest)
+    tracker.client.delete_model_version(registered_model_name("tenant-h"), str(first))
+    again = tracker.register_tenant_payload(run_id=run_id, tenant_id="tenant-h", payload=payload, manifest=manifest)
+    assert again != first
+    assert tracker.model_version_tags("tenant-h", again)["manifest_digest"] == manifest.digest
+    assert tracker.fetch_tenant_payload("tenant-h", version=again) == (payload, manifest)
 
 
 def test_two_tenants_get_separate_models(tracker: ExperimentTracker) -> None:

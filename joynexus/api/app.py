@@ -48,6 +48,7 @@ from joynexus.connect import Cluster
 from joynexus.core.heap import freeze_startup_heap
 from joynexus.master.usage import UsageLedger
 from joynexus.ops.metrics import MetricsEndpoint
+from joynexus.ops.role_follower import RoleFollower
 from joynexus.protocol import schemas as s
 
 API_VERSION = s.API_VERSION
@@ -71,22 +72,29 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
         default_max_storage_bytes=settings.default_max_storage_bytes,
     )
     gateway = ApiGateway(cluster, keys, ledger, limits=settings.limits)
+    # Ray mode: the roles are looked up again when one is replaced or a new deployment comes up.
+    follower = RoleFollower(cluster) if cluster.mode == "ray" else None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # Predict calls block a worker thread while the Inference Queue batches them together.
         anyio.to_thread.current_default_thread_limiter().total_tokens = 128
         gateway.start()
+        if follower is not None:
+            follower.start()
         # The startup heap out of the cycle collector: a full collection over it would stall the
         # loop and every request for ~0.4 s (the policy stream's p99, issue 17). Once per process.
         freeze_startup_heap()
         try:
             yield
         finally:
+            if follower is not None:
+                follower.stop()
             gateway.stop()
 
     app = FastAPI(title="JoyNexus tenant API", version=API_VERSION, description=__doc__, lifespan=lifespan)
     app.state.gateway = gateway
+    app.state.role_follower = follower
     app.state.event_streams = TenantCounter()  # open GET /v1/workloads/{id}/stream per tenant
     app.state.limiter = TenantCallLimiter(settings.rate_limits)  # per-tenant rate limits, in-flight bound
     app.state.training_gate = PriorityGate(settings.training_call_slots)  # training calls by tenant priority

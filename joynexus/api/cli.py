@@ -106,6 +106,9 @@ def serve(
         raise typer.Exit(code=2)
     settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
     console.log(f"connecting to the services ({services}) of {settings.data_dir}")
+    from joynexus.ops.role_follower import outlive_ray_restarts
+
+    outlive_ray_restarts()  # this server reconnects to a new deployment (down + up) instead of exiting
     cluster = connect(settings, mode="ray") if services == "ray" else in_process(settings)
     app = create_app(cluster, ApiSettings(host=host, port=port, max_body_bytes=max_body_mb << 20))
     if app.state.generated_admin_key:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from joynexus.actors import role_unavailable_errors
 from joynexus.protocol.schemas import ErrorBody, Problem
 from joynexus.protocol.wire import WireError
 
@@ -91,9 +92,19 @@ class QuotaExceeded(ApiError):
     code = "quota_exceeded"
 
 
+RETRY_AFTER_S = 2  # what a 503 tells a client to wait: a role restarting in place is back in seconds
+
+
 class ServiceUnavailable(ApiError):
+    """A role is away (restarting, or a new deployment coming up): retry after `Retry-After`."""
+
     status_code = 503
     code = "unavailable"
+
+    def __init__(
+        self, message: str, problems: list[tuple[str, str]] | None = None, retry_after_s: float = RETRY_AFTER_S
+    ):
+        super().__init__(message, problems, headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -132,6 +143,28 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(WireError)
     async def _wire_invalid(_request: Request, error: WireError) -> JSONResponse:
         return _invalid([Problem(field=error.field, reason=error.reason)])
+
+    async def _role_away(request: Request, error: Exception) -> JSONResponse:
+        # A handler by class (not the catch-all below): the answer keeps the connection alive.
+        role = getattr(error, "role", None) or "a service"
+        log.warning("%s %s: %s is away: %s", request.method, request.url.path, role, error)
+        follower = getattr(request.app.state, "role_follower", None)
+        if follower is not None:  # look the roles up again (a new deployment, a replaced actor)
+            follower.check_now()
+        retry = getattr(error, "retry_after_s", RETRY_AFTER_S)
+        return error_response(ServiceUnavailable(f"{role} is restarting; retry shortly", retry_after_s=retry))
+
+    for unavailable in role_unavailable_errors():
+        app.add_exception_handler(unavailable, _role_away)
+
+    from joynexus.services.training.slots import UnknownTenant
+
+    @app.exception_handler(UnknownTenant)
+    async def _slot_away(request: Request, error: Exception) -> JSONResponse:
+        # The caller's tenant exists (its key authenticated it): the Training Model Service restarted
+        # and its slot is being restored from the last checkpoint.
+        log.warning("%s %s: %s", request.method, request.url.path, error)
+        return error_response(ServiceUnavailable("the Training Model Service is restoring your tenant's slot"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -234,6 +234,16 @@ class TenantTombstoneRecord(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     reason: Mapped[str] = mapped_column(Text)
     deleted_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+class ServingSetRecord(Base):
+    """What the Inference Model Service serves for one tenant (`core/serving_sets.py`): its loaded
+    versions and the one a request without a version gets, restored on every restart path."""
+
+    __tablename__ = "serving_sets"
+
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    versions: Mapped[list] = mapped_column(JSON, default=list)  # ascending
+    pinned_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ControlPlaneStore:

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from joynexus.actors import handle_of, named_actor
+from joynexus.core.serving_sets import ServingSetStore
 from joynexus.core.tenants import Tenant
 from joynexus.data.sources import resolve_dataset_source
 from joynexus.master.deployment import Deployment
@@ -117,6 +118,7 @@ class MasterService:
             leftover_grace_s=self.options.leftover_grace_s,
             retry_unhealthy_every_s=self.options.unhealthy_retry_interval_s,
         )
+        self.last_serving_restore = self._restore_serving_sets()
         self.last_reconcile = self.workloads.reconcile()
         if any(self.last_reconcile.values()):
             log.warning("reconciled after a restart: %s", self.last_reconcile)
@@ -199,14 +201,7 @@ class MasterService:
                 self._restore_slot(tenant)
             return f"restored {len(tenants)} tenant slots from their last checkpoints"
         if role == "inference_service":
-            restored = []
-            for tenant_id in previous.get("tenants", []):
-                try:
-                    self.workloads.publish_weights(tenant_id)
-                    restored.append(tenant_id)
-                except Exception as error:  # that tenant is served again by its next workload
-                    log.warning("serving tenant %s again failed: %s", tenant_id, _reason(error))
-            return f"serving {len(restored)} of {len(previous.get('tenants', []))} tenants again"
+            return self._restore_serving_sets(previous.get("tenants", []))
         if role == "training_queue":
             released = 0
             for job in dep.scheduler.jobs():
@@ -216,6 +211,30 @@ class MasterService:
                 released += 1
             return f"released {released} jobs whose data was lost; producers make new ones"
         return "sessions of its previous life are gone; rollout producers open new ones"
+
+    def _restore_serving_sets(self, served_before: list[str] | None = None) -> str:
+        """What each tenant was served, from the store (`serving_restore.py`); a tenant the service
+        served before without a recorded set (a store from before sets were recorded) gets its
+        current version, as it used to."""
+        from joynexus.master.serving_restore import describe, restore_serving_sets
+
+        try:
+            account = restore_serving_sets(self.deployment)
+            recorded = set(ServingSetStore(self.deployment.store).all())
+            unrecorded = set(served_before or ()) - recorded
+            # A recorded tenant none of whose versions could be loaded still gets its current one.
+            unrecorded |= {t for t in recorded if t in account and not self.deployment.inference_service.versions(t)}
+        except Exception as error:  # the service is away: its restart restores it (Health Manager)
+            log.warning("serving sets not restored: %s", _reason(error))
+            return f"serving sets not restored: {_reason(error)}"
+        for tenant_id in sorted(unrecorded):
+            try:
+                self.workloads.publish_weights(tenant_id)
+            except Exception as error:  # that tenant is served again by its next workload
+                log.warning("serving tenant %s again failed: %s", tenant_id, _reason(error))
+        if account:
+            log.warning("serving sets: %s", account)
+        return describe(account)
 
     def capabilities(self) -> Any:
         return self.deployment.training_service.capabilities()
@@ -296,6 +315,7 @@ class MasterService:
             ("training_slot", lambda: dep.training_service.remove_tenant(tenant_id)),
             ("serving_versions", lambda: dep.inference_service.remove_tenant(tenant_id)),
             ("sessions", lambda: dep.environment_service.close_tenant(tenant_id)),
+            ("serving_set", lambda: ServingSetStore(dep.store).forget(tenant_id)),  # also if inference is away
         )
         if delete_artifacts:
             steps += (

@@ -89,3 +89,19 @@ def test_a_hung_actor_loop_is_replaced_and_its_job_is_not_trained_twice(cluster:
     assert cluster.training.tenant_status(tenant)["jobs_completed"] == 6
     completed = [j for j in dep.scheduler.jobs(tenant_id=tenant) if j.state == "completed"]
     assert len(completed) == 6 and held.job_id in {j.job_id for j in completed}
+
+
+def test_health_is_not_down_while_a_workload_starts_or_finishes(cluster: Cluster, tenant: str):
+    """A workload launching (slot, MLflow run: no producer thread yet) or finishing (its producer
+    returned with the target covered, the last job still training) has no dead producer: the
+    health report stays healthy throughout, so /v1/health gives no false 503 (issue 26.6)."""
+    unhealthy: list[tuple[str, str]] = []
+    probes = 0
+    for _ in range(2):
+        status = cluster.master.submit_workload(tenant, jobs=2)
+        while cluster.master.get_workload(status.workload_id).state not in ("completed", "failed", "cancelled"):
+            report = cluster.master.health()
+            probes += 1
+            unhealthy += [(role, entry["detail"]) for role, entry in report.items() if not entry["healthy"]]
+        assert cluster.master.get_workload(status.workload_id).state == "completed"
+    assert probes > 10 and unhealthy == [], unhealthy[:3]

@@ -3,18 +3,22 @@ of the resident Inference Model Service (which meters the device time itself).""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from joynexus.api.errors import InvalidInput
+from joynexus.api.errors import InvalidInput, ServiceUnavailable
 from joynexus.api.gateway.base import GatewayBase
-from joynexus.api.gateway.service_errors import service_errors
+from joynexus.api.gateway.service_errors import cause_of, service_errors
 from joynexus.api.gateway.tensors import finite_actions, observation_arrays
+from joynexus.core.serving_sets import ServingSetStore
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.cancellation import cancel_request
+from joynexus.services.inference.errors import UnknownPolicyVersion
 
 
 class InferenceOperations(GatewayBase):
@@ -23,7 +27,7 @@ class InferenceOperations(GatewayBase):
         cancelled in the service (504). With `request_key`, `cancel_predict` can call it off."""
         arguments = self.predict_arguments(tenant_id, request)
         self.check_admission(tenant_id)
-        with service_errors("observations"):
+        with service_errors("observations"), self._served_again_soon(tenant_id, request.policy_version):
             # The request rides the shared Inference Queue of the resident service, which meters it.
             result = self.cluster.inference.predict(tenant_id, **arguments, request_key=request_key)
         return predict_result(result)
@@ -56,6 +60,30 @@ class InferenceOperations(GatewayBase):
             "sample": request.sample,
             "timeout_s": request.timeout_s,
         }
+
+
+    @contextmanager
+    def _served_again_soon(self, tenant_id: str, version: int | None) -> Iterator[None]:
+        """A version the store says is served but the service does not hold yet: the service
+        restarted and the Master is loading its serving set back (a 503 to retry, not a 404)."""
+        try:
+            yield
+        except Exception as error:
+            cause = cause_of(error)
+            if not isinstance(cause, UnknownPolicyVersion):
+                raise
+            recorded = ServingSetStore(self.cluster.store).get(tenant_id)
+            if recorded is None or (version is not None and version not in recorded.versions):
+                raise
+            raise ServiceUnavailable(
+                "the Inference Model Service restarted and is loading your served versions again",
+                [
+                    (
+                        "policy_version",
+                        f"v{version if version is not None else recorded.pinned_version} is being restored",
+                    )
+                ],
+            ) from None
 
 
 def predict_result(result: dict[str, Any]) -> s.PredictResult:

@@ -18,6 +18,7 @@ from joynexus.scheduling.inference_queue import InferenceQueueClosed, TenantQueu
 from joynexus.services.environment.service import SessionFailed, SessionLimitExceeded, SimulatorError
 from joynexus.services.inference.service import UnknownPolicyVersion
 from joynexus.services.training.service import TenantSlotError
+from joynexus.services.training.slots import UnknownTenant
 
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.+)$", re.S)
 
@@ -52,6 +53,8 @@ def service_errors(field: str, not_found: tuple[str, Any, str] | None = None) ->
                     [("policy_version", "nothing is being served")],
                 ).with_status(404, "not_found") from None
             raise NotFound("policy version", cause.version, "policy_version") from None
+        if isinstance(cause, UnknownTenant):  # the tenant exists: its slot is being restored after a restart
+            raise ServiceUnavailable("the Training Model Service is restoring your tenant's slot") from None
         if isinstance(cause, KeyError) and not_found is not None:
             raise NotFound(*not_found) from None
         if isinstance(cause, TenantSlotError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from joynexus.api.errors import RETRY_AFTER_S
 from joynexus.api.middleware import WireRoute
 from joynexus.api.routers.dependencies import Gateway, admin_only
 from joynexus.api.routers.responses import respond
@@ -17,7 +18,10 @@ def health(request: Request, gateway: Gateway) -> Response:
     """The truth per role (Master, its threads, every service): 200 when all are healthy, 503
     with the same body when one is down or restoring, or the Master does not answer."""
     report = gateway.health()
-    return respond(request, report, status_code=200 if report.status == "ok" else 503)
+    response = respond(request, report, status_code=200 if report.status == "ok" else 503)
+    if report.status != "ok":  # a role is away or restoring: ask again shortly
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def metrics_router(public: bool) -> APIRouter:

@@ -72,6 +72,7 @@ class _RunningWorkload:
     failures: list[str] = field(default_factory=list)
     producer: Producer | None = None
     resumed: bool = False
+    produced: bool = False  # the producer returned with its target covered (not a dead producer)
 
 
 class WorkloadBase:

@@ -162,13 +162,16 @@ class RoleSupervisor(WorkloadBase):
         return report
 
     def _producers_health(self) -> dict[str, Any]:
+        # Only a producer that died is down. One not started yet (the workload is launching: slot,
+        # MLflow run) or one that returned with its target covered (the last jobs still train) is
+        # not: reporting those gave /v1/health false 503s around every workload (issue 26.6).
         with self._lock:
-            producers = [w.threads for w in self._running.values() if w.workload_id not in self._finishing]
-        alive = sum(1 for threads in producers if any(t.is_alive() for t in threads))
+            running = [w for w in self._running.values() if w.workload_id not in self._finishing]
+        dead = sum(1 for w in running if w.threads and not w.produced and all(_ended(t) for t in w.threads))
         return {
-            "healthy": alive == len(producers),
+            "healthy": dead == 0,
             "restarts": self._producer_restarts,
-            "detail": f"{alive} of {len(producers)} running workloads have a live producer",
+            "detail": f"{len(running) - dead} of {len(running)} running workloads have no dead producer",
         }
 
     def _stop_roles(self) -> None:
@@ -178,3 +181,8 @@ class RoleSupervisor(WorkloadBase):
             role.stop.set()
             if role.thread is not threading.current_thread():
                 role.thread.join(timeout=60)
+
+
+def _ended(thread: threading.Thread) -> bool:
+    """Started and no longer running (a thread not started yet has no ident)."""
+    return thread.ident is not None and not thread.is_alive()

@@ -136,6 +136,7 @@ class TrainingWorkloads(WorkloadBase):
         while not running.stop.is_set():
             try:
                 running.producer.run(running.stop)
+                running.produced = True  # done producing: the last jobs train, then the workload ends
                 return
             except Exception as error:
                 if running.stop.is_set():

@@ -49,6 +49,7 @@ from joynexus.core.heap import freeze_startup_heap, in_ray_actor_process
 from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogram
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.core.service_metrics import service_metrics, timed
+from joynexus.core.serving_sets import ServingSetStore
 from joynexus.models.backbone import Backbone, BackboneFeatures, BackboneSource
 from joynexus.models.module_batching import StackedParameterCache
 from joynexus.models.placement import DevicePlacement
@@ -135,6 +136,9 @@ class InferenceModelService(PredictBySubmit):
         self.backbone: Backbone = source.build(self.placement)
         self.device = self.backbone.device
         self.meter, self._owns_meter = build_meter(meter, database_url)
+        # What it serves, recorded in the store on every change, so each restart path restores it.
+        self._serving_sets = ServingSetStore(self.meter.store) if self.meter is not None else None
+        self._record_lock = threading.Lock()
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0  # read per batch by the worker (tests and benchmarks set it)
         self.max_chunk_samples = max_chunk_samples
@@ -187,7 +191,24 @@ class InferenceModelService(PredictBySubmit):
     @timed("weight_sync_seconds")
     def load_weights(self, payload: bytes) -> dict[str, Any]:
         """Install a tenant payload (safetensors + manifest) as a new serving version."""
-        return self.serving_states.install(payload)
+        loaded = self.serving_states.install(payload)
+        self._record_serving_set(loaded["tenant_id"])
+        return loaded
+
+    def _record_serving_set(self, tenant_id: str) -> None:
+        """Write the tenant's serving set as it is now (read under the lock: the last writer writes
+        the latest set); a store outage is logged, it does not fail the load."""
+        if self._serving_sets is None:
+            return
+        try:
+            with self._record_lock:
+                versions = self.versions(tenant_id)
+                if versions:
+                    self._serving_sets.record(tenant_id, versions)
+                else:
+                    self._serving_sets.forget(tenant_id)
+        except Exception as error:
+            log.warning("serving set of tenant %r not recorded: %s", tenant_id, error)
 
     def versions(self, tenant_id: str) -> list[int]:
         return self.serving_states.versions(tenant_id)
@@ -206,7 +227,9 @@ class InferenceModelService(PredictBySubmit):
     def remove_tenant(self, tenant_id: str) -> int:
         """Forget every serving state of the tenant (tenant deletion), resident or paged out (its
         spill files too); returns how many versions."""
-        return self.serving_states.remove_tenant(tenant_id)
+        removed = self.serving_states.remove_tenant(tenant_id)
+        self._record_serving_set(tenant_id)
+        return removed
 
     def _resolve(self, tenant_id: str, version: int | None) -> ServingState:
         """The serving state a request will use, paged in if it was out; inside `submit` it stays

@@ -1,0 +1,178 @@
+"""Keep a long-lived client of a Ray deployment (the tenant API server) on its roles (issue 26.6).
+
+The API server's typed handles point at named actors of one Ray session. Two things break them:
+- an actor replaced under its name (removed and created again): its old handle is dead for good;
+- a new deployment (`joynexus down` + `up`, or the whole Ray restarted and brought up again): the
+  server's Ray session itself is gone.
+
+`RoleFollower` runs a thread that, every `interval_s` or at once when a call met a role that was
+away (`check_now`, from the API's 503 handler): compares `joynexus up`'s record in the data dir with
+the one it connected under, and on a new deployment closes the handles' gate (calls answer
+`RoleUnavailable`, a 503 with Retry-After), reconnects this process to the new Ray, looks every
+role up again by name and retargets the handles in place (every holder follows), then opens the
+gate; otherwise it looks the roles up again by name and retargets any that changed. It never calls
+Ray while the head's port is closed (a call to a dead GCS would block).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from joynexus.actors import RoleUnavailable, handle_of, init_ray
+from joynexus.connect import Cluster
+from joynexus.ops.deployment_state import DeployError, DeploymentState, read_state
+
+log = logging.getLogger(__name__)
+
+# Cluster attribute -> the named actor of that role.
+ROLE_ACTORS = {
+    "master": "joynexus.master",
+    "queue": "joynexus.training_queue",
+    "training": "joynexus.training_service",
+    "inference": "joynexus.inference_service",
+    "environment": "joynexus.environment_service",
+}
+# A driver whose Ray head is gone longer than Ray's GCS reconnect timeout (60 s) exits; the API
+# server must outlive a `down` + `up` instead, so it waits as long as that takes (set before Ray starts).
+GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+GCS_RECONNECT_S = "86400"
+
+
+def outlive_ray_restarts() -> None:
+    """Let this process's Ray driver wait out a head that is down (call before Ray is initialized)."""
+    os.environ.setdefault(GCS_RECONNECT_ENV, GCS_RECONNECT_S)
+
+
+class RoleFollower:
+    def __init__(self, cluster: Cluster, *, interval_s: float = 1.0, retry_after_s: float = 2.0):
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self.retry_after_s = retry_after_s
+        self._deployment = _deployment_key(self._record())
+        self._address = cluster.settings.ray_address
+        self._away: str | None = None  # why calls are refused now (None: they go through)
+        self._lock = threading.Lock()  # one round at a time
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reconnects = 0
+        self.relookups = 0
+        for attr in ROLE_ACTORS:
+            handle_of(getattr(cluster, attr)).set_gate(self._gate)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> RoleFollower:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="role-follower", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._thread = None
+
+    def check_now(self) -> None:
+        """A call met a role that was away: look the roles up again at once."""
+        self._wake.set()
+
+    @property
+    def away(self) -> str | None:
+        return self._away
+
+    def _gate(self) -> None:
+        reason = self._away
+        if reason is not None:
+            raise RoleUnavailable("the deployment", reason, self.retry_after_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            woken = self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.follow(relookup=woken)
+            except Exception as error:  # the follower outlives a bad round; the next one retries
+                log.warning("following the deployment's roles failed: %s: %s", type(error).__name__, error)
+
+    # -- one round ----------------------------------------------------------------------------------
+    def follow(self, *, relookup: bool = True) -> None:
+        """Reconnect to a new deployment, or look the roles up again (`relookup`)."""
+        with self._lock:
+            state = self._record()
+            key = _deployment_key(state)
+            if self._deployment is not None and key != self._deployment:
+                if state is None or not all(p.alive() for p in state.processes):
+                    self._away = "the deployment is down; waiting for it to come up again"
+                    return
+                self._reconnect(state.ray_address)
+                self._deployment = key
+                return
+            if relookup or self._away is not None:
+                if not _port_open(self._address):
+                    self._away = "the Ray cluster does not answer"
+                    return
+                self._look_up_roles()
+                self._away = None
+
+    def _reconnect(self, address: str) -> None:
+        import ray
+
+        self._away = "reconnecting to a new deployment"
+        log.warning("a new deployment is up at %s: reconnecting this server's Ray session", address)
+        time.sleep(0.2)  # calls that passed the gate a moment ago finish or fail first
+        ray.shutdown()
+        init_ray(address)
+        self._address = address
+        self._look_up_roles()
+        # The new Master has reconciled and started (its raw actor: the handles' gate is still closed).
+        ray.get(handle_of(self.cluster.master).target.ping.remote(), timeout=600)
+        self.reconnects += 1
+        self._away = None
+
+    def _look_up_roles(self) -> None:
+        """Every role by name; retarget each handle whose actor changed."""
+        import ray
+
+        namespace = self.cluster.settings.ray_namespace
+        for attr, name in ROLE_ACTORS.items():
+            handle = handle_of(getattr(self.cluster, attr))
+            actor = ray.get_actor(name, namespace=namespace)
+            if _actor_id(actor) != _actor_id(handle.target):
+                handle.retarget(actor)
+                self.relookups += 1
+                log.warning("role %s looked up again: a new actor under its name", name)
+
+    def _record(self) -> DeploymentState | None:
+        try:
+            return read_state(self.cluster.settings)
+        except DeployError:
+            return None
+
+
+def _deployment_key(state: DeploymentState | None) -> tuple[str, float] | None:
+    return None if state is None else (state.ray_address, state.started_at)
+
+
+def _actor_id(actor: Any) -> Any:
+    return getattr(actor, "_actor_id", None)
+
+
+def _port_open(address: str | None) -> bool:
+    """Whether the Ray head's port accepts connections (no address: a local Ray of this process)."""
+    if not address or ":" not in address or address.startswith("ray://"):
+        return True
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except (OSError, ValueError):
+        return False
