@@ -2,7 +2,7 @@
 
 Run it locally (an in-process deployment, or the one `joynexus up` started on this host):
 
-    .venv/bin/python -m flows.tenant_lifecycle examples/tenant.yaml --jobs 2
+    .venv/bin/python -m flows.tenant_lifecycle examples/specs/sft.yaml --jobs 2
 
 or as the `tenant-lifecycle/on-demand` deployment of `prefect.yaml` through a Prefect worker.
 """

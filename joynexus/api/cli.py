@@ -56,10 +56,15 @@ def _fail(error: Exception) -> typer.Exit:
         return typer.Exit(code=2)
     if isinstance(error, JoyNexusError):
         head = error.code if error.status_code is None else f"{error.status_code} {error.code}"
-        console.print(f"[red]{escape(head)}[/]: {escape(error.message)}", soft_wrap=True)
+        # A problem that only repeats the message (a quota refusal) is folded into it: said once.
+        same = [p for p in error.problems if p.reason == error.message]
+        message = error.message
+        if same and not message.startswith(f"{same[0].field}:"):
+            message = f"{same[0].field}: {message}"
+        console.print(f"[red]{escape(head)}[/]: {escape(message)}", soft_wrap=True)
         for problem in error.problems:
             line = f"{problem.field}: {problem.reason}"
-            if line != error.message:  # a single problem is often the message itself
+            if problem.reason != error.message and line != error.message:  # a single problem is often the message
                 console.print(f"  {escape(line)}", soft_wrap=True)
         return typer.Exit(code=2 if isinstance(error, InvalidArgument) else 1)
     console.print(f"[red]{escape(type(error).__name__)}[/]: {escape(str(error))}", soft_wrap=True)
@@ -153,7 +158,7 @@ def tenant_list(url: str | None = URL, admin_key: str | None = ADMIN_KEY) -> Non
             t.task,
             str(t.action_module.get("kind")),
             ",".join(t.cameras),
-            "x".join(map(str, t.image_size)),
+            "x".join(map(str, t.image_size)) if t.cameras else "-",  # a state-only tenant has no image
             str(t.state_dim),
             str(t.action_dim),
             str(t.action_chunk),
@@ -368,7 +373,7 @@ def versions(
         f"served: {info.serving_versions or '-'}"
     )
     table = Table(title="checkpoints")
-    for column in ("version", "created", "bytes", "manifest digest"):
+    for column in ("version", "created", "bytes", "digest (exports, MLflow)"):
         table.add_column(column)
     for c in info.checkpoints:
         table.add_row(str(c.version), c.created_at[:19], f"{c.size_bytes:,}", c.digest[:16])

@@ -35,6 +35,7 @@ from joynexus.artifacts.codec import (
     _validate_version,
     decode_optimizer_state,
     encode_optimizer_state,
+    export_manifest,
     validate_tenant_id,
 )
 from joynexus.artifacts.stores import blob_store_for, checkpoint_blobs
@@ -51,12 +52,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """One committed checkpoint version as listed: its manifest's time and digest, its bytes."""
+    """One committed checkpoint version as listed: its manifest's time and digest, its bytes, and
+    the digest of the manifest its exports carry (`export_manifest`: what the MLflow registry's
+    `manifest_digest` tag and an export's `X-JoyNexus-Manifest-Digest` say for this version)."""
 
     version: int
     created_at: str
     digest: str
     size_bytes: int
+    export_digest: str = ""
 
 
 class CheckpointStore:
@@ -303,7 +307,11 @@ class CheckpointStore:
                 if self.blobs.exists(f"{self._version_prefix(tenant_id, version)}/{MANIFEST_FILE}"):
                     raise  # present but unreadable: a real error
                 continue  # pruned since the listing: no longer a version
-            out.append(VersionInfo(version, manifest.created_at, manifest.digest, listed[version][1]))
+            out.append(
+                VersionInfo(
+                    version, manifest.created_at, manifest.digest, listed[version][1], export_manifest(manifest).digest
+                )
+            )
         return out
 
     def read_manifest(self, tenant_id: str, version: int) -> TenantManifest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from joynexus.api.errors import InvalidInput
+from joynexus.api.errors import ApiError, InvalidInput, NotFound
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import service_errors
 from joynexus.api.gateway.tensors import observation_arrays
@@ -30,17 +30,20 @@ class InferenceOperations(GatewayBase):
             Observation(images=tuple(images[i]), state=state[i], instruction=instructions[i]) for i in range(n)
         ]
         self.check_admission(tenant_id)
-        with service_errors("observations"):
-            # The request rides the shared Inference Queue of the resident service, which meters it.
-            result = self.cluster.inference.predict(
-                tenant_id,
-                observations,
-                policy_version=request.policy_version,
-                session_id=request.session_id,
-                seeds=request.seeds,
-                sample=request.sample,
-                timeout_s=request.timeout_s,
-            )
+        try:
+            with service_errors("observations"):
+                # The request rides the shared Inference Queue of the resident service, which meters it.
+                result = self.cluster.inference.predict(
+                    tenant_id,
+                    observations,
+                    policy_version=request.policy_version,
+                    session_id=request.session_id,
+                    seeds=request.seeds,
+                    sample=request.sample,
+                    timeout_s=request.timeout_s,
+                )
+        except NotFound as error:
+            raise self._unserved_version(tenant_id, request.policy_version) or error from None
         seconds = float(result.get("device_seconds", 0.0))
         values, log_probs = result.get("values"), result.get("log_probs")
         return s.PredictResult(
@@ -51,3 +54,13 @@ class InferenceOperations(GatewayBase):
             batch_samples=result["batch_samples"],
             device_seconds=seconds,
         )
+
+    def _unserved_version(self, tenant_id: str, version: int | None) -> ApiError | None:
+        """A version that is checkpointed but not served: say how to serve it (None: not checkpointed)."""
+        if version is None or version not in self.cluster.checkpoints.versions(tenant_id):
+            return None
+        how = (
+            f"policy version {version} is checkpointed but not served: load it with POST /v1/weights/load "
+            f'{{"version": {version}}} (Python: client.load_weights(version={version})), then predict again'
+        )
+        return ApiError(how, [("policy_version", how)]).with_status(404, "not_found")

@@ -19,6 +19,7 @@ from joynexus.artifacts import (
     TenantManifest,
     decode_tenant_payload,
     encode_tenant_payload,
+    export_manifest,
 )
 from joynexus.core.tenants import Tenant
 from joynexus.protocol import schemas as s
@@ -38,7 +39,13 @@ class VersionOperations(GatewayBase):
         infos = self.cluster.checkpoints.version_infos(tenant_id, after=start, limit=limit + 1)
         page = infos[:limit]
         checkpoints = [
-            s.CheckpointInfo(version=i.version, created_at=i.created_at, digest=i.digest, size_bytes=i.size_bytes)
+            s.CheckpointInfo(
+                version=i.version,
+                created_at=i.created_at,
+                digest=i.export_digest,
+                size_bytes=i.size_bytes,
+                checkpoint_digest=i.digest,
+            )
             for i in page
         ]
         return s.Versions(
@@ -72,7 +79,9 @@ class VersionOperations(GatewayBase):
             raise ApiError(f"checkpoint version {version} cannot be read: {error}").with_status(
                 500, "checkpoint_unreadable"
             ) from None
-        return encode_tenant_payload(module_state, manifest), manifest
+        # The manifest every export of this version carries (= the MLflow registry's manifest_digest tag).
+        exported = export_manifest(manifest)
+        return encode_tenant_payload(module_state, exported), exported
 
     def save(self, tenant_id: str, include_optim: bool) -> s.Manifest:
         self.check_admission(tenant_id, storage=True)
@@ -151,7 +160,8 @@ class VersionOperations(GatewayBase):
             raise InvalidInput(field, f"version {version} was never issued for your tenant (the newest is {newest})")
         expected: list[str] = []  # digests of the manifests this service gave version `version`
         try:  # one read, not a listing of every checkpoint: a missing manifest means no checkpoint
-            expected.append(self.cluster.checkpoints.read_manifest(tenant_id, version).digest)
+            stored = self.cluster.checkpoints.read_manifest(tenant_id, version)
+            expected += [export_manifest(stored).digest, stored.digest]  # an export of it; an older export
         except CheckpointError as error:
             if not isinstance(error.__cause__, FileNotFoundError):
                 raise ApiError(f"checkpoint version {version} cannot be read: {error}").with_status(
