@@ -280,11 +280,23 @@ def workload_watch(
 
 
 def _follow(client: Any, workload_id: str, progress: Progress, bar: Any) -> None:
-    """Update the bar from the workload's Server-Sent Events until it ends."""
+    """Update the bar from the workload's Server-Sent Events until it ends (the client reconnects
+    across a server restart and resumes after the last event). Training counts jobs (with the loss;
+    RL adds the environment steps its rollouts took), an evaluation counts episodes (with its running
+    success rate)."""
+    env_steps = 0
     for event in client.stream(workload_id):
         data = event.model_dump()
-        if event.kind == "step" and data.get("loss") is not None:
-            progress.update(bar, loss=f"{data['loss']:.4f}", state="running")
+        if event.kind == "started" and data.get("episodes"):  # an evaluation
+            progress.update(bar, total=data["episodes"], unit="episodes", state="running")
+        elif event.kind == "episode":
+            rate = data.get("success_rate") or 0.0
+            progress.update(bar, completed=data.get("done"), total=data.get("total"), detail=f"success {rate:.0%}")
+        elif event.kind == "step" and data.get("loss") is not None:
+            detail = f"loss {data['loss']:.4f}" + (f"  {env_steps:,} env steps" if env_steps else "")
+            progress.update(bar, detail=detail, state="running")
+        elif event.kind == "rl_update":
+            env_steps = max(env_steps, int(data.get("rollout/env_steps") or 0))  # the rollouts' steps so far
         elif event.kind == "job_completed":
             progress.update(bar, completed=data.get("completed_jobs"), version=data.get("version"))
         else:
@@ -297,7 +309,7 @@ def _watch(client: Any, workload_id: str) -> None:
         TextColumn("[bold]{task.fields[workload]}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("jobs  {task.fields[state]}  loss {task.fields[loss]}  v{task.fields[version]}"),
+        TextColumn("{task.fields[unit]}  {task.fields[state]}  {task.fields[detail]}  v{task.fields[version]}"),
         TimeElapsedColumn(),
         console=console,
     )
@@ -307,8 +319,9 @@ def _watch(client: Any, workload_id: str) -> None:
             total=status.target_jobs or None,
             completed=status.completed_jobs,
             workload=workload_id,
+            unit="episodes" if status.task == "eval" else "jobs",
             state=status.state,
-            loss="   -   ",
+            detail="loss    -   " if status.task != "eval" else "",
             version=status.version,
         )
         _run(lambda: _follow(client, workload_id, progress, bar))
