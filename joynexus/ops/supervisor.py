@@ -51,6 +51,7 @@ from joynexus.ops.deployment_state import (
     run_dir,
     write_state,
 )
+from joynexus.ops.ray_ports import RAY_PORT_ROLES, ray_ports
 from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
 
 __all__ = [
@@ -179,8 +180,9 @@ def _executable(name: str) -> str:
 
 def _ray_temp_dir(settings: Settings) -> Path:
     # Ray puts unix sockets under its temp dir: keep the path short (108-byte limit), one per data dir.
+    # Under RAY_TMPDIR when set (Ray's own variable for where its temp dirs go), else the system's.
     digest = hashlib.sha256(str(settings.data_dir).encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / f"joynexus-ray-{digest}"
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"joynexus-ray-{digest}"
 
 
 # Settings fields the processes `up` starts must see as this process does (a Settings object built
@@ -275,14 +277,23 @@ def up(
 
 
 def _refuse_busy_ports(settings: Settings) -> None:
-    """Fail before starting anything when a port `up` would listen on is taken."""
+    """Fail before starting anything when a port `up` would listen on is taken, or the Ray head's
+    ports overlap Ray's worker range or the other services (`ray_ports`)."""
     for given, port, variable in (
         (settings.mlflow_tracking_uri, settings.mlflow_port, "JOYNEXUS_MLFLOW_PORT"),
         (settings.prefect_api_url, settings.prefect_port, "JOYNEXUS_PREFECT_PORT"),
-        (settings.ray_address, settings.ray_port, "JOYNEXUS_RAY_PORT"),
     ):
         if not given and _port_open(HOST, port):
             raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
+    if not settings.ray_address:
+        taken = ray_ports(settings).busy(HOST)
+        if taken:
+            listed = ", ".join(f"{port} ({role})" for role, port in taken)
+            raise DeployError(
+                f"JOYNEXUS_RAY_PORT={settings.ray_port}: the Ray head needs ports {settings.ray_port}-"
+                f"{settings.ray_port + len(RAY_PORT_ROLES) - 1}; in use on {HOST}: {listed} (another deployment?); "
+                "choose another JOYNEXUS_RAY_PORT"
+            )
 
 
 def _start_mlflow(
@@ -329,7 +340,7 @@ def _start_ray_head(
     """Spawn a Ray head (appended to `started`) and wait until its port answers; returns its address."""
     ray_address = f"{HOST}:{settings.ray_port}"
     argv = [
-        _executable("ray"), "start", "--head", "--block", f"--port={settings.ray_port}",
+        _executable("ray"), "start", "--head", "--block", *ray_ports(settings).argv(),
         f"--node-ip-address={HOST}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
         "--include-dashboard=false", f"--temp-dir={_ray_temp_dir(settings)}", "--disable-usage-stats",
     ]  # fmt: skip
