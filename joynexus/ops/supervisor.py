@@ -39,7 +39,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from joynexus.connect import ray_cluster
 from joynexus.ops.deployment_state import (
     ENV_FILE,
     STATE_FILE,
@@ -376,6 +375,8 @@ def _local_artifacts(settings: Settings) -> str:
 def _create_services() -> None:
     """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
     import ray
+
+    from joynexus.connect import ray_cluster  # here, not at the top: status and down never need torch
 
     cluster = ray_cluster(Settings(), detached=True)  # the services and the ONE Master Service
     cluster.inference.stats()  # waits until its backbone is loaded
