@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -400,10 +401,13 @@ def down(
             on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
         except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
             on_stage(f"could not remove the detached actors: {error}")
+    # The actors are gone: Ray's head and the servers stop at once (each may take its grace period).
+    with ThreadPoolExecutor(max_workers=max(1, len(state.processes)), thread_name_prefix="stop") as pool:
+        futures = {process.name: pool.submit(stop_process, process) for process in reversed(state.processes)}
     stopped: dict[str, list[int]] = {}
-    for process in reversed(state.processes):  # Ray first (it holds the simulators), servers last
-        stopped[process.name] = stop_process(process)
-        on_stage(f"stopped {process.name} (pids {stopped[process.name] or 'already gone'})")
+    for name, future in futures.items():
+        stopped[name] = future.result()
+        on_stage(f"stopped {name} (pids {stopped[name] or 'already gone'})")
     (run_dir(settings) / STATE_FILE).unlink(missing_ok=True)
     (run_dir(settings) / ENV_FILE).unlink(missing_ok=True)
     if ray_process is not None:
