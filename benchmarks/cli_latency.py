@@ -125,7 +125,7 @@ def _healthy(url: str) -> bool:
 def measure(tree: Tree, repeat: int, flow: bool) -> dict[str, float]:
     times: dict[str, float] = {}
     times["status (nothing up)"] = statistics.median(tree.cli("status")[0] for _ in range(repeat))
-    elapsed, up = tree.cli("up")
+    elapsed, up = tree.cli("up", "--timeout", "900")
     if up.returncode != 0:
         raise RuntimeError(f"up failed in {tree.root}:\n{up.stdout[-2000:]}{up.stderr[-2000:]}")
     times["up"] = elapsed
