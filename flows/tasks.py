@@ -34,11 +34,16 @@ class WorkloadError(RuntimeError):
     """A training or evaluation workload ended in a state other than `completed`."""
 
 
+# Errors that name their reason and would repeat (bad spec, unknown tenant, failed workload): never
+# retried, and a flow run from the command line prints only their message (flows/failures.py).
+REFUSALS: tuple[type[Exception], ...] = (SpecError, KeyError, ValueError, WorkloadError)
+
+
 def _transient(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition: not for errors that would repeat (bad spec, unknown tenant, failed workload)."""
     try:
         state.result()
-    except (SpecError, KeyError, ValueError, WorkloadError):
+    except REFUSALS:
         return False
     except Exception:
         return True

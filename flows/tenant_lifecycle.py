@@ -2,7 +2,7 @@
 
 Run it locally (an in-process deployment, or the one `joynexus up` started on this host):
 
-    .venv/bin/python -m flows.tenant_lifecycle examples/tenant.yaml --jobs 2
+    .venv/bin/python -m flows.tenant_lifecycle examples/specs/sft.yaml --jobs 2
 
 or as the `tenant-lifecycle/on-demand` deployment of `prefect.yaml` through a Prefect worker.
 """
@@ -82,13 +82,19 @@ def _summary(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from joynexus.spec import parse_workload_spec
+    from flows.failures import run_or_exit
+    from joynexus.spec import SpecError, parse_workload_spec
 
     parser = argparse.ArgumentParser(description=tenant_lifecycle.description)
     parser.add_argument("spec", help="workload spec file (YAML or JSON)")
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args(argv)
-    result = tenant_lifecycle(parse_workload_spec(args.spec), jobs=args.jobs)
+    try:
+        spec = parse_workload_spec(args.spec)
+    except SpecError as error:  # before any flow run: the spec's own refusal, field by field
+        print(f"tenant-lifecycle: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    result = run_or_exit(lambda: tenant_lifecycle(spec, jobs=args.jobs, return_state=True), "tenant-lifecycle")
     print(_summary(result))
 
 

@@ -144,9 +144,13 @@ def ray_cluster(
     from joynexus.services.training.service import TrainingModelService
 
     with _create_lock:
-        queue, training, inference, environment = create_service_actors(settings, detached=detached)
-        master_actor = master_service_actor(settings, options=options, detached=detached)
-        _RESIDENT.append(master_actor)
+        running = _running_actors(settings) if settings.ray_address and options is None else None
+        if running is not None:  # a deployment's actors, found by name: nothing to build or ship to Ray
+            queue, training, inference, environment, master_actor = running
+        else:
+            queue, training, inference, environment = create_service_actors(settings, detached=detached)
+            master_actor = master_service_actor(settings, options=options, detached=detached)
+            _RESIDENT.append(master_actor)
     master = service_handle(MasterService, master_actor)
     ray.get(master_actor.ping.remote(), timeout=timeout_s)  # waits until it has reconciled and started
     return Cluster(
@@ -158,6 +162,24 @@ def ray_cluster(
         queue=service_handle(TrainingQueue, queue),
         mode="ray",
     )
+
+
+def _running_actors(settings: Settings) -> tuple[Any, Any, Any, Any, Any] | None:
+    """(queue, training, inference, environment, master) actor handles of a running deployment at
+    `settings.ray_address`, looked up by name; None unless all five are there (then they are created)."""
+    import ray
+
+    from joynexus.actors import init_ray
+
+    init_ray(settings.ray_address)
+    found = []
+    for name in ("joynexus.training_queue", "joynexus.training_service", "joynexus.inference_service",
+                 "joynexus.environment_service", "joynexus.master"):  # fmt: skip
+        try:
+            found.append(ray.get_actor(name, namespace=settings.ray_namespace))
+        except ValueError:
+            return None
+    return tuple(found)  # type: ignore[return-value]
 
 
 _create_lock = threading.Lock()

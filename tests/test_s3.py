@@ -283,7 +283,7 @@ def test_the_api_reads_checkpoints_through_the_store_on_s3(tmp_path, s3_endpoint
             checkpoints = {c["version"]: c for c in versions["checkpoints"]}
             assert set(checkpoints) >= {1, 2} and all(c["size_bytes"] > 0 for c in checkpoints.values())
             manifest = client.get("/v1/checkpoints/1/manifest", headers=me).json()
-            assert manifest["digest"] == checkpoints[1]["digest"] and manifest["tenant_id"] == "s3-api"
+            assert manifest["digest"] == checkpoints[1]["checkpoint_digest"] and manifest["tenant_id"] == "s3-api"
             old = client.get("/v1/versions/1/export", headers=me)
             assert old.status_code == 200 and len(old.content) > 0
             usage = client.get("/v1/usage", headers=me).json()

@@ -56,10 +56,15 @@ def _fail(error: Exception) -> typer.Exit:
         return typer.Exit(code=2)
     if isinstance(error, JoyNexusError):
         head = error.code if error.status_code is None else f"{error.status_code} {error.code}"
-        console.print(f"[red]{escape(head)}[/]: {escape(error.message)}", soft_wrap=True)
+        # A problem that only repeats the message (a quota refusal) is folded into it: said once.
+        same = [p for p in error.problems if p.reason == error.message]
+        message = error.message
+        if same and not message.startswith(f"{same[0].field}:"):
+            message = f"{same[0].field}: {message}"
+        console.print(f"[red]{escape(head)}[/]: {escape(message)}", soft_wrap=True)
         for problem in error.problems:
             line = f"{problem.field}: {problem.reason}"
-            if line != error.message:  # a single problem is often the message itself
+            if problem.reason != error.message and line != error.message:  # a single problem is often the message
                 console.print(f"  {escape(line)}", soft_wrap=True)
         return typer.Exit(code=2 if isinstance(error, InvalidArgument) else 1)
     console.print(f"[red]{escape(type(error).__name__)}[/]: {escape(str(error))}", soft_wrap=True)
@@ -156,7 +161,7 @@ def tenant_list(url: str | None = URL, admin_key: str | None = ADMIN_KEY) -> Non
             t.task,
             str(t.action_module.get("kind")),
             ",".join(t.cameras),
-            "x".join(map(str, t.image_size)),
+            "x".join(map(str, t.image_size)) if t.cameras else "-",  # a state-only tenant has no image
             str(t.state_dim),
             str(t.action_dim),
             str(t.action_chunk),
@@ -294,11 +299,23 @@ def workload_watch(
 
 
 def _follow(client: Any, workload_id: str, progress: Progress, bar: Any) -> None:
-    """Update the bar from the workload's Server-Sent Events until it ends."""
+    """Update the bar from the workload's Server-Sent Events until it ends (the client reconnects
+    across a server restart and resumes after the last event). Training counts jobs (with the loss;
+    RL adds the environment steps its rollouts took), an evaluation counts episodes (with its running
+    success rate)."""
+    env_steps = 0
     for event in client.stream(workload_id):
         data = event.model_dump()
-        if event.kind == "step" and data.get("loss") is not None:
-            progress.update(bar, loss=f"{data['loss']:.4f}", state="running")
+        if event.kind == "started" and data.get("episodes"):  # an evaluation
+            progress.update(bar, total=data["episodes"], unit="episodes", state="running")
+        elif event.kind == "episode":
+            rate = data.get("success_rate") or 0.0
+            progress.update(bar, completed=data.get("done"), total=data.get("total"), detail=f"success {rate:.0%}")
+        elif event.kind == "step" and data.get("loss") is not None:
+            detail = f"loss {data['loss']:.4f}" + (f"  {env_steps:,} env steps" if env_steps else "")
+            progress.update(bar, detail=detail, state="running")
+        elif event.kind == "rl_update":
+            env_steps = max(env_steps, int(data.get("rollout/env_steps") or 0))  # the rollouts' steps so far
         elif event.kind == "job_completed":
             progress.update(bar, completed=data.get("completed_jobs"), version=data.get("version"))
         else:
@@ -311,7 +328,7 @@ def _watch(client: Any, workload_id: str) -> None:
         TextColumn("[bold]{task.fields[workload]}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("jobs  {task.fields[state]}  loss {task.fields[loss]}  v{task.fields[version]}"),
+        TextColumn("{task.fields[unit]}  {task.fields[state]}  {task.fields[detail]}  v{task.fields[version]}"),
         TimeElapsedColumn(),
         console=console,
     )
@@ -321,8 +338,9 @@ def _watch(client: Any, workload_id: str) -> None:
             total=status.target_jobs or None,
             completed=status.completed_jobs,
             workload=workload_id,
+            unit="episodes" if status.task == "eval" else "jobs",
             state=status.state,
-            loss="   -   ",
+            detail="loss    -   " if status.task != "eval" else "",
             version=status.version,
         )
         _run(lambda: _follow(client, workload_id, progress, bar))
@@ -387,7 +405,7 @@ def versions(
         f"served: {info.serving_versions or '-'}"
     )
     table = Table(title="checkpoints")
-    for column in ("version", "created", "bytes", "manifest digest"):
+    for column in ("version", "created", "bytes", "digest (exports, MLflow)"):
         table.add_column(column)
     for c in info.checkpoints:
         table.add_row(str(c.version), c.created_at[:19], f"{c.size_bytes:,}", c.digest[:16])

@@ -35,6 +35,7 @@ from joynexus.artifacts.codec import (
     action_module_file,
     decode_optimizer_state,
     encode_optimizer_state,
+    export_manifest,
     validate_tenant_id,
 )
 from joynexus.artifacts.stores import blob_store_for, checkpoint_blobs
@@ -53,13 +54,16 @@ log = logging.getLogger(__name__)
 class VersionInfo:
     """One committed checkpoint version as listed: its manifest's time and digest, its bytes, and
     `problem`: None, or why the version cannot be used (its manifest is unreadable or describes
-    another version, or a file it names is missing); such a version is listed, not hidden."""
+    another version, or a file it names is missing); such a version is listed, not hidden.
+    `export_digest`: the digest of the manifest its exports carry (`export_manifest`: what the MLflow
+    registry's `manifest_digest` tag and an export's `X-JoyNexus-Manifest-Digest` say for this version)."""
 
     version: int
     created_at: str
     digest: str
     size_bytes: int
     problem: str | None = None
+    export_digest: str = ""
 
 
 class VersionInUse(ValueError):
@@ -324,7 +328,11 @@ class CheckpointStore:
                 out.append(VersionInfo(version, "", "", size, problem=f"file {MANIFEST_FILE} is invalid: {error}"))
                 continue
             problem = _listing_problem(manifest, tenant_id, version, listed[version].names)
-            out.append(VersionInfo(version, manifest.created_at, manifest.digest, size, problem))
+            out.append(
+                VersionInfo(
+                    version, manifest.created_at, manifest.digest, size, problem, export_manifest(manifest).digest
+                )
+            )
         return out
 
     def read_manifest(self, tenant_id: str, version: int) -> TenantManifest:

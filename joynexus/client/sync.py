@@ -34,6 +34,9 @@ from joynexus.client.transport import (
 from joynexus.protocol import schemas as s
 from joynexus.protocol import state_control as sc
 
+# How long `stream` keeps reconnecting without contact (a server restart takes seconds to minutes).
+STREAM_RECONNECT_S = 300.0
+
 
 class WorkloadHandle:
     """A submitted workload: `.progress()` now, `.result(timeout)` when done, `.events()` live."""
@@ -146,19 +149,28 @@ class JoyNexusClient(ClientBase, SyncFutureCalls):
     def events(self, workload_id: str, after: int = 0) -> s.WorkloadEvents:
         return self._run(Calls.events(workload_id, after))
 
-    def stream(self, workload_id: str, after: int = 0) -> Iterator[s.WorkloadEvent]:
-        """Server-Sent Events of a workload until it ends; reconnects after a dropped connection."""
-        attempt = 0
+    def stream(
+        self, workload_id: str, after: int = 0, *, reconnect_s: float = STREAM_RECONNECT_S
+    ) -> Iterator[s.WorkloadEvent]:
+        """Server-Sent Events of a workload until it ends. A dropped connection or a restarting
+        server (the stream closes without its `end`, connections are refused, 502/503/504) is
+        reconnected from the last event received, for up to `reconnect_s` seconds without contact
+        (before the first contact, the retry policy's attempts)."""
+        attempt, lost_at, why, contacted = 0, None, None, False
         while True:
             try:
                 headers = {**self._headers(), "Accept": "text/event-stream"}
                 path = f"/v1/workloads/{workload_id}/stream"
                 with self._http.stream("GET", path, params={"after": after}, headers=headers, timeout=None) as resp:
+                    if resp.status_code in self.retry.retry_statuses:  # the server is (re)starting
+                        resp.read()
+                        raise httpx.RemoteProtocolError(f"HTTP {resp.status_code} from the stream")
                     if resp.status_code >= 400:
                         resp.read()
                         raise response_error(resp)
-                    parser = SSEParser()
+                    parser, contacted = SSEParser(), True
                     for line in resp.iter_lines():
+                        attempt, lost_at = 0, None  # in contact (events and keep-alives)
                         parsed = parser.feed(line)
                         if parsed is None:
                             continue
@@ -169,18 +181,19 @@ class JoyNexusClient(ClientBase, SyncFutureCalls):
                             raise stream_error(data)
                         event = parse_event(data)
                         after = event.seq
-                        attempt = 0
                         yield event
-                    return
+                why = httpx.RemoteProtocolError("the stream closed before the workload ended")  # a restart
             except TRANSIENT_ERRORS as error:
-                if attempt + 1 >= self.retry.attempts:
-                    raise ConnectionFailed(self.base_url, error) from error
-                time.sleep(self.retry.delay(attempt))
-                attempt += 1
+                why = error
             except JoyNexusError:
                 raise
             except Exception as error:  # any other failure of the connection (httpx, the transport)
                 raise ConnectionFailed(self.base_url, error) from error
+            lost_at = time.monotonic() if lost_at is None else lost_at
+            if time.monotonic() - lost_at > reconnect_s or (not contacted and attempt + 1 >= self.retry.attempts):
+                raise ConnectionFailed(self.base_url, why) from why
+            time.sleep(self.retry.delay(attempt))
+            attempt += 1
 
     def versions(self, *, after: int | None = None, limit: int | None = None) -> s.Versions:
         """The tenant's versions. With `limit`, one page of checkpoints (versions > `after`, None:

@@ -36,10 +36,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from joynexus.connect import ray_cluster
 from joynexus.ops.deployment_state import (
     ENV_FILE,
     STATE_FILE,
@@ -51,6 +51,7 @@ from joynexus.ops.deployment_state import (
     run_dir,
     write_state,
 )
+from joynexus.ops.ray_ports import RAY_PORT_ROLES, ray_ports
 from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
 
 __all__ = [
@@ -179,8 +180,9 @@ def _executable(name: str) -> str:
 
 def _ray_temp_dir(settings: Settings) -> Path:
     # Ray puts unix sockets under its temp dir: keep the path short (108-byte limit), one per data dir.
+    # Under RAY_TMPDIR when set (Ray's own variable for where its temp dirs go), else the system's.
     digest = hashlib.sha256(str(settings.data_dir).encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / f"joynexus-ray-{digest}"
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"joynexus-ray-{digest}"
 
 
 # Settings fields the processes `up` starts must see as this process does (a Settings object built
@@ -275,14 +277,23 @@ def up(
 
 
 def _refuse_busy_ports(settings: Settings) -> None:
-    """Fail before starting anything when a port `up` would listen on is taken."""
+    """Fail before starting anything when a port `up` would listen on is taken, or the Ray head's
+    ports overlap Ray's worker range or the other services (`ray_ports`)."""
     for given, port, variable in (
         (settings.mlflow_tracking_uri, settings.mlflow_port, "JOYNEXUS_MLFLOW_PORT"),
         (settings.prefect_api_url, settings.prefect_port, "JOYNEXUS_PREFECT_PORT"),
-        (settings.ray_address, settings.ray_port, "JOYNEXUS_RAY_PORT"),
     ):
         if not given and _port_open(HOST, port):
             raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
+    if not settings.ray_address:
+        taken = ray_ports(settings).busy(HOST)
+        if taken:
+            listed = ", ".join(f"{port} ({role})" for role, port in taken)
+            raise DeployError(
+                f"JOYNEXUS_RAY_PORT={settings.ray_port}: the Ray head needs ports {settings.ray_port}-"
+                f"{settings.ray_port + len(RAY_PORT_ROLES) - 1}; in use on {HOST}: {listed} (another deployment?); "
+                "choose another JOYNEXUS_RAY_PORT"
+            )
 
 
 def _start_mlflow(
@@ -329,7 +340,7 @@ def _start_ray_head(
     """Spawn a Ray head (appended to `started`) and wait until its port answers; returns its address."""
     ray_address = f"{HOST}:{settings.ray_port}"
     argv = [
-        _executable("ray"), "start", "--head", "--block", f"--port={settings.ray_port}",
+        _executable("ray"), "start", "--head", "--block", *ray_ports(settings).argv(),
         f"--node-ip-address={HOST}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
         "--include-dashboard=false", f"--temp-dir={_ray_temp_dir(settings)}", "--disable-usage-stats",
     ]  # fmt: skip
@@ -366,6 +377,8 @@ def _create_services() -> None:
     """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
     import ray
 
+    from joynexus.connect import ray_cluster  # here, not at the top: status and down never need torch
+
     cluster = ray_cluster(Settings(), detached=True)  # the services and the ONE Master Service
     cluster.inference.stats()  # waits until its backbone is loaded
     ray.shutdown()
@@ -388,10 +401,13 @@ def down(
             on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
         except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
             on_stage(f"could not remove the detached actors: {error}")
+    # The actors are gone: Ray's head and the servers stop at once (each may take its grace period).
+    with ThreadPoolExecutor(max_workers=max(1, len(state.processes)), thread_name_prefix="stop") as pool:
+        futures = {process.name: pool.submit(stop_process, process) for process in reversed(state.processes)}
     stopped: dict[str, list[int]] = {}
-    for process in reversed(state.processes):  # Ray first (it holds the simulators), servers last
-        stopped[process.name] = stop_process(process)
-        on_stage(f"stopped {process.name} (pids {stopped[process.name] or 'already gone'})")
+    for name, future in futures.items():
+        stopped[name] = future.result()
+        on_stage(f"stopped {name} (pids {stopped[name] or 'already gone'})")
     (run_dir(settings) / STATE_FILE).unlink(missing_ok=True)
     (run_dir(settings) / ENV_FILE).unlink(missing_ok=True)
     if ray_process is not None:

@@ -232,10 +232,13 @@ class CheckpointInfo(_Response):
 
     version: int
     created_at: str
+    # The digest of the manifest this version's exports carry: the MLflow registry's manifest_digest
+    # tag and an export's X-JoyNexus-Manifest-Digest (one digest to match a version everywhere).
     digest: str
     size_bytes: int
     corrupt: bool = False
     problem: str | None = None
+    checkpoint_digest: str | None = None  # the checkpoint's own manifest (it also hashes the checkpoint's files)
 
 
 class Versions(_Response):
@@ -372,12 +375,15 @@ class ObservationBatch(_Request):
 
     images: Tensor | None = None  # None (or N x 0 cameras) only for a tenant with no cameras
     state: Tensor
+    # None: the tenant's own instruction (its spec's observation.instruction) for every sample.
     instructions: list[str] | None = Field(default=None, max_length=MAX_SAMPLES_PER_REQUEST)
 
 
 class PredictRequest(_Request):
     observations: ObservationBatch
     policy_version: int | None = Field(default=None, ge=0)  # None: the latest served version
+    # One per observation: the noise a flow-matching module starts from. None: deterministic (the same
+    # observation gives the same actions); pass seeds to draw other actions.
     seeds: list[int] | None = Field(default=None, max_length=MAX_SAMPLES_PER_REQUEST)
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     sample: bool = False  # draw from the tenant's Gaussian policy (stochastic modules) and return log_probs

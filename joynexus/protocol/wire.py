@@ -115,6 +115,10 @@ class Tensor(BaseModel):
     def nbytes(self) -> int:
         return len(self.data)
 
+    def __repr_args__(self) -> list[tuple[str, Any]]:
+        # dtype, shape and size, never the raw bytes (a PredictResult's repr stays one readable line).
+        return [("dtype", self.dtype), ("shape", self.shape), ("nbytes", len(self.data))]
+
 
 def _dtype_name(dtype: np.dtype) -> str | None:
     for name, allowed in DTYPES.items():

@@ -55,6 +55,8 @@ def test_cli_from_tenant_creation_to_export(api, live_server, tmp_path):
     assert capped.exit_code == 0, capped.output
     refused = runner.invoke(app, ["workload", "submit", "--jobs", "1"], env=env)
     assert refused.exit_code == 1 and "429 quota_exceeded" in refused.output
+    # the refusal is said once, with the quota it hit
+    assert refused.output.count("no new work is admitted") == 1, refused.output
 
 
 def test_cli_says_which_key_is_missing(live_server):

@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from joynexus.cli import app as cli_app
 from joynexus.client import (
     ApiRequestError,
     AsyncJoyNexusClient,
@@ -181,7 +183,7 @@ def test_an_unreachable_server_raises_connection_failed_after_the_retries():
         with pytest.raises(ConnectionFailed) as caught:
             client.usage()
         with pytest.raises(ConnectionFailed):
-            list(client.stream("w-1"))
+            list(client.stream("w-1"))  # never reached: the retry policy, not the reconnect window
     assert caught.value.code == "connection_failed" and caught.value.status_code is None
     assert url in caught.value.message and isinstance(caught.value.__cause__, httpx.ConnectError)
 
@@ -329,6 +331,11 @@ def test_an_evaluation_workload_of_an_rl_tenant(api, live_server):
         final = client.evaluate(episodes=2).result(timeout=120)
         assert final.task == "eval" and final.result["episodes"] == 2 and "success_rate" in final.result
         assert client.versions().training_version == 0  # evaluation never trains
+    # `workload eval --watch` counts episodes (not `0/? jobs`) with the running success rate
+    env = {"JOYNEXUS_URL": live_server, "JOYNEXUS_API_KEY": created.json()["key"]["api_key"], "COLUMNS": "200"}
+    watched = CliRunner().invoke(cli_app, ["workload", "eval", "--episodes", "2", "--watch"], env=env)
+    assert watched.exit_code == 0, watched.output
+    assert "2/2 episodes" in watched.output and "success" in watched.output and "jobs" not in watched.output
 
 
 def test_the_client_pages_through_versions(api, live_server, monkeypatch):

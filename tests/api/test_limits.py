@@ -65,7 +65,7 @@ def test_versions_come_in_pages_chained_by_next_after(api, checkpointed):
     chunks = [kept[i : i + 2] for i in range(0, len(kept), 2)]
     assert [[c["version"] for c in p["checkpoints"]] for p in pages] == chunks
     assert [p["next_after"] for p in pages] == [c[-1] for c in chunks[:-1]] + [None]
-    assert {c["version"]: c["digest"] for p in pages for c in p["checkpoints"]} == digests
+    assert {c["version"]: c["checkpoint_digest"] for p in pages for c in p["checkpoints"]} == digests
     assert all(c["size_bytes"] > 0 for p in pages for c in p["checkpoints"])
     assert {(p["training_version"], p["optimizer_steps"]) for p in pages} == {(6, 6)}
     # the default page holds them all; a page that ends exactly at the last one says so
@@ -80,7 +80,7 @@ def test_versions_list_a_version_0_checkpoint_by_default(api):
     t = api.tenant("pages-v0")
     manifest = save(api, t)
     listed = api.client.get("/v1/versions", headers=t.headers).json()
-    assert [(c["version"], c["digest"]) for c in listed["checkpoints"]] == [(0, manifest["digest"])]
+    assert [(c["version"], c["checkpoint_digest"]) for c in listed["checkpoints"]] == [(0, manifest["digest"])]
     assert api.client.get("/v1/versions", params={"after": 0}, headers=t.headers).json()["checkpoints"] == []
 
 

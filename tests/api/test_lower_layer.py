@@ -224,7 +224,8 @@ def test_save_versions_manifest_and_export(api):
     assert manifest["policy_version"] == 1 and "optimizer.safetensors" in manifest["files"]
     versions = api.client.get("/v1/versions", headers=t.headers).json()
     assert versions["training_version"] == 1 and [c["version"] for c in versions["checkpoints"]] == [1]
-    assert versions["checkpoints"][0]["digest"] == manifest["digest"] and versions["checkpoints"][0]["size_bytes"] > 0
+    listed = versions["checkpoints"][0]
+    assert listed["checkpoint_digest"] == manifest["digest"] and listed["size_bytes"] > 0
     fetched = api.client.get("/v1/checkpoints/1/manifest", headers=t.headers).json()
     assert fetched == manifest
     api.client.post("/v1/train_batch", json=wire(t.batch(2, seed=1)), headers=t.headers)  # now at v2, v1 on disk
@@ -232,6 +233,8 @@ def test_save_versions_manifest_and_export(api):
     assert raw.headers["content-type"] == "application/octet-stream" and raw.headers["x-joynexus-version"] == "1"
     tensors, exported = decode_tenant_payload(raw.content)
     assert exported.tenant_id == t.tenant_id and exported.policy_version == 1
+    # One digest names the version in `versions`, in its exports and in the MLflow registry's tag.
+    assert listed["digest"] == raw.headers["x-joynexus-manifest-digest"] == exported.digest
     assert not any(name.startswith("backbone") for name in tensors)
     current = api.client.get("/v1/versions/2/export", params={"format": "json"}, headers=t.headers).json()
     assert current["version"] == 2

@@ -77,6 +77,11 @@ def test_an_sft_workload_runs_and_streams_its_progress(api):
     assert usage["samples_trained"] == 2 * 16 and usage["device_seconds"]["training"] > 0 and usage["storage_bytes"] > 0
     versions = api.client.get("/v1/versions", headers=t.headers).json()
     assert versions["serving_versions"] == [2] and [c["version"] for c in versions["checkpoints"]][-1] == 2
+    # The registered version's manifest_digest tag is the digest `versions` lists for policy version 2.
+    from joynexus.registry import ExperimentTracker
+
+    tags = ExperimentTracker(api.cluster.settings.resolved_mlflow_uri()).model_version_tags(t.tenant_id, 1)
+    assert tags["policy_version"] == "2" and tags["manifest_digest"] == versions["checkpoints"][-1]["digest"]
 
 
 def test_a_second_workload_waits_in_the_queue_with_its_position(api):

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from joynexus.artifacts import MANIFEST_FILE, CheckpointError, CheckpointStore, LocalBlobStore, VersionInfo
+from joynexus.artifacts import (
+    MANIFEST_FILE,
+    CheckpointError,
+    CheckpointStore,
+    LocalBlobStore,
+    VersionInfo,
+    export_manifest,
+)
 from tests.test_s3 import bucket, s3_endpoint  # noqa: F401  (fixtures: a moto S3 server and a bucket)
 
 
@@ -144,7 +151,9 @@ def test_version_infos_pages_from_one_listing(tmp_path: Path) -> None:
 
     for info in page:
         manifest = store.read_manifest("acme", info.version)
-        assert info == VersionInfo(info.version, manifest.created_at, manifest.digest, info.size_bytes)
+        assert info == VersionInfo(
+            info.version, manifest.created_at, manifest.digest, info.size_bytes, export_manifest(manifest).digest
+        )
         assert info.size_bytes == store.version_bytes("acme", info.version) > 0
 
     blobs.calls.clear()

@@ -149,3 +149,20 @@ def test_a_bad_spec_fails_at_create_tenant_without_retrying(handles, tmp_path):
     create = task_runs(state)["create-tenant"][0]
     assert create.state.is_failed() and create.run_count == 1  # a spec error is not transient
     assert "train" not in task_runs(state)
+
+
+def test_a_refused_spec_from_the_command_line_is_one_line_not_a_traceback(handles, tmp_path, capfd):
+    import yaml
+
+    from flows.tenant_lifecycle import main
+
+    spec_file = tmp_path / "broken.yaml"
+    spec_file.write_text(yaml.safe_dump(reach_spec("broken-cli", tmp_path / "missing-dataset")))
+    with pytest.raises(SystemExit) as exited:
+        main([str(spec_file)])
+    assert exited.value.code == 1
+    captured = capfd.readouterr()
+    output = captured.out + captured.err
+    assert "Traceback" not in output, output
+    failed = [line for line in captured.err.splitlines() if line.startswith("tenant-lifecycle failed: ")]
+    assert len(failed) == 1 and "dataset" in failed[0], captured.err

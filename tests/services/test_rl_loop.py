@@ -159,8 +159,15 @@ def test_rl_workload_publishes_each_update_and_evaluation_runs_beside_it(dep):
         assert status.version == 2 and dep.inference_service.versions("learner")[-1] == 2
         kinds = [e["kind"] for e in manager.events(workload.workload_id)]
         assert kinds.count("rl_update") == 2
+        # rollout progress in simulator steps, every update
+        steps = [e["rollout/env_steps"] for e in manager.events(workload.workload_id) if e["kind"] == "rl_update"]
+        assert len(steps) == 2 and 0 < steps[0] <= steps[1]  # the rollouts' steps so far
         evaluation = manager.wait(manager.evaluate("learner", episodes=2).workload_id, timeout_s=300)
         assert evaluation.state == "completed" and evaluation.result["policy_version"] == 2
+        # evaluation progress in episodes: done / total and the running success rate
+        episodes = [e for e in manager.events(evaluation.workload_id) if e["kind"] == "episode"]
+        assert [e["total"] for e in episodes] == [2] * len(episodes) and episodes[-1]["done"] == 2
+        assert all(0.0 <= e["success_rate"] <= 1.0 for e in episodes)
         assert dep.training_service.policy_version("learner") == 2
     finally:
         manager.stop()

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from joynexus.api.errors import InvalidInput, ServiceUnavailable
+from joynexus.api.errors import ApiError, InvalidInput, NotFound, ServiceUnavailable
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import cause_of, service_errors
 from joynexus.api.gateway.tensors import finite_actions, observation_arrays
@@ -27,9 +27,12 @@ class InferenceOperations(GatewayBase):
         cancelled in the service (504). With `request_key`, `cancel_predict` can call it off."""
         arguments = self.predict_arguments(tenant_id, request)
         self.check_admission(tenant_id)
-        with service_errors("observations"), self._served_again_soon(tenant_id, request.policy_version):
-            # The request rides the shared Inference Queue of the resident service, which meters it.
-            result = self.cluster.inference.predict(tenant_id, **arguments, request_key=request_key)
+        try:
+            with service_errors("observations"), self._served_again_soon(tenant_id, request.policy_version):
+                # The request rides the shared Inference Queue of the resident service, which meters it.
+                result = self.cluster.inference.predict(tenant_id, **arguments, request_key=request_key)
+        except NotFound as error:
+            raise self._unserved_version(tenant_id, request.policy_version) or error from None
         return predict_result(result)
 
     def cancel_predict(self, tenant_id: str, request_key: str) -> bool:
@@ -61,7 +64,6 @@ class InferenceOperations(GatewayBase):
             "timeout_s": request.timeout_s,
         }
 
-
     @contextmanager
     def _served_again_soon(self, tenant_id: str, version: int | None) -> Iterator[None]:
         """A version the store says is served but the service does not hold yet: the service
@@ -85,6 +87,16 @@ class InferenceOperations(GatewayBase):
                 ],
             ) from None
 
+
+    def _unserved_version(self, tenant_id: str, version: int | None) -> ApiError | None:
+        """A version that is checkpointed but not served: say how to serve it (None: not checkpointed)."""
+        if version is None or version not in self.cluster.checkpoints.versions(tenant_id):
+            return None
+        how = (
+            f"policy version {version} is checkpointed but not served: load it with POST /v1/weights/load "
+            f'{{"version": {version}}} (Python: client.load_weights(version={version})), then predict again'
+        )
+        return ApiError(how, [("policy_version", how)]).with_status(404, "not_found")
 
 def predict_result(result: dict[str, Any]) -> s.PredictResult:
     """The service's predict answer on the wire (non-finite actions refused: never sent to a robot)."""

@@ -111,7 +111,7 @@ def observation_arrays(
             f"value {float(state[sample, dim]):.6g} at [{sample}, {dim}] is out of range: |x| must be at most "
             f"{MAX_ABS_STATE_VALUE:.0e}",
         )
-    return images, state, _instructions(instructions_in, n)
+    return images, state, _instructions(instructions_in, n, cfg.instruction)
 
 
 def finite_actions(actions: np.ndarray) -> np.ndarray:
@@ -147,9 +147,11 @@ def _no_camera_images(tenant: Tenant, state_in: Tensor, max_samples: int) -> Ten
     return Tensor.from_numpy(np.zeros((n, 0, 3, height, width), dtype=np.float32))
 
 
-def _instructions(instructions_in: list[str] | None, n: int) -> list[str]:
+def _instructions(instructions_in: list[str] | None, n: int, default: str) -> list[str]:
+    """The request's instructions; omitted: the tenant's own instruction (spec
+    `observation.instruction`) for every sample, as its rollouts and evaluations use it."""
     if instructions_in is None:
-        return [""] * n
+        return [default] * n
     if len(instructions_in) != n:
         raise InvalidInput("instructions", f"expected {n} strings (one per sample), got {len(instructions_in)}")
     long = [i for i, text in enumerate(instructions_in) if len(text) > s.MAX_INSTRUCTION_CHARS]

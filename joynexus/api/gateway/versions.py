@@ -23,6 +23,7 @@ from joynexus.artifacts import (
     action_module_file,
     decode_tenant_payload,
     encode_tenant_payload,
+    export_manifest,
     payload_digest,
 )
 from joynexus.core.tenants import Tenant
@@ -48,8 +49,9 @@ class VersionOperations(GatewayBase):
             s.CheckpointInfo(
                 version=i.version,
                 created_at=i.created_at,
-                digest=i.digest,
+                digest=i.export_digest or i.digest,
                 size_bytes=i.size_bytes,
+                checkpoint_digest=i.digest or None,
                 corrupt=i.problem is not None,
                 problem=i.problem,
             )
@@ -112,7 +114,9 @@ class VersionOperations(GatewayBase):
             manifest, module_state, _ = self.cluster.checkpoints.load_tenant(tenant_id, version)
         except CheckpointError as error:
             raise _corrupt(version, error) from None
-        return encode_tenant_payload(module_state, manifest), manifest
+        # The manifest every export of this version carries (= the MLflow registry's manifest_digest tag).
+        exported = export_manifest(manifest)
+        return encode_tenant_payload(module_state, exported), exported
 
     def delete_version(self, tenant_id: str, version: int) -> s.VersionDeleted:
         """Delete one checkpointed version: not LATEST's (the slot resumes from it), not a registered
@@ -225,7 +229,8 @@ class VersionOperations(GatewayBase):
             exported = dataclasses.replace(exported, created_at=manifest.created_at)
         # The tensors must be the ones issued with that manifest, not only the manifest: a payload
         # that copies an issued manifest onto other weights would serve them as that version.
-        if checkpointed is not None and manifest.digest == checkpointed.digest:
+        # Issued manifests of a checkpoint: its own (older exports) and the one exports carry now.
+        if checkpointed is not None and manifest.digest in (checkpointed.digest, export_manifest(checkpointed).digest):
             issued = checkpointed.files.get(ACTION_MODULE_FILE)
             if issued != payload_digest(action_module_file(module_state, tenant_id, version)):
                 raise _other_tensors(version)

@@ -81,6 +81,8 @@ class EpisodeStats:
     returns: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     successes: list[bool] = field(default_factory=list)
+    # Simulator steps taken so far (finished episodes or not; never drained): rollout progress in steps.
+    env_steps: int = 0
 
     def drain(self) -> dict[str, float]:
         """Summary of the episodes finished since the last drain, then forget them."""
@@ -90,9 +92,10 @@ class EpisodeStats:
 
     def summary(self) -> dict[str, float]:
         if not self.returns:
-            return {"episodes": 0}
+            return {"episodes": 0, "env_steps": self.env_steps}
         return {
             "episodes": len(self.returns),
+            "env_steps": self.env_steps,
             "mean_return": float(np.mean(self.returns)),
             "success_rate": float(np.mean(self.successes)),
             "mean_length": float(np.mean(self.lengths)),
@@ -169,6 +172,7 @@ class EnvGroup:
                     raise RuntimeError(f"environment session {sid} failed: {result['error']}")
                 rewards[i] += float(result["reward"])
                 self.episode_length[i] += 1
+                stats.env_steps += 1
                 success[i] = success[i] or bool(result.get("success"))
                 if result["terminated"] or result["truncated"]:
                     done[i] = True

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +106,11 @@ class Evaluations(WorkloadBase):
                 self._serve_version(tenant_id, resolved)  # a restarted service lost what it served
                 return evaluate_policy(
                     config, self.deployment.environment_service, self.deployment.inference_service,
-                    version=resolved, episodes=episodes,
+                    version=resolved, episodes=episodes, on_episode=progress,
                 )  # fmt: skip
+
+            def progress(done: int, total: int, successes: int) -> None:  # watchers see episodes, not jobs
+                self._emit(workload_id, "episode", done=done, total=total, success_rate=successes / done)
 
             result = self._through_restarts(evaluate, tenant_id, "evaluation")
             metrics = {
@@ -241,13 +245,15 @@ def evaluate_policy(
     episodes: int = 4,
     num_envs: int | None = None,
     seed_offset: int = 10_000,
+    on_episode: Callable[[int, int, int], None] | None = None,
 ) -> EvaluationResult:
     """Run `episodes` episodes of the tenant's environment task at ONE policy version, resolved
     once here (so a benchmark never mixes revisions while the tenant keeps training).
 
     Episode j starts from seed environment.seed + seed_offset + j, whatever the policy does, so two
     evaluations of one tenant (before and after training) run the same episodes: env i of the `n`
-    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order."""
+    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order.
+    `on_episode(done, episodes, successes)` is called as episodes end (progress for watchers)."""
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     if version == "latest":
@@ -285,6 +291,8 @@ def evaluate_policy(
             for i, ret, length, success in zip(ended, stats.returns, stats.lengths, stats.successes, strict=True):
                 results[i + finished[i] * n] = (ret, length, success)
                 finished[i] += 1
+            if ended and on_episode is not None:
+                on_episode(len(results), episodes, sum(1 for _, _, won in results.values() if won))
     finally:
         envs.close()
     ordered = [results[j] for j in range(episodes)]

@@ -221,6 +221,7 @@ class TrainingWorkloads(WorkloadBase):
             rl_metrics = {**outcome.metrics.get("rl_stats", {})}
             if rollout.get("episodes"):
                 rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})
+            rl_metrics["rollout/env_steps"] = rollout.get("env_steps", 0)  # steps of its rollouts so far, every job
             points += [(key, value, running.optimizer_steps) for key, value in rl_metrics.items()]
             self._emit(workload_id, "rl_update", version=running.version, **rl_metrics)
         self.deployment.tracker.log_metric_points(running.run_id, points)

@@ -73,6 +73,8 @@ __all__ = [
 ]
 
 INFERENCE_SERVICE_ACTOR_NAME = "joynexus.inference_service"
+# The noise seed of an unseeded, unsampled request (see `submit`).
+DEFAULT_NOISE_SEED = 0
 # Observations one request puts into one backbone turn at most; a larger request is split (the
 # effective size is also capped at max_batch_size). A quarter of the default B: a batch holding
 # another tenant's small request still takes three of the large request's chunks, where chunks of
@@ -296,6 +298,11 @@ class InferenceModelService(PredictBySubmit):
             ]
         if seeds is not None and len(seeds) != len(observations):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(observations)} observations")
+        if seeds is None and not sample and type(state.module).uses_noise:
+            # Deterministic by default: a module that draws its starting noise (the flow-matching
+            # expert) draws it from one fixed seed per observation, so the same observation gives the
+            # same actions; callers that want other draws pass `seeds`.
+            seeds = [DEFAULT_NOISE_SEED] * len(observations)
 
         def entry(start: int, stop: int, chunk: int = 0) -> InferenceRequest:
             return InferenceRequest(

@@ -1,0 +1,67 @@
+"""Two deployments on one host, different data dirs and port settings, up at once (issue 30): each
+Ray head on its own port block and worker range, its temp dir under RAY_TMPDIR; both healthy, and
+`down` of one leaves the other running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from joynexus.ops import supervisor as deploy
+from joynexus.ops.ray_ports import RAY_PORT_ROLES
+
+
+def _port_block(taken: set[int]) -> int:
+    """A base port whose block is free now and outside every block already handed out."""
+    while True:
+        base = deploy.free_port()
+        block = set(range(base, base + len(RAY_PORT_ROLES)))
+        in_use = any(deploy._port_open("127.0.0.1", port) for port in block)
+        if base + len(RAY_PORT_ROLES) <= 65535 and not block & taken and not in_use:
+            taken |= block
+            return base
+
+
+@pytest.mark.slow
+def test_two_deployments_run_side_by_side(tmp_path):
+    cli = str(Path(sys.executable).parent / "joynexus")
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("JOYNEXUS_", "PREFECT_", "MLFLOW_"))}
+    base_env.update(RAY_TMPDIR=str(tmp_path / "ray-tmp"), JOYNEXUS_TORCH_THREADS="1")
+    taken: set[int] = set()
+    deployments = []
+    for name, workers in (("one", "20000-24999"), ("two", "25000-29999")):
+        env = dict(base_env)
+        env.update(
+            JOYNEXUS_DATA_DIR=str(tmp_path / name),
+            JOYNEXUS_RAY_PORT=str(_port_block(taken)),
+            JOYNEXUS_RAY_WORKER_PORTS=workers,
+            JOYNEXUS_PREFECT_PORT=str(deploy.free_port()),
+            JOYNEXUS_MLFLOW_PORT=str(deploy.free_port()),
+        )
+        deployments.append(env)
+
+    def joynexus(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([cli, *args], env=env, capture_output=True, text=True, timeout=900)
+
+    try:
+        for env in deployments:
+            up = joynexus(env, "up")
+            assert up.returncode == 0, up.stdout + up.stderr
+        for env in deployments:
+            status = joynexus(env, "status", "--json")
+            report = json.loads(status.stdout)
+            assert status.returncode == 0 and all(e["healthy"] for e in report.values()), report
+            assert report["ray"]["where"] == f"127.0.0.1:{env['JOYNEXUS_RAY_PORT']}"
+        assert len(list((tmp_path / "ray-tmp").glob("joynexus-ray-*"))) == 2  # under RAY_TMPDIR, one each
+        down = joynexus(deployments[0], "down")
+        assert down.returncode == 0, down.stdout + down.stderr
+        still = joynexus(deployments[1], "status", "--json")
+        assert still.returncode == 0, still.stdout
+    finally:
+        for env in deployments:
+            joynexus(env, "down")
