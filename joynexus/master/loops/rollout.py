@@ -305,6 +305,8 @@ class RolloutProducer(Producer):
                 columns["state"].append(obs.state)
                 columns["action"].append(pred["actions"][0])
                 columns["log_prob"].append(float(pred["log_probs"][0]))
+                if pred.get("chains") is not None:  # a flow head's density is over its denoising chain
+                    columns.setdefault("chain", []).append(pred["chains"][0])
                 columns["value"].append(float(pred["values"][0]) if has_critic else 0.0)
             rewards, terminated, truncated = envs.act([p["actions"][0] for p in preds], self.stats)
             done = terminated | truncated
@@ -328,7 +330,7 @@ class RolloutProducer(Producer):
             bootstrap[-1, live] = np.asarray([float(p["values"][0]) for p in last], dtype=np.float32)[live]
         n = self.num_envs * self.horizon
         chunk = cfg.action_chunk
-        return {
+        data = {
             "images": np.stack(columns["images"]).astype(np.float32),
             "state": np.stack(columns["state"]).astype(np.float32).reshape(n, cfg.state_dim),
             "action": np.stack(columns["action"]).astype(np.float32),
@@ -347,6 +349,9 @@ class RolloutProducer(Producer):
             "schema_signature": [cfg.schema_signature] * n,
             "behavior_policy_version": np.full(n, version, dtype=np.int64),
         }
+        if "chain" in columns:  # (n, K+1, chunk, A): what the PPO update rescores (models.action_modules.flow_rl)
+            data["chain"] = np.stack(columns["chain"]).astype(np.float32)
+        return data
 
     def _group_seed(self, group: int) -> int:
         """The initial-state seed of a GRPO group in this rollout: fixed by the environment seed,
