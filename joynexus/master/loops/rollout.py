@@ -102,13 +102,21 @@ class EpisodeStats:
 class EnvGroup:
     """A tenant's `n` environment sessions with their running episodes."""
 
-    def __init__(self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0):
+    def __init__(
+        self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0, record: int = 0
+    ):
         self.env, self.config = env, config
         self.ids: list[str] = []
+        # Evaluation videos: sessions i < `record` attach the renderer's frame to every observation;
+        # `frames[i]` collects env i's running episode, `ended_frames[i]` its last finished one.
+        self.frames: dict[int, list[np.ndarray]] = {}
+        self.ended_frames: dict[int, list[np.ndarray]] = {}
         # All n sessions start at once: each is a worker process that imports and builds its
         # simulator (~0.7 s of CPU for gym-pusht), so one after another they made a rollout's start
         # n times that long; the service opens sessions concurrently (its own lock per session).
         sims = [simulator_config(config, seed_offset=seed_offset + i) for i in range(n)]
+        for sim in sims[:record]:
+            sim["record_frames"] = True
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"open-{config.tenant_id}") as pool:
             futures = [pool.submit(env.open_session, config.tenant_id, rollout_id, sim) for sim in sims]
         opened = [f.result() for f in futures if f.exception() is None]
@@ -122,7 +130,7 @@ class EnvGroup:
         # (gym-pusht takes pixel targets in [0, 512]), so actions are mapped affinely.
         self.low = np.asarray(spec["action_low"], dtype=np.float32)
         self.high = np.asarray(spec["action_high"], dtype=np.float32)
-        self.obs = [self._obs(env.reset(config.tenant_id, sid)) for sid in self.ids]
+        self.obs = [self._obs(env.reset(config.tenant_id, sid), i) for i, sid in enumerate(self.ids)]
         self.episode_return = [0.0] * n
         self.episode_length = [0] * n
         # Per env, the seed its next episodes start from (None: the simulator's own RNG stream);
@@ -136,10 +144,13 @@ class EnvGroup:
         from seeds[i]; later episodes of env i start from the same seed."""
         self.episode_seeds = list(seeds)
         for i, sid in enumerate(self.ids):
-            self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, sid, seed=seeds[i]))
+            self.frames.pop(i, None)
+            self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, sid, seed=seeds[i]), i)
             self.episode_return[i], self.episode_length[i] = 0.0, 0
 
-    def _obs(self, raw: dict[str, Any]) -> Observation:
+    def _obs(self, raw: dict[str, Any], i: int) -> Observation:
+        if raw.get("frame") is not None:
+            self.frames.setdefault(i, []).append(np.asarray(raw["frame"]))
         return to_observation(raw, self.config.cameras, self.config.instruction)
 
     def act(
@@ -174,7 +185,7 @@ class EnvGroup:
                     done[i] = True
                     terminated[i] = bool(result["terminated"])
                     truncated[i] = not terminated[i]  # a success on the last allowed step is a termination
-                self.obs[i] = self._obs(result["observation"])
+                self.obs[i] = self._obs(result["observation"], i)
         for i in np.flatnonzero(~idle):
             self.episode_return[i] += float(rewards[i])
             if done[i]:
@@ -183,7 +194,10 @@ class EnvGroup:
                 stats.successes.append(success[i])
                 self.episode_return[i], self.episode_length[i] = 0.0, 0
                 self.final_obs[i] = self.obs[i]
-                self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, self.ids[i], seed=self.episode_seeds[i]))
+                if i in self.frames:
+                    self.ended_frames[i] = self.frames.pop(i)
+                reset = self.env.reset(self.config.tenant_id, self.ids[i], seed=self.episode_seeds[i])
+                self.obs[i] = self._obs(reset, i)
         return rewards, terminated, truncated
 
     def to_env_action(self, action: np.ndarray) -> np.ndarray:

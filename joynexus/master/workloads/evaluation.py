@@ -13,11 +13,12 @@ run on every publish; `flows/periodic_evaluation.py` evaluates each tenant's cha
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,11 @@ from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
 from joynexus.envs import available_simulators
 from joynexus.master.loops.rollout import EnvGroup, EpisodeStats, predict_many
 from joynexus.master.workloads.base import RUNNING, WORKLOAD_COMPLETED, WORKLOAD_FAILED, WorkloadBase
+from joynexus.master.workloads.evaluation_stats import (
+    SUCCESS_CI_HIGH_METRIC,
+    SUCCESS_CI_LOW_METRIC,
+    wilson_interval,
+)
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.spec import EnvironmentSpec
 
@@ -43,13 +49,17 @@ class Evaluations(WorkloadBase):
         version: int | str = "latest",
         episodes: int = 4,
         environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
     ) -> WorkloadInfo:
         """Start an evaluation workload (paper 4.2): episodes through the Inference Queue and the
         Environment Service at ONE policy version, resolved once at the start. No training job,
-        no partition, no version change. `environment` overrides the tenant's declared one."""
+        no partition, no version change. `environment` overrides the tenant's declared one; a
+        `suite` (partial environments laid over it: other tasks, other seeds) runs `episodes` in
+        each entry; the first `videos` episodes of each entry are recorded (`evaluation_report`)."""
         deployment = self.deployment
         tenant = deployment.creator.get(tenant_id)
-        config = self._evaluation_config(tenant, environment)
+        configs = self._suite_configs(tenant, environment, suite, videos)
         if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
             raise ValueError(f"episodes: expected an int >= 1, got {episodes!r}")
         if version != "latest" and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
@@ -72,52 +82,92 @@ class Evaluations(WorkloadBase):
                     version=resolved, started_at=utcnow(),
                 )
             )  # fmt: skip
-        self._emit(workload_id, "started", version=resolved, episodes=episodes, environment=environment)
-        self._start_evaluation(workload_id, tenant_id, resolved, episodes, config)
+        self._emit(
+            workload_id, "started", version=resolved, episodes=episodes, environment=environment, suite=suite,
+            videos=videos,
+        )  # fmt: skip
+        self._start_evaluation(workload_id, tenant_id, resolved, episodes, configs, videos)
         return self.get(workload_id)
 
+    def _suite_configs(
+        self, tenant: Tenant, environment: dict[str, Any] | None, suite: Any, videos: Any
+    ) -> list[TenantBackendConfig]:
+        """One checked backend config per suite entry (the entry's fields over `environment`, or
+        over the tenant's declared environment)."""
+        from joynexus.master.workloads.evaluation_report import check_suite
+
+        entries = check_suite(suite, videos)
+        if entries == [{}]:
+            return [self._evaluation_config(tenant, environment)]
+        declared = tenant.backend_config.environment
+        base = environment if environment is not None else (declared.model_dump() if declared else {})
+        configs = []
+        for i, entry in enumerate(entries):
+            try:
+                configs.append(self._evaluation_config(tenant, {**base, **entry}))
+            except ValueError as error:
+                raise ValueError(f"suite[{i}].{error}") from None
+        return configs
+
     def _start_evaluation(
-        self, workload_id: str, tenant_id: str, resolved: int, episodes: int, config: TenantBackendConfig
+        self,
+        workload_id: str,
+        tenant_id: str,
+        resolved: int,
+        episodes: int,
+        configs: list[TenantBackendConfig],
+        videos: int = 0,
     ) -> None:
         threading.Thread(
             target=self._run_evaluation,
-            args=(workload_id, tenant_id, resolved, episodes, config),
+            args=(workload_id, tenant_id, resolved, episodes, configs, videos),
             name=f"evaluation-{tenant_id}",
             daemon=True,
         ).start()
 
     def _run_evaluation(
-        self, workload_id: str, tenant_id: str, resolved: int, episodes: int, config: TenantBackendConfig
+        self,
+        workload_id: str,
+        tenant_id: str,
+        resolved: int,
+        episodes: int,
+        configs: list[TenantBackendConfig],
+        videos: int = 0,
     ) -> None:
         """The evaluation thread: run the episodes, then record the result (or the failure)."""
+        from joynexus.master.workloads.evaluation_report import log_report, run_suite, video_workdir
+
         tracker, run_id = self.deployment.tracker, None
         try:
+            environment = configs[0].environment.model_dump(mode="json")
             run_id = tracker.start_workload_run(
-                tenant_id,
-                workload_id,
-                {"policy_version": resolved, "episodes": episodes, **config.environment.model_dump(mode="json")},
+                tenant_id, workload_id,
+                {"policy_version": resolved, "episodes": episodes, "suite_entries": len(configs), "videos": videos,
+                 **environment},
                 tags={"task": "eval"},
-            )
+            )  # fmt: skip
+            with video_workdir() as workdir:
+                # Episodes are seeded by index, so an evaluation cut by a restarting service
+                # runs again whole with the same result it would have had.
+                def evaluate() -> Any:
+                    self._serve_version(tenant_id, resolved)  # a restarted service lost what it served
+                    return run_suite(
+                        configs, self.deployment.environment_service, self.deployment.inference_service,
+                        version=resolved, episodes=episodes, videos=videos, video_dir=Path(workdir),
+                    )  # fmt: skip
 
-            # Episodes are seeded by index, so an evaluation cut by a restarting service
-            # runs again whole with the same result it would have had.
-            def evaluate() -> EvaluationResult:
-                self._serve_version(tenant_id, resolved)  # a restarted service lost what it served
-                return evaluate_policy(
-                    config, self.deployment.environment_service, self.deployment.inference_service,
-                    version=resolved, episodes=episodes,
-                )  # fmt: skip
-
-            result = self._through_restarts(evaluate, tenant_id, "evaluation")
+                report = self._through_restarts(evaluate, tenant_id, "evaluation")
+                summary = log_report(tracker, run_id, report)
             metrics = {
-                "eval/success_rate": result.success_rate,
-                "eval/mean_return": result.mean_return,
-                "eval/mean_length": result.mean_length,
+                "eval/success_rate": summary["success_rate"],
+                "eval/mean_return": summary["mean_return"],
+                "eval/mean_length": summary["mean_length"],
+                SUCCESS_CI_LOW_METRIC: summary["success_ci_low"],
+                SUCCESS_CI_HIGH_METRIC: summary["success_ci_high"],
             }
             tracker.log_metrics(run_id, metrics, step=resolved)
             tracker.end_run(run_id, "FINISHED")
             self._emit(workload_id, "evaluated", version=resolved, **metrics)  # a learning signal too
-            summary = {**dataclasses.asdict(result), "returns": list(result.returns)}
             with self.deployment.store.transaction() as s:
                 record = s.get(WorkloadRecord, workload_id)
                 record.state, record.finished_at, record.result, record.run_id = (
@@ -143,10 +193,11 @@ class Evaluations(WorkloadBase):
             record = s.get(WorkloadRecord, workload_id)
             tenant_id, resolved = record.tenant_id, record.version
         tenant = self.deployment.creator.get(tenant_id)
-        config = self._evaluation_config(tenant, started[-1].get("environment"))
+        videos = int(started[-1].get("videos") or 0)
+        configs = self._suite_configs(tenant, started[-1].get("environment"), started[-1].get("suite"), videos)
         self._through_restarts(lambda: self._serve_version(tenant_id, resolved), tenant_id, "serving")
         self._emit(workload_id, "resumed", version=resolved)
-        self._start_evaluation(workload_id, tenant_id, resolved, int(started[-1]["episodes"]), config)
+        self._start_evaluation(workload_id, tenant_id, resolved, int(started[-1]["episodes"]), configs, videos)
 
     def _evaluation_config(self, tenant: Tenant, environment: dict[str, Any] | None) -> TenantBackendConfig:
         """The tenant's backend config with the environment to evaluate in, checked before anything
@@ -230,6 +281,11 @@ class EvaluationResult:
     mean_return: float
     mean_length: float
     returns: tuple[float, ...]
+    # Per-episode records (in episode order) and the success rate's 95% Wilson interval.
+    lengths: tuple[int, ...] = ()
+    successes: tuple[bool, ...] = ()
+    seeds: tuple[int, ...] = ()
+    success_ci: tuple[float, float] = (0.0, 1.0)
 
 
 def evaluate_policy(
@@ -241,13 +297,18 @@ def evaluate_policy(
     episodes: int = 4,
     num_envs: int | None = None,
     seed_offset: int = 10_000,
+    videos: int = 0,
+    on_video: Callable[[int, list[np.ndarray]], None] | None = None,
 ) -> EvaluationResult:
     """Run `episodes` episodes of the tenant's environment task at ONE policy version, resolved
     once here (so a benchmark never mixes revisions while the tenant keeps training).
 
     Episode j starts from seed environment.seed + seed_offset + j, whatever the policy does, so two
     evaluations of one tenant (before and after training) run the same episodes: env i of the `n`
-    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order."""
+    sessions runs episodes i, i + n, i + 2n, ... and results are reported in episode order.
+
+    `videos` > 0: episodes 0 .. videos-1 (at most one per session) are recorded through the
+    simulator's renderer and handed to `on_video(episode, frames)` as they end."""
     if episodes < 1:
         raise ValueError(f"episodes: expected >= 1, got {episodes}")
     if version == "latest":
@@ -265,7 +326,8 @@ def evaluate_policy(
     finished = [0] * n  # episodes env i has finished; its k-th is episode i + k * n
     quota = [len(range(i, episodes, n)) for i in range(n)]
     results: dict[int, tuple[float, int, bool]] = {}  # episode -> (return, length, success)
-    envs = EnvGroup(environment, config, f"eval-{uuid.uuid4().hex[:8]}", n, seed_offset=seed_offset)
+    recorded = min(videos, n) if on_video is not None else 0
+    envs = EnvGroup(environment, config, f"eval-{uuid.uuid4().hex[:8]}", n, seed_offset=seed_offset, record=recorded)
     try:
         while len(results) < episodes:
             active = [finished[i] < quota[i] for i in range(n)]
@@ -284,11 +346,14 @@ def evaluate_policy(
             ended = [i for i in range(n) if terminated[i] or truncated[i]]  # in the order act() recorded them
             for i, ret, length, success in zip(ended, stats.returns, stats.lengths, stats.successes, strict=True):
                 results[i + finished[i] * n] = (ret, length, success)
+                if i < recorded and finished[i] == 0 and on_video is not None:  # episode i: its first
+                    on_video(i, envs.ended_frames.pop(i, []))
                 finished[i] += 1
     finally:
         envs.close()
     ordered = [results[j] for j in range(episodes)]
     returns = [r for r, _, _ in ordered]
+    successes = tuple(bool(s) for _, _, s in ordered)
     return EvaluationResult(
         tenant_id=config.tenant_id,
         policy_version=int(resolved),
@@ -299,4 +364,9 @@ def evaluate_policy(
         mean_return=float(np.mean(returns)),
         mean_length=float(np.mean([n_ for _, n_, _ in ordered])),
         returns=tuple(returns),
+        lengths=tuple(int(n_) for _, n_, _ in ordered),
+        successes=successes,
+        # Episode j's seed (the first episode of env j % n is its session's own seed).
+        seeds=tuple(base_seed + j for j in range(episodes)),
+        success_ci=wilson_interval(sum(successes), len(successes)),
     )
