@@ -98,6 +98,9 @@ class SimulatorConfig(pydantic.BaseModel):
     )
     # Evaluation videos: every observation also carries the simulator renderer's RGB frame (`frame`).
     record_frames: bool = pydantic.Field(default=False, description="attach the renderer's frame to observations")
+    # A vectorized session (`envs.vector`): this many environments in the one worker, addressed as
+    # "<session id>#<slot>" and stepped together by `EnvironmentService.batch_step`.
+    num_envs: int = pydantic.Field(default=1, ge=1, le=64, description="environments in this session's worker")
 
     @pydantic.field_validator("simulator")
     @classmethod

@@ -114,13 +114,22 @@ class EnvGroup:
         # All n sessions start at once: each is a worker process that imports and builds its
         # simulator (~0.7 s of CPU for gym-pusht), so one after another they made a rollout's start
         # n times that long; the service opens sessions concurrently (its own lock per session).
-        sims = [simulator_config(config, seed_offset=seed_offset + i) for i in range(n)]
-        for sim in sims[:record]:
-            sim["record_frames"] = True
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"open-{config.tenant_id}") as pool:
+        # environment.envs_per_worker > 1: envs i .. i+k-1 are the slots of ONE vectorized session
+        # (`envs.vector`, seeded like k sessions), addressed "<session>#<slot>".
+        per = config.environment.envs_per_worker if config.environment is not None else 1
+        sims = [simulator_config(config, seed_offset=seed_offset + i) for i in range(0, n, per)]
+        for first, sim in zip(range(0, n, per), sims, strict=True):
+            sim["record_frames"] = first < record
+            sim["num_envs"] = min(per, n - first)
+        with ThreadPoolExecutor(max_workers=len(sims), thread_name_prefix=f"open-{config.tenant_id}") as pool:
             futures = [pool.submit(env.open_session, config.tenant_id, rollout_id, sim) for sim in sims]
         opened = [f.result() for f in futures if f.exception() is None]
-        self.ids = opened  # in env order when all opened (seeds follow the index); closed on failure
+        # In env order when all opened (seeds follow the index); closed on failure.
+        self.ids = [
+            sid if sim["num_envs"] == 1 else f"{sid}#{slot}"
+            for sid, sim in zip(opened, sims, strict=False)
+            for slot in range(sim["num_envs"])
+        ]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if failed is not None:
             self.close()
