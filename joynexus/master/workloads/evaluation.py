@@ -30,6 +30,7 @@ from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
 from joynexus.envs import available_simulators
 from joynexus.master.loops.rollout import EnvGroup, EpisodeStats, predict_many
 from joynexus.master.workloads.base import RUNNING, WORKLOAD_COMPLETED, WORKLOAD_FAILED, WorkloadBase
+from joynexus.master.workloads.evaluation_report import check_suite, log_report, run_suite, video_workdir
 from joynexus.master.workloads.evaluation_stats import (
     SUCCESS_CI_HIGH_METRIC,
     SUCCESS_CI_LOW_METRIC,
@@ -94,8 +95,6 @@ class Evaluations(WorkloadBase):
     ) -> list[TenantBackendConfig]:
         """One checked backend config per suite entry (the entry's fields over `environment`, or
         over the tenant's declared environment)."""
-        from joynexus.master.workloads.evaluation_report import check_suite
-
         entries = check_suite(suite, videos)
         if entries == [{}]:
             return [self._evaluation_config(tenant, environment)]
@@ -135,8 +134,6 @@ class Evaluations(WorkloadBase):
         videos: int = 0,
     ) -> None:
         """The evaluation thread: run the episodes, then record the result (or the failure)."""
-        from joynexus.master.workloads.evaluation_report import log_report, run_suite, video_workdir
-
         tracker, run_id = self.deployment.tracker, None
         try:
             environment = configs[0].environment.model_dump(mode="json")
@@ -154,6 +151,7 @@ class Evaluations(WorkloadBase):
                     return run_suite(
                         configs, self.deployment.environment_service, self.deployment.inference_service,
                         version=resolved, episodes=episodes, videos=videos, video_dir=Path(workdir),
+                        evaluate=evaluate_policy,
                     )  # fmt: skip
 
                 report = self._through_restarts(evaluate, tenant_id, "evaluation")
@@ -351,22 +349,29 @@ def evaluate_policy(
                 finished[i] += 1
     finally:
         envs.close()
-    ordered = [results[j] for j in range(episodes)]
+    return _result(config, int(resolved), [results[j] for j in range(episodes)], base_seed)
+
+
+def _result(
+    config: TenantBackendConfig, version: int, ordered: list[tuple[float, int, bool]], base_seed: int
+) -> EvaluationResult:
+    """The episodes' (return, length, success), in episode order, as a result with its interval."""
+    assert config.environment is not None
     returns = [r for r, _, _ in ordered]
     successes = tuple(bool(s) for _, _, s in ordered)
     return EvaluationResult(
         tenant_id=config.tenant_id,
-        policy_version=int(resolved),
+        policy_version=version,
         simulator=config.environment.simulator,
         task=config.environment.task,
         episodes=len(returns),
-        success_rate=float(np.mean([s for _, _, s in ordered])),
+        success_rate=float(np.mean(successes)),
         mean_return=float(np.mean(returns)),
         mean_length=float(np.mean([n_ for _, n_, _ in ordered])),
         returns=tuple(returns),
         lengths=tuple(int(n_) for _, n_, _ in ordered),
         successes=successes,
         # Episode j's seed (the first episode of env j % n is its session's own seed).
-        seeds=tuple(base_seed + j for j in range(episodes)),
+        seeds=tuple(base_seed + j for j in range(len(ordered))),
         success_ci=wilson_interval(sum(successes), len(successes)),
     )

@@ -19,13 +19,15 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig
-from joynexus.master.workloads.evaluation import EvaluationResult, evaluate_policy
 from joynexus.master.workloads.evaluation_stats import wilson_interval
+
+if TYPE_CHECKING:  # evaluation.py runs suites through this module: no import back at run time
+    from joynexus.master.workloads.evaluation import EvaluationResult
 
 __all__ = [
     "EPISODES_TABLE",
@@ -137,10 +139,11 @@ def run_suite(
     episodes: int,
     videos: int,
     video_dir: Path,
-    evaluate: Callable[..., EvaluationResult] = evaluate_policy,
+    evaluate: Callable[..., EvaluationResult],
 ) -> SuiteReport:
-    """Every entry's `episodes` episodes at ONE `version` (`evaluate_policy`, seeded by episode
-    index: two versions see the same episodes), the first `videos` of each recorded to `video_dir`."""
+    """Every entry's `episodes` episodes at ONE `version` through `evaluate` (`evaluate_policy`,
+    seeded by episode index: two versions see the same episodes), the first `videos` of each
+    recorded to `video_dir`."""
     report = SuiteReport(entries=[])
     for e, config in enumerate(configs):
         label = entry_label(config)
