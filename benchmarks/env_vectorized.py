@@ -34,17 +34,17 @@ from joynexus.settings import Settings  # noqa: E402
 TASKS = {
     "pusht PushT-v0 (state)": {
         "sim": {"simulator": "pusht", "task": "PushT-v0"},
-        "observation": {"cameras": [], "state_dim": 5, "action_dim": 2},
     },
     "maniskill PushCube-v1 (state)": {
         "sim": {"simulator": "maniskill", "task": "PushCube-v1", "control_mode": "pd_ee_delta_pos"},
-        "observation": {"cameras": [], "state_dim": 35, "action_dim": 3},
     },
 }
 
 
-def service_steps_per_s(service: EnvironmentService, sim: dict, envs: int, per_worker: int, steps: int) -> float:
-    """Env steps/s of `batch_step` over `envs` environments, `per_worker` per session."""
+def service_steps_per_s(
+    service: EnvironmentService, sim: dict, envs: int, per_worker: int, steps: int
+) -> tuple[float, dict]:
+    """Env steps/s of `batch_step` over `envs` environments, `per_worker` per session; the spec."""
     ids: list[str] = []
     for first in range(0, envs, per_worker):
         count = min(per_worker, envs - first)
@@ -53,7 +53,8 @@ def service_steps_per_s(service: EnvironmentService, sim: dict, envs: int, per_w
     try:
         for sid in ids:
             service.reset("bench", sid)
-        dim = int(service.spec("bench", ids[0])["action_dim"])
+        spec = service.spec("bench", ids[0])
+        dim = int(spec["action_dim"])
         rng = np.random.default_rng(0)
         started = time.perf_counter()
         for _ in range(steps):
@@ -63,17 +64,19 @@ def service_steps_per_s(service: EnvironmentService, sim: dict, envs: int, per_w
                     raise RuntimeError(result["error"])
                 if result["terminated"] or result["truncated"]:
                     service.reset("bench", sid)
-        return envs * steps / (time.perf_counter() - started)
+        return envs * steps / (time.perf_counter() - started), spec
     finally:
         for sid in {sid.partition("#")[0] for sid in ids}:
             service.close("bench", sid)
 
 
-def rollout_steps_per_s(dep: Deployment, name: str, task: dict, envs: int, per_worker: int, rollouts: int) -> float:
+def rollout_steps_per_s(
+    dep: Deployment, name: str, task: dict, sim_spec: dict, envs: int, per_worker: int, rollouts: int
+) -> float:
     spec = {
         "tenant": name, "base_model": "joynexus/tiny-smolvlm", "task": "rl",
         "action_module": {"kind": "oft_mlp", "size": "tiny"},
-        "observation": task["observation"],
+        "observation": {"cameras": [], "state_dim": sim_spec["state_dim"], "action_dim": sim_spec["action_dim"]},
         "environment": {**task["sim"], "num_envs": envs, "horizon": 16, "envs_per_worker": per_worker},
         "scheduling": {"max_in_flight_jobs": 64},
         "training": {"samples_per_job": envs * 16, "microbatch_size": envs * 16},
@@ -109,17 +112,17 @@ def main() -> None:
         try:
             for label in args.tasks:
                 task = TASKS[label]
-                service = EnvironmentService(max_sessions=64, max_sessions_per_tenant=64)
+                service = EnvironmentService(max_sessions=64, max_sessions_per_tenant=64, reset_timeout_s=900)
                 try:
-                    one = service_steps_per_s(service, task["sim"], n, 1, args.steps)
-                    vec = service_steps_per_s(service, task["sim"], n, n, args.steps)
+                    one, sim_spec = service_steps_per_s(service, task["sim"], n, 1, args.steps)
+                    vec, _ = service_steps_per_s(service, task["sim"], n, n, args.steps)
                 finally:
                     service.close_all()
                 print(f"{label}  Environment Service batch_step: {n} sessions x 1 env {one:8.1f} steps/s | "
                       f"1 session x {n} envs {vec:8.1f} steps/s | ratio {vec / one:.2f}x")  # fmt: skip
                 key = label.split()[0]
-                r_one = rollout_steps_per_s(dep, f"{key}-one", task, n, 1, args.rollouts)
-                r_vec = rollout_steps_per_s(dep, f"{key}-vec", task, n, n, args.rollouts)
+                r_one = rollout_steps_per_s(dep, f"{key}-one", task, sim_spec, n, 1, args.rollouts)
+                r_vec = rollout_steps_per_s(dep, f"{key}-vec", task, sim_spec, n, n, args.rollouts)
                 print(f"{label}  rollout through the services:   1 env/worker  {r_one:8.1f} steps/s | "
                       f"{n} envs/worker {r_vec:8.1f} steps/s | ratio {r_vec / r_one:.2f}x")  # fmt: skip
         finally:
