@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from joynexus.actors import handle_of  # noqa: E402
 from joynexus.master.deployment import Deployment  # noqa: E402
 from joynexus.master.loops.rollout import RolloutProducer  # noqa: E402
 from joynexus.services.environment.sessions import EnvironmentService  # noqa: E402
@@ -109,6 +110,8 @@ def main() -> None:
     print(f"{n} environments; {args.steps} service steps each; {args.rollouts} rollouts of horizon 16")
     with tempfile.TemporaryDirectory() as tmp:
         dep = Deployment.in_process(Settings(data_dir=Path(tmp), torch_threads=1))
+        # A simulator's start on a shared, loaded machine can take minutes: allow it (not timed).
+        handle_of(dep.environment_service).target.reset_timeout_s = 900
         try:
             for label in args.tasks:
                 task = TASKS[label]
