@@ -511,13 +511,16 @@ def promote(
     metric: str = "eval/success_rate",
     higher_is_better: bool = True,
     min_improvement: float = 0.0,
+    champion_metric: str | None = None,
 ) -> PromotionDecision:
     """The promotion rule: ``candidate`` always moves to ``version``; ``champion`` moves to it only
     when there is no champion yet, or when its evaluation beats the champion's by more than
     ``min_improvement`` (in the direction ``higher_is_better`` says). Evaluations are the newest
     finished evaluation runs of each version (`ExperimentTracker.evaluation_metric`). A version that
     was never evaluated can not beat an evaluated champion; one with an unevaluated champion wins.
-    The decision is also written as tags on ``version`` (visible in the MLflow UI)."""
+    The decision is also written as tags on ``version`` (visible in the MLflow UI).
+    ``champion_metric``: the champion's measurement is read from this metric instead (the interval
+    rule: the candidate's success lower bound against the champion's success rate)."""
     if min_improvement < 0:
         raise ValueError(f"min_improvement: expected >= 0, got {min_improvement}")
     version = int(version)
@@ -531,17 +534,18 @@ def promote(
     elif champion == version:
         promoted, reason = True, "already the champion"
     else:
-        champion_value = tracker.evaluation_metric(tenant_id, champion, metric)
+        theirs = champion_metric or metric
+        champion_value = tracker.evaluation_metric(tenant_id, champion, theirs)
         if value is None:
             promoted, reason = False, f"version {version} has no {metric} evaluation"
         elif champion_value is None:
-            promoted, reason = True, f"champion v{champion} has no {metric} evaluation"
+            promoted, reason = True, f"champion v{champion} has no {theirs} evaluation"
         else:
             gain = value - champion_value if higher_is_better else champion_value - value
             promoted = gain > min_improvement
             relation = "beats" if promoted else "does not beat"
             reason = (
-                f"{metric} {value:.4g} {relation} champion v{champion}'s {champion_value:.4g} "
+                f"{metric} {value:.4g} {relation} champion v{champion}'s {theirs} {champion_value:.4g} "
                 f"by more than {min_improvement:g} ({'higher' if higher_is_better else 'lower'} is better)"
             )
     if promoted:

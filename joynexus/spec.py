@@ -143,6 +143,8 @@ class EnvironmentSpec(_Strict):
     reward_mode: str | None = None
     max_episode_steps: int | None = Field(default=None, ge=1, le=100_000)
     num_envs: int = Field(default=2, ge=1, le=16)  # parallel sessions per rollout
+    # Environments one Environment Service worker steps per call (a vectorized session, envs.vector).
+    envs_per_worker: int = Field(default=1, ge=1, le=16)
     horizon: int = Field(default=32, ge=1, le=4096)  # policy steps per session per rollout
     seed: int = Field(default=0, ge=0, le=MAX_ENVIRONMENT_SEED)
 

@@ -242,7 +242,8 @@ def run_demo(
             stage(f"workload {status.workload_id} of {tenant_id}: {jobs[tenant_id]} {status.task.upper()} jobs")
             events.follow(status.workload_id)
         final = _wait_all(cluster, [s.workload_id for s in submitted.values()])
-        after = {t: master.evaluate(t, episodes=eval_episodes) for t in evaluated}
+        # After training: the first episode of each tenant recorded (mp4 in the evaluation's MLflow run).
+        after = {t: master.evaluate(t, episodes=eval_episodes, videos=1) for t in evaluated}
         after_final = {s.tenant_id: s for s in _wait_all(cluster, [s.workload_id for s in after.values()])}
         seconds = time.perf_counter() - started
         statuses = {s.tenant_id: s for s in final}
@@ -304,7 +305,12 @@ def _eval_line(status: WorkloadInfo) -> str:
     if status.result is None:
         return f"{status.state} ({status.error})"
     r = status.result
-    return f"v{r['policy_version']}: return {r['mean_return']:.2f}, success {r['success_rate']:.0%}"
+    line = f"v{r['policy_version']}: return {r['mean_return']:.2f}, success {r['success_rate']:.0%}"
+    if "success_ci_low" in r:  # the 95% Wilson interval (master/workloads/evaluation_stats.py)
+        line += f" [95% CI {r['success_ci_low']:.0%}-{r['success_ci_high']:.0%}]"
+    if r.get("videos"):
+        line += f", video {r['videos'][0]} in MLflow run {status.run_id}"
+    return line
 
 
 # -- the command: `python -m recipes.main_job` (what ./scripts/run-main runs) ---------------------
@@ -375,6 +381,8 @@ def main(
     failed = _print_results(result)
     if result.evaluations:
         console.print(_evaluations_table(result))
+        for line in _evaluation_videos(result):
+            console.print(f"evaluation video of {line}")
     _print_where(result)
     if failed:
         raise typer.Exit(code=1)
@@ -470,10 +478,27 @@ def _evaluations_table(result: DemoResult) -> Table:
             r = pair[when].result
             if when == "before":
                 cells.append(f"{r['simulator']}/{r['task']}" if r else "-")
-            cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", f"{r['success_rate']:.0%}"] if r else [
+            cells += [f"v{r['policy_version']}", f"{r['mean_return']:.2f}", _success_cell(r)] if r else [
                 pair[when].state, "-", "-"]  # fmt: skip
         evals.add_row(*cells)
     return evals
+
+
+def _success_cell(r: dict[str, Any]) -> str:
+    """The success rate with its 95% Wilson interval when the evaluation reported one."""
+    if "success_ci_low" not in r:
+        return f"{r['success_rate']:.0%}"
+    return f"{r['success_rate']:.0%} [{r['success_ci_low']:.0%}-{r['success_ci_high']:.0%}]"
+
+
+def _evaluation_videos(result: DemoResult) -> list[str]:
+    """Each evaluated tenant's after-training video, as 'MLflow run <id>: <artifact path>'."""
+    lines = []
+    for tenant_id, pair in result.evaluations.items():
+        after = pair["after"]
+        for path in (after.result or {}).get("videos") or []:
+            lines.append(f"{tenant_id}: MLflow run {after.run_id}, artifact {path}")
+    return lines
 
 
 def _print_where(result: DemoResult) -> None:

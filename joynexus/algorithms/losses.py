@@ -49,6 +49,11 @@ def check_objective(loss: str, module: ActionModule) -> None:
             f"loss: {loss!r} needs a stochastic policy (an RL tenant's module); "
             "use 'advantage_weighted' for this module"
         )
+    if loss == "policy_gradient" and type(module).rl_record_field != "action":
+        raise ValueError(
+            f"loss: 'policy_gradient' scores actions, but a {module.config.kind!r} head's density is over its "
+            f"denoising {type(module).rl_record_field!r} (rescored by RL jobs); use 'advantage_weighted'"
+        )
 
 
 def per_sample_advantages(advantages: Any, samples: int, device: torch.device) -> torch.Tensor:

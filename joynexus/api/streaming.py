@@ -147,7 +147,6 @@ class TenantCounter:
             return self._counts.get(tenant_id, 0)
 
 
-
 def tenant_interface(cfg: Any) -> dict[str, Any]:
     """The tenant's observation/action interface a robot client reads on connect (both endpoints)."""
     return {
@@ -159,6 +158,7 @@ def tenant_interface(cfg: Any) -> dict[str, Any]:
         "action_dim": cfg.action_dim,
         "action_chunk": cfg.action_chunk,
     }
+
 
 def _rows(request: s.PredictRequest) -> int:
     shape = request.observations.state.shape

@@ -112,9 +112,17 @@ class AsyncJoyNexusClient(ClientBase, AsyncFutureCalls):
         return AsyncWorkloadHandle(self, await self._run(Calls.submit(spec, jobs)))
 
     async def evaluate(
-        self, *, version: int | None = None, episodes: int = 4, environment: dict[str, Any] | None = None
+        self,
+        *,
+        version: int | None = None,
+        episodes: int = 4,
+        environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
     ) -> AsyncWorkloadHandle:
-        return AsyncWorkloadHandle(self, await self._run(Calls.evaluate(version, episodes, environment)))
+        return AsyncWorkloadHandle(
+            self, await self._run(Calls.evaluate(version, episodes, environment, suite, videos))
+        )
 
     async def workload(self, workload_id: str) -> s.WorkloadInfo:
         return await self._run(Calls.workload(workload_id))

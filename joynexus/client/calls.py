@@ -148,8 +148,16 @@ class Calls:
         return Call("POST", "/v1/workloads", s.WorkloadInfo, s.WorkloadSubmit(jobs=jobs, spec=_spec_dict(spec)))
 
     @staticmethod
-    def evaluate(version: int | None, episodes: int, environment: dict[str, Any] | None) -> Call:
-        body = s.WorkloadSubmit(task="eval", version=version, episodes=episodes, environment=environment)
+    def evaluate(
+        version: int | None,
+        episodes: int,
+        environment: dict[str, Any] | None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
+    ) -> Call:
+        body = s.WorkloadSubmit(
+            task="eval", version=version, episodes=episodes, environment=environment, suite=suite, videos=videos
+        )
         return Call("POST", "/v1/workloads", s.WorkloadInfo, body)
 
     @staticmethod

@@ -129,10 +129,17 @@ class JoyNexusClient(ClientBase, SyncFutureCalls):
         return WorkloadHandle(self, self._run(Calls.submit(spec, jobs)))
 
     def evaluate(
-        self, *, version: int | None = None, episodes: int = 4, environment: dict[str, Any] | None = None
+        self,
+        *,
+        version: int | None = None,
+        episodes: int = 4,
+        environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
     ) -> WorkloadHandle:
-        """Start an evaluation workload of one policy version; the handle's result has `.result`."""
-        return WorkloadHandle(self, self._run(Calls.evaluate(version, episodes, environment)))
+        """Start an evaluation workload of one policy version; the handle's result has `.result`
+        (with a `suite`: each entry's success and 95% interval; `videos`: mp4s in its MLflow run)."""
+        return WorkloadHandle(self, self._run(Calls.evaluate(version, episodes, environment, suite, videos)))
 
     def workload(self, workload_id: str) -> s.WorkloadInfo:
         return self._run(Calls.workload(workload_id))

@@ -96,6 +96,11 @@ class SimulatorConfig(pydantic.BaseModel):
     control_mode: str | None = pydantic.Field(
         default=None, description="simulator controller (ManiSkill e.g. pd_ee_delta_pose); None = default"
     )
+    # Evaluation videos: every observation also carries the simulator renderer's RGB frame (`frame`).
+    record_frames: bool = pydantic.Field(default=False, description="attach the renderer's frame to observations")
+    # A vectorized session (`envs.vector`): this many environments in the one worker, addressed as
+    # "<session id>#<slot>" and stepped together by `EnvironmentService.batch_step`.
+    num_envs: int = pydantic.Field(default=1, ge=1, le=64, description="environments in this session's worker")
 
     @pydantic.field_validator("simulator")
     @classmethod
@@ -189,9 +194,13 @@ class EnvObservation:
     images: dict[str, np.ndarray]  # camera -> float32 (3, H, W) in [0, 1]
     state: np.ndarray  # float32 (state_dim,)
     instruction: str
+    frame: np.ndarray | None = None  # uint8 (H, W, 3) from the renderer, with config.record_frames only
 
     def to_dict(self) -> dict[str, Any]:
-        return {"images": dict(self.images), "state": self.state, "instruction": self.instruction}
+        out = {"images": dict(self.images), "state": self.state, "instruction": self.instruction}
+        if self.frame is not None:
+            out["frame"] = self.frame
+        return out
 
 
 @dataclass
@@ -295,6 +304,8 @@ class SimulatorAdapter(abc.ABC):
         obs = self._reset(seed)
         self._elapsed = 0
         self._needs_reset = False
+        if self.config.record_frames:
+            obs.frame = self.render_frame()
         return obs
 
     def step(self, action: np.ndarray) -> StepResult:
@@ -304,11 +315,17 @@ class SimulatorAdapter(abc.ABC):
         # Policies (e.g. Gaussian samples) overshoot the bounds; clip like the simulators' controllers do.
         act = np.clip(act, np.asarray(self.spec.action_low, np.float32), np.asarray(self.spec.action_high, np.float32))
         result = self._step(act)
+        if self.config.record_frames:
+            result.observation.frame = self.render_frame()
         self._elapsed += 1
         result.info["elapsed_steps"] = self._elapsed
         if self._elapsed >= self.spec.max_episode_steps:
             result.truncated = True
         return result
+
+    def render_frame(self) -> np.ndarray:
+        """The simulator renderer's view of the scene now, uint8 (H, W, 3) (evaluation videos)."""
+        raise NotImplementedError(f"simulator {self.name!r} renders no frames; record_frames is not available")
 
     @abc.abstractmethod
     def _reset(self, seed: int | None) -> EnvObservation: ...

@@ -173,7 +173,8 @@ class ManiSkillAdapter(SimulatorAdapter):
             obs_mode="rgb" if config.cameras else "state_dict",
             sim_backend="physx_cpu",
             num_envs=1,
-            render_mode=None,
+            # Evaluation videos render through ManiSkill's render camera; rollouts render nothing extra.
+            render_mode="rgb_array" if config.record_frames else None,
         )
         import torch
 
@@ -261,6 +262,11 @@ class ManiSkillAdapter(SimulatorAdapter):
             success=bool(info.get("success", False)),
             info=info,
         )
+
+    def render_frame(self) -> np.ndarray:
+        frame = self._env.render()
+        frame = frame.cpu().numpy() if hasattr(frame, "cpu") else np.asarray(frame)
+        return np.ascontiguousarray(frame.reshape(frame.shape[-3:]), dtype=np.uint8)
 
     def close(self) -> None:
         env = getattr(self, "_env", None)

@@ -41,6 +41,7 @@ _TASKS = ("PushT-v0", "gym_pusht/PushT-v0", REACH_TASK)
 _CAMERAS = ("top",)
 _DEFAULT_MAX_STEPS = 300  # gym-pusht's registered horizon
 _REWARD_MODES = ("dense", "normalized_dense", "sparse")
+_VIDEO_SIDE = 256  # render() frame side (gym-pusht's default 680 is 1.4 MB a frame)
 
 
 @register_simulator("pusht")
@@ -70,6 +71,8 @@ class PushTAdapter(SimulatorAdapter):
             obs_type="pixels_agent_pos" if config.cameras else "state",
             observation_width=width,
             observation_height=height,
+            visualization_width=_VIDEO_SIDE,  # render(): evaluation videos' frames
+            visualization_height=_VIDEO_SIDE,
         )
         space = self._env.action_space
         self.spec = SimulatorSpec(
@@ -125,6 +128,9 @@ class PushTAdapter(SimulatorAdapter):
             success=success,
             info=scalar_info(info),
         )
+
+    def render_frame(self) -> np.ndarray:
+        return np.ascontiguousarray(self._env.render(), dtype=np.uint8)
 
     def close(self) -> None:
         env = getattr(self, "_env", None)

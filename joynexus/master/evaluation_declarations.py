@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 MAX_TARGETS = 32
 RUNNING, COMPLETED, FAILED = "running", "completed", "failed"
-_COLUMNS = ("success_rate", "mean_return", "mean_length", "episodes")
+_COLUMNS = ("success_rate", "success_ci_low", "success_ci_high", "mean_return", "mean_length", "episodes")
 
 
 def _targets(targets: Any) -> list[tuple[str, int | str]]:
@@ -57,10 +57,18 @@ class EvaluationDeclarations:
         self.workloads = workloads
 
     def declare(
-        self, targets: Any, *, episodes: int = 4, name: str = "", environment: dict[str, Any] | None = None
+        self,
+        targets: Any,
+        *,
+        episodes: int = 4,
+        name: str = "",
+        environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
     ) -> dict[str, Any]:
         """Start one evaluation workload per target (all checked first: a bad target starts none);
-        `environment` (one simulator for every target) overrides each tenant's declared one."""
+        `environment` (one simulator for every target) overrides each tenant's declared one; a
+        `suite` evaluates every target in each of its entries (`evaluation_report`)."""
         parsed = _targets(targets)
         for i, (tenant_id, _) in enumerate(parsed):
             try:
@@ -70,7 +78,9 @@ class EvaluationDeclarations:
         started = []
         for i, (tenant_id, version) in enumerate(parsed):
             try:
-                info = self.workloads.evaluate(tenant_id, version=version, episodes=episodes, environment=environment)
+                info = self.workloads.evaluate(
+                    tenant_id, version=version, episodes=episodes, environment=environment, suite=suite, videos=videos
+                )
             except ValueError as error:
                 for done in started:  # none half-declared
                     self.workloads.cancel(done["workload_id"])

@@ -362,9 +362,13 @@ class MasterService:
         version: int | str = "latest",
         episodes: int = 4,
         environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
     ) -> WorkloadInfo:
         self.check_tenant(tenant_id)
-        return self.workloads.evaluate(tenant_id, version=version, episodes=episodes, environment=environment)
+        return self.workloads.evaluate(
+            tenant_id, version=version, episodes=episodes, environment=environment, suite=suite, videos=videos
+        )
 
     def promote(self, tenant_id: str, registry_version: int | None = None) -> dict[str, Any]:
         """The promotion rule (workloads/promotion.py) on a registered version, default the tenant's
@@ -496,9 +500,13 @@ class MasterService:
         episodes: int = 4,
         name: str = "",
         environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
     ) -> dict[str, Any]:
         """Evaluate each target (tenant, version) on its simulator; one comparison table in MLflow."""
-        return self.declarations.declare(targets, episodes=episodes, name=name, environment=environment)
+        return self.declarations.declare(
+            targets, episodes=episodes, name=name, environment=environment, suite=suite, videos=videos
+        )
 
     def get_evaluation(self, declaration_id: str) -> dict[str, Any]:
         return self.declarations.get(declaration_id)

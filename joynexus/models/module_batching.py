@@ -84,6 +84,7 @@ __all__ = [
     "group_policy_mean",
     "group_policy_std",
     "group_predict",
+    "group_sample",
     "group_value",
     "kernel_of",
     "pad_rows",
@@ -376,6 +377,22 @@ def group_policy_std(modules: Sequence[ActionModule], params: StackedParameters)
     if not cfg.stochastic:
         raise RuntimeError(f"kind {cfg.kind!r} was built with stochastic=False; it defines no policy density")
     return params["log_std"].clamp(-5.0, 2.0).exp().view(len(modules), 1, 1, cfg.action_dim)
+
+
+def group_sample(
+    modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`ActionModule.sample_policy` of every member from its rows' standard normals `noise`
+    (G, B, *sample_noise_shape) in the group's padded dims: (actions (G, B, chunk, A), log-densities
+    (G, B), the recorded chains (G, B, K+1, chunk, A) of a flow head, else None)."""
+    kernel, cfg, dims = _kernel(modules)
+    if type(modules[0]).rl_record_field == "chain":
+        chains, log_probs = kernel.sample_chain(_with_derived(kernel, cfg, params), cfg, inputs, noise, dims)  # type: ignore[attr-defined]
+        return chains[:, :, -1], log_probs, chains
+    mean = kernel.policy_mean(params, cfg, inputs)
+    std = group_policy_std(modules, params)
+    actions = mean + std * noise
+    return actions, group_log_prob(modules, mean, std, actions), None
 
 
 def group_value(modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs) -> torch.Tensor:

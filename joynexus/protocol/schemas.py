@@ -165,6 +165,10 @@ class WorkloadSubmit(_Request):
     version: int | None = Field(default=None, ge=0)
     episodes: int = Field(default=4, ge=1, le=10_000)
     environment: dict[str, Any] | None = None
+    # eval: several entries (partial environments: other tasks, seeds), `episodes` each; and the
+    # first `videos` episodes of each entry recorded as mp4 (master/workloads/evaluation_report.py).
+    suite: list[dict[str, Any]] | None = Field(default=None, min_length=1, max_length=16)
+    videos: int = Field(default=0, ge=0, le=8)
 
 
 class WorkloadInfo(_Response):
@@ -535,6 +539,8 @@ class EvaluationDeclare(_Request):
     episodes: int = Field(default=4, ge=1, le=1000)
     name: str = Field(default="", max_length=128)
     environment: dict[str, Any] | None = None  # one simulator for every target; None: each tenant's own
+    suite: list[dict[str, Any]] | None = Field(default=None, min_length=1, max_length=16)  # as WorkloadSubmit's
+    videos: int = Field(default=0, ge=0, le=8)
 
 
 class EvaluationDeclaration(_Response):

@@ -501,3 +501,22 @@ def test_futures_and_sampling_run_on_the_shared_call_queue_actor(ray_api: RayApi
     while ray_api.usage(sft)["device_seconds"]["training"] <= before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_api.usage(sft)["device_seconds"]["training"] > before
+
+
+@pytest.mark.slow  # its own tenant's RL workload and evaluation on the Ray services (~1-2 min)
+def test_a_flow_matching_rl_tenant_trains_and_is_evaluated_with_a_video_on_ray(ray_api: RayApi):
+    """Issue 27: a flow head learns by RL (its noise-injected chain recorded by the rollout in the
+    Master actor, rescored by PPO in the Training Model Service actor) and an evaluation suite of two
+    seeds reports intervals and logs an mp4 from the Environment Service actor's renderer."""
+    spec = rl_spec("ray-flow")
+    spec["action_module"] = {"kind": "flow_matching", "size": "tiny"}
+    spec["rl"]["advantage"] = "grpo"
+    flow = ray_api.create_tenant(spec)
+    workload = ray_api.wait(flow, ray_api.submit(flow, jobs=1), timeout_s=600)
+    assert workload["state"] == "completed", workload
+    suite = [{"seed": 1}, {"seed": 2}]
+    evaluation = ray_api.wait(flow, ray_api.submit(flow, task="eval", episodes=1, suite=suite, videos=1), timeout_s=600)
+    assert evaluation["state"] == "completed", evaluation
+    result = evaluation["result"]
+    assert result["policy_version"] == 1 and len(result["suite"]) == 2 and len(result["videos"]) == 2
+    assert 0.0 <= result["success_ci_low"] <= result["success_rate"] <= result["success_ci_high"] <= 1.0

@@ -68,14 +68,6 @@ REFUSED = [
     # ManiSkill seeds numpy's RandomState (< 2**32) with environment.seed + session offsets.
     ("env-seed-2**32", {"environment": {"seed": 2**32}}, "environment.seed", "less than or equal"),
     ("env-seed-2**70", {"environment": {"seed": 2**70}}, "environment.seed", "less than or equal"),
-    # flow_matching refuses stochastic=True only when the backend builds the slot.
-    ("flow-matching-gae", {"action_module": {"kind": "flow_matching"}}, "action_module.kind", "tractable"),
-    (
-        "flow-matching-grpo",
-        {"action_module": {"kind": "flow_matching"}, "rl": {"advantage": "grpo"}},
-        "action_module.kind",
-        "tractable",
-    ),
     # Integer columns of training_policies: 32-bit on PostgreSQL.
     ("completion-2**40", {"scheduling": {"completion_target": 2**40}}, "scheduling.completion_target", "less"),
     ("staleness-2**40", {"scheduling": {"max_policy_staleness": 2**40}}, "scheduling.max_policy_staleness", "less"),
@@ -131,6 +123,23 @@ def test_a_module_the_backend_cannot_build_is_a_spec_problem_with_its_first_line
     assert rows(store) == (1, 0)
 
 
+def test_rl_with_a_kind_without_a_tractable_density_is_refused_and_flow_matching_is_accepted(store, monkeypatch):
+    monkeypatch.setitem(ACTION_MODULES, "broken_head", _BrokenHead)  # supports_rl = False
+    creator = creator_for(store)
+    spec = _merge(rl_spec(action_module={"kind": "broken_head"}), {"observation": {"action_chunk": 4}})
+    with pytest.raises(SpecError) as caught:
+        creator.create(spec)
+    assert "action_module.kind" in caught.value.fields and "tractable" in str(caught.value)
+    assert rows(store) == (0, 0)
+    # flow_matching's RL density is its noise-injected chain (models.action_modules.flow_rl).
+    for tenant, advantage in (("flow-gae", "gae"), ("flow-grpo", "grpo")):
+        module = creator.create(
+            rl_spec(tenant, action_module={"kind": "flow_matching"}, rl={"advantage": advantage})
+        ).backend_config.action_module
+        assert module["kind"] == "flow_matching" and module["stochastic"]
+        assert module["value_head"] is (advantage == "gae")
+
+
 def test_a_valid_rl_spec_with_oft_mlp_compiles_to_a_stochastic_module_with_a_critic(store):
     creator = creator_for(store)
     tenant = creator.create(rl_spec(training={"seed": MAX_TRAINING_SEED}, environment={"seed": MAX_ENVIRONMENT_SEED}))
@@ -166,8 +175,9 @@ def training_service(tmp_path_factory):
         {"rl": {"advantage": "grpo"}},
         {"task": "eval", "action_module": {"kind": "flow_matching", "size": "small"}},
         {"observation": {"state_dim": 0, "action_chunk": 16}},
+        {"action_module": {"kind": "flow_matching", "size": "tiny"}},
     ],
-    ids=["max-seed", "grpo", "eval-flow-matching", "no-state"],
+    ids=["max-seed", "grpo", "eval-flow-matching", "no-state", "rl-flow-matching"],
 )
 def test_what_compiles_builds_a_slot_in_the_training_model_service(training_service, change):
     caps = BackendCapabilities.single(training_service.capabilities())

@@ -33,8 +33,9 @@ class ForeignOperations(GatewayBase):
         targets = [t.model_dump() for t in request.targets]
         try:
             info = self.master.declare_evaluation(
-                targets, episodes=request.episodes, name=request.name, environment=request.environment
-            )
+                targets, episodes=request.episodes, name=request.name, environment=request.environment,
+                suite=request.suite, videos=request.videos,
+            )  # fmt: skip
         except AdmissionRefused as error:
             raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
         except (ValueError, TypeError) as error:

@@ -87,7 +87,6 @@ class InferenceOperations(GatewayBase):
                 ],
             ) from None
 
-
     def _unserved_version(self, tenant_id: str, version: int | None) -> ApiError | None:
         """A version that is checkpointed but not served: say how to serve it (None: not checkpointed)."""
         if version is None or version not in self.cluster.checkpoints.versions(tenant_id):
@@ -97,6 +96,7 @@ class InferenceOperations(GatewayBase):
             f'{{"version": {version}}} (Python: client.load_weights(version={version})), then predict again'
         )
         return ApiError(how, [("policy_version", how)]).with_status(404, "not_found")
+
 
 def predict_result(result: dict[str, Any]) -> s.PredictResult:
     """The service's predict answer on the wire (non-finite actions refused: never sent to a robot)."""

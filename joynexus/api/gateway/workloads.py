@@ -34,8 +34,9 @@ class WorkloadOperations(GatewayBase):
             if task == "eval":
                 version: int | str = "latest" if request.version is None else request.version
                 status = self.master.evaluate(
-                    tenant_id, version=version, episodes=request.episodes, environment=request.environment
-                )
+                    tenant_id, version=version, episodes=request.episodes, environment=request.environment,
+                    suite=request.suite, videos=request.videos,
+                )  # fmt: skip
             else:
                 status = self.master.submit_workload(tenant_id, jobs=jobs)
         except AdmissionRefused as error:

@@ -105,17 +105,34 @@ class EpisodeStats:
 class EnvGroup:
     """A tenant's `n` environment sessions with their running episodes."""
 
-    def __init__(self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0):
+    def __init__(
+        self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0, record: int = 0
+    ):
         self.env, self.config = env, config
         self.ids: list[str] = []
+        # Evaluation videos: sessions i < `record` attach the renderer's frame to every observation;
+        # `frames[i]` collects env i's running episode, `ended_frames[i]` its last finished one.
+        self.frames: dict[int, list[np.ndarray]] = {}
+        self.ended_frames: dict[int, list[np.ndarray]] = {}
         # All n sessions start at once: each is a worker process that imports and builds its
         # simulator (~0.7 s of CPU for gym-pusht), so one after another they made a rollout's start
         # n times that long; the service opens sessions concurrently (its own lock per session).
-        sims = [simulator_config(config, seed_offset=seed_offset + i) for i in range(n)]
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"open-{config.tenant_id}") as pool:
+        # environment.envs_per_worker > 1: envs i .. i+k-1 are the slots of ONE vectorized session
+        # (`envs.vector`, seeded like k sessions), addressed "<session>#<slot>".
+        per = config.environment.envs_per_worker if config.environment is not None else 1
+        sims = [simulator_config(config, seed_offset=seed_offset + i) for i in range(0, n, per)]
+        for first, sim in zip(range(0, n, per), sims, strict=True):
+            sim["record_frames"] = first < record
+            sim["num_envs"] = min(per, n - first)
+        with ThreadPoolExecutor(max_workers=len(sims), thread_name_prefix=f"open-{config.tenant_id}") as pool:
             futures = [pool.submit(env.open_session, config.tenant_id, rollout_id, sim) for sim in sims]
         opened = [f.result() for f in futures if f.exception() is None]
-        self.ids = opened  # in env order when all opened (seeds follow the index); closed on failure
+        # In env order when all opened (seeds follow the index); closed on failure.
+        self.ids = [
+            sid if sim["num_envs"] == 1 else f"{sid}#{slot}"
+            for sid, sim in zip(opened, sims, strict=False)
+            for slot in range(sim["num_envs"])
+        ]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if failed is not None:
             self.close()
@@ -125,7 +142,7 @@ class EnvGroup:
         # (gym-pusht takes pixel targets in [0, 512]), so actions are mapped affinely.
         self.low = np.asarray(spec["action_low"], dtype=np.float32)
         self.high = np.asarray(spec["action_high"], dtype=np.float32)
-        self.obs = [self._obs(env.reset(config.tenant_id, sid)) for sid in self.ids]
+        self.obs = [self._obs(env.reset(config.tenant_id, sid), i) for i, sid in enumerate(self.ids)]
         self.episode_return = [0.0] * n
         self.episode_length = [0] * n
         # Per env, the seed its next episodes start from (None: the simulator's own RNG stream);
@@ -139,10 +156,13 @@ class EnvGroup:
         from seeds[i]; later episodes of env i start from the same seed."""
         self.episode_seeds = list(seeds)
         for i, sid in enumerate(self.ids):
-            self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, sid, seed=seeds[i]))
+            self.frames.pop(i, None)
+            self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, sid, seed=seeds[i]), i)
             self.episode_return[i], self.episode_length[i] = 0.0, 0
 
-    def _obs(self, raw: dict[str, Any]) -> Observation:
+    def _obs(self, raw: dict[str, Any], i: int) -> Observation:
+        if raw.get("frame") is not None:
+            self.frames.setdefault(i, []).append(np.asarray(raw["frame"]))
         return to_observation(raw, self.config.cameras, self.config.instruction)
 
     def act(
@@ -178,7 +198,7 @@ class EnvGroup:
                     done[i] = True
                     terminated[i] = bool(result["terminated"])
                     truncated[i] = not terminated[i]  # a success on the last allowed step is a termination
-                self.obs[i] = self._obs(result["observation"])
+                self.obs[i] = self._obs(result["observation"], i)
         for i in np.flatnonzero(~idle):
             self.episode_return[i] += float(rewards[i])
             if done[i]:
@@ -187,7 +207,10 @@ class EnvGroup:
                 stats.successes.append(success[i])
                 self.episode_return[i], self.episode_length[i] = 0.0, 0
                 self.final_obs[i] = self.obs[i]
-                self.obs[i] = self._obs(self.env.reset(self.config.tenant_id, self.ids[i], seed=self.episode_seeds[i]))
+                if i in self.frames:
+                    self.ended_frames[i] = self.frames.pop(i)
+                reset = self.env.reset(self.config.tenant_id, self.ids[i], seed=self.episode_seeds[i])
+                self.obs[i] = self._obs(reset, i)
         return rewards, terminated, truncated
 
     def to_env_action(self, action: np.ndarray) -> np.ndarray:
@@ -309,6 +332,8 @@ class RolloutProducer(Producer):
                 columns["state"].append(obs.state)
                 columns["action"].append(pred["actions"][0])
                 columns["log_prob"].append(float(pred["log_probs"][0]))
+                if pred.get("chains") is not None:  # a flow head's density is over its denoising chain
+                    columns.setdefault("chain", []).append(pred["chains"][0])
                 columns["value"].append(float(pred["values"][0]) if has_critic else 0.0)
             rewards, terminated, truncated = envs.act([p["actions"][0] for p in preds], self.stats)
             done = terminated | truncated
@@ -332,7 +357,7 @@ class RolloutProducer(Producer):
             bootstrap[-1, live] = np.asarray([float(p["values"][0]) for p in last], dtype=np.float32)[live]
         n = self.num_envs * self.horizon
         chunk = cfg.action_chunk
-        return {
+        data = {
             "images": np.stack(columns["images"]).astype(np.float32),
             "state": np.stack(columns["state"]).astype(np.float32).reshape(n, cfg.state_dim),
             "action": np.stack(columns["action"]).astype(np.float32),
@@ -351,6 +376,9 @@ class RolloutProducer(Producer):
             "schema_signature": [cfg.schema_signature] * n,
             "behavior_policy_version": np.full(n, version, dtype=np.int64),
         }
+        if "chain" in columns:  # (n, K+1, chunk, A): what the PPO update rescores (models.action_modules.flow_rl)
+            data["chain"] = np.stack(columns["chain"]).astype(np.float32)
+        return data
 
     def _group_seed(self, group: int) -> int:
         """The initial-state seed of a GRPO group in this rollout: fixed by the environment seed,

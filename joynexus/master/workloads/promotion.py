@@ -7,8 +7,10 @@ Every publish registers a version; then `promote`:
    held-out loss on `dataset.validation_episodes` (heldout.py), and logs the metrics on the version
    (`ExperimentTracker.log_version_evaluation`);
 3. moves `champion` by `joynexus.registry.promote`'s rule: when there is none yet, or when the new
-   version beats the champion's measurement by more than `promotion.min_improvement`. A tenant with
-   no measurable metric (no environment, nothing held out) has its champion follow every version.
+   version beats the champion's measurement by more than `promotion.min_improvement`. A success
+   rate is compared by its interval (`evaluation_stats`): the candidate's 95% Wilson LOWER bound
+   must beat the champion's success rate. A tenant with no measurable metric (no environment,
+   nothing held out) has its champion follow every version.
 
 A measurement that fails leaves the champion where it is (the reason is in the decision); the
 version stays the candidate, so the periodic evaluation flow measures and promotes it later.
@@ -22,6 +24,7 @@ from typing import Any
 
 from joynexus.core.tenants import Tenant
 from joynexus.master.workloads.base import WorkloadBase
+from joynexus.master.workloads.evaluation_stats import SUCCESS_CI_HIGH_METRIC, SUCCESS_CI_LOW_METRIC
 from joynexus.master.workloads.heldout import HELDOUT_METRIC, heldout_loss
 from joynexus.registry import CANDIDATE_ALIAS, CHAMPION_ALIAS, PromotionDecision, promote
 from joynexus.spec import PromotionMetric
@@ -55,6 +58,10 @@ class Promotions(WorkloadBase):
             decision = PromotionDecision(tenant_id, version, "-", None, previous, None, version, True, reason)
             return dataclasses.asdict(decision)
         name = METRIC_NAMES[metric]
+        # Success: the candidate's interval lower bound against the champion's measured rate.
+        interval = metric is PromotionMetric.SUCCESS_RATE
+        if interval:
+            name = SUCCESS_CI_LOW_METRIC
         tracker.set_alias(tenant_id, CANDIDATE_ALIAS, version)  # before measuring: it is the candidate now
         failure = None
         if measure and tracker.evaluation_metric(tenant_id, version, name) is None:
@@ -67,6 +74,7 @@ class Promotions(WorkloadBase):
             tracker, tenant_id, version, metric=name,
             higher_is_better=metric is PromotionMetric.SUCCESS_RATE,
             min_improvement=tenant.spec.promotion.min_improvement,
+            champion_metric=SUCCESS_METRIC if interval else None,
         )  # fmt: skip
         if failure is not None:
             decision = dataclasses.replace(decision, reason=f"{decision.reason}; {failure}")
@@ -91,6 +99,8 @@ class Promotions(WorkloadBase):
             )  # fmt: skip
             return {
                 SUCCESS_METRIC: result.success_rate,
+                SUCCESS_CI_LOW_METRIC: result.success_ci[0],
+                SUCCESS_CI_HIGH_METRIC: result.success_ci[1],
                 "eval/mean_return": result.mean_return,
                 "eval/mean_length": result.mean_length,
             }

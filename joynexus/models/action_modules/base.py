@@ -148,7 +148,10 @@ class ActionModule(nn.Module, abc.ABC):
     """Base class: input validation, padded-step masking and the optional value head."""
 
     kind: ClassVar[str] = ""
-    supports_rl: ClassVar[bool] = False  # has a tractable action density (policy_mean + log_std)
+    supports_rl: ClassVar[bool] = False  # has a tractable action density (stochastic=True is allowed)
+    # The RL sample field whose density the policy gives: "action" for a Gaussian head; a flow head's
+    # density is over its whole denoising chain ("chain", recorded by rollouts beside the action).
+    rl_record_field: ClassVar[str] = "action"
     # predict integrates from drawn noise (the module then has `draw_noise`): the inference service
     # draws it per request, so a request decodes the same alone or in a group.
     uses_noise: ClassVar[bool] = False
@@ -227,6 +230,28 @@ class ActionModule(nn.Module, abc.ABC):
         mean = self.policy_mean(features, state)
         std = self.log_std.clamp(-5.0, 2.0).exp().expand_as(mean)
         return torch.distributions.Normal(mean, std)
+
+    def sample_noise_shape(self) -> tuple[int, ...]:
+        """The standard-normal draw one sampled (RL) action takes: (chunk, action_dim) here."""
+        return (self.config.action_chunk, self.config.action_dim)
+
+    def sample_policy(
+        self, features: BackboneFeatures, state: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sampled action chunk from given standard normals ``noise`` (B, *sample_noise_shape()):
+        (actions, log_prob (B,), record), where ``record`` is what `record_log_prob` rescores
+        (the `rl_record_field` of the RL sample: here the actions themselves)."""
+        dist = self.action_distribution(features, state)
+        actions = dist.mean + dist.stddev * noise
+        return actions, dist.log_prob(actions).sum(dim=(-1, -2)), actions
+
+    def record_log_prob(
+        self, features: BackboneFeatures, state: torch.Tensor, record: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_prob (B,), entropy (B,)) of recorded samples under the current parameters
+        (differentiable): what PPO's ratio and entropy bonus take."""
+        dist = self.action_distribution(features, state)
+        return dist.log_prob(record).sum(dim=(-1, -2)), dist.entropy().sum(dim=(-1, -2))
 
     # -------------------------------------------------------------- helpers
     def _check_inputs(

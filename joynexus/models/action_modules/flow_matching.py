@@ -3,7 +3,9 @@
 A small transformer over the noisy action-chunk tokens (+ a state token, + timestep conditioning)
 cross-attends to the backbone tokens; trained with the rectified-flow velocity loss and sampled by
 Euler integration from noise (`FlowMatchingConfig.num_inference_steps` steps). `FlowKernel` is the
-same computation over stacked parameters, for grouped serving and training.
+same computation over stacked parameters, for grouped serving and training. A stochastic (RL) flow
+head injects learned Gaussian noise in every Euler step (ReinFlow; `flow_rl`), so its denoising
+chain has an exact log-probability for PPO / GRPO.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from joynexus.models.action_modules.base import ActionModule, ActionModuleConfig, register_action_module
+from joynexus.models.action_modules.flow_rl import (
+    FlowNoiseNet,
+    bounded_std,
+    chain_entropy,
+    gaussian_log_density,
+    group_noise_std,
+)
 from joynexus.models.backbone import BackboneFeatures
 from joynexus.models.grouped_kernels import (
     DERIVED,
@@ -227,6 +236,32 @@ class FlowKernel(Kernel):
             out = out + self.velocity(p, cfg, c, out, time_bias[:, i].view(x.groups, 1, 1, -1))
         return out
 
+    def sample_chain(
+        self, p: StackedParameters, cfg: FlowMatchingConfig, x: GroupInputs, noise: torch.Tensor, dims: GroupDims
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`FlowMatchingActionModule.sample_chain` of every member: noise (G, B, K+1, chunk, A) ->
+        the chains (G, B, K+1, chunk, A) and their log-densities over each member's own steps and
+        dims (G, B)."""
+        c = self._constants(p, cfg, x, dims)
+        steps = cfg.num_inference_steps
+        dt = 1.0 / steps
+        time_bias = p[DERIVED + "step_bias"]
+        out_w, out_b = c["out"]
+        c["out"] = (out_w * dt, out_b * dt)
+        own = dims.action_mask(noise.device)  # (G, 1, chunk, A)
+        state = x.state if cfg.state_dim > 0 else None
+        xk = noise[:, :, 0]
+        chain, density = [xk], gaussian_log_density(xk, 0.0, 1.0)
+        for i in range(steps):
+            mean = xk + self.velocity(p, cfg, c, xk, time_bias[:, i].view(x.groups, 1, 1, -1))
+            time_emb = timestep_embedding(torch.full((1,), i * dt, device=xk.device), cfg.preset.width)
+            std = group_noise_std(p, x.pooled, state, time_emb.expand(x.groups, 1, -1))
+            xk = mean + std * noise[:, :, i + 1]
+            chain.append(xk)
+            density = density + gaussian_log_density(xk, mean, std)
+        zero = torch.zeros((), dtype=density.dtype, device=density.device)
+        return torch.stack(chain, dim=2), torch.where(own, density, zero).sum(dim=(-1, -2))
+
     def loss(
         self,
         p: StackedParameters,
@@ -258,6 +293,8 @@ class FlowMatchingActionModule(ActionModule):
     """
 
     uses_noise = True
+    supports_rl = True  # stochastic=True: the noise-injected chain of `flow_rl` (ReinFlow)
+    rl_record_field = "chain"
     config_class = FlowMatchingConfig
     kernel = FlowKernel()
     config: FlowMatchingConfig
@@ -289,6 +326,12 @@ class FlowMatchingActionModule(ActionModule):
         )
         self.out_norm = nn.LayerNorm(w)
         self.velocity_out = nn.Linear(w, config.action_dim)
+        # RL: the learned per-step noise (ReinFlow); log_std is its global part, starting mid-range.
+        self.noise_net = (
+            FlowNoiseNet(config.feature_dim, config.state_dim, config.action_dim, w) if config.stochastic else None
+        )
+        if self.log_std is not None:
+            nn.init.zeros_(self.log_std)
 
     def _memory(self, features: BackboneFeatures) -> tuple[torch.Tensor, torch.Tensor]:
         return self.memory_proj(self.memory_norm(features.tokens)), ~features.mask
@@ -404,3 +447,73 @@ class FlowMatchingActionModule(ActionModule):
                 t = torch.full((b,), i * dt, device=x.device)
                 x = x + dt * self._velocity(x, t, memory, memory_pad, state)
         return x
+
+    # ------------------------------------------------------------------ RL (flow_rl)
+    def action_distribution(self, features: BackboneFeatures, state: torch.Tensor) -> torch.distributions.Normal:
+        raise RuntimeError(
+            "flow_matching has no closed-form action density: its RL density is over the denoising chain "
+            "(sample_policy / record_log_prob with the recorded 'chain')"
+        )
+
+    def sample_noise_shape(self) -> tuple[int, ...]:
+        """x_0 and one draw per Euler step: (K+1, chunk, action_dim)."""
+        cfg = self.config
+        return (cfg.num_inference_steps + 1, cfg.action_chunk, cfg.action_dim)
+
+    def noise_std(self, features: BackboneFeatures, state: torch.Tensor, t: float) -> torch.Tensor:
+        """Step std sigma(obs, t) per row: (B, 1, action_dim); stochastic heads only."""
+        if self.noise_net is None or self.log_std is None:
+            raise RuntimeError("FlowMatchingActionModule was built with stochastic=False; it injects no noise")
+        time_emb = timestep_embedding(torch.full((1,), t, device=state.device), self.config.preset.width)
+        return bounded_std(self.noise_net(features.pooled, state, time_emb) + self.log_std).unsqueeze(1)
+
+    def sample_policy(
+        self, features: BackboneFeatures, state: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The noise-injected Euler chain from standard normals ``noise`` (B, K+1, chunk, A):
+        (actions x_K, log p(chain) (B,), chain (B, K+1, chunk, A))."""
+        self._check_inputs(features, state)
+        steps = self.config.num_inference_steps
+        if noise.shape != (features.batch_size, *self.sample_noise_shape()):
+            raise _noise_shape_error(noise, (features.batch_size, *self.sample_noise_shape()))
+        memory, memory_pad = self._memory(features)
+        dt = 1.0 / steps
+        x = noise[:, 0]
+        chain, density = [x], gaussian_log_density(x, 0.0, 1.0).sum(dim=(-1, -2))
+        for i in range(steps):
+            t = torch.full((x.shape[0],), i * dt, device=x.device)
+            mean = x + dt * self._velocity(x, t, memory, memory_pad, state)
+            std = self.noise_std(features, state, i * dt)
+            x = mean + std * noise[:, i + 1]
+            chain.append(x)
+            density = density + gaussian_log_density(x, mean, std).sum(dim=(-1, -2))
+        return x, density, torch.stack(chain, dim=1)
+
+    def record_log_prob(
+        self, features: BackboneFeatures, state: torch.Tensor, record: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(chain) of recorded chains (B, K+1, chunk, A) under the current parameters, all K
+        transitions in one batched velocity pass; the entropy is the transitions' (given x_0)."""
+        self._check_inputs(features, state)
+        b, steps = features.batch_size, self.config.num_inference_steps
+        if record.shape != (b, *self.sample_noise_shape()):
+            raise _noise_shape_error(record, (b, *self.sample_noise_shape()), name="chain")
+        dt = 1.0 / steps
+        memory, memory_pad = self._memory(features)
+        x_k = record[:, :-1].reshape(b * steps, *record.shape[2:])  # rows: (sample, step)
+        t = (torch.arange(steps, device=record.device, dtype=record.dtype) * dt).repeat(b)
+        velocity = self._velocity(
+            x_k, t, memory.repeat_interleave(steps, 0), memory_pad.repeat_interleave(steps, 0),
+            state.repeat_interleave(steps, 0),
+        ).view(b, steps, *record.shape[2:])  # fmt: skip
+        mean = record[:, :-1] + dt * velocity
+        std = torch.stack([self.noise_std(features, state, i * dt) for i in range(steps)], dim=1)  # (B, K, 1, A)
+        density = gaussian_log_density(record[:, 1:], mean, std).sum(dim=(1, 2, 3))
+        density = density + gaussian_log_density(record[:, 0], 0.0, 1.0).sum(dim=(-1, -2))
+        entropy = chain_entropy(std).expand_as(mean).sum(dim=(1, 2, 3))
+        return density, entropy
+
+
+def _noise_shape_error(got: torch.Tensor, expected: tuple[int, ...], name: str = "noise") -> ValueError:
+    return ValueError(f"{name}: expected shape {expected} [B, num_inference_steps + 1, chunk, action_dim], "
+                      f"got {tuple(got.shape)}")  # fmt: skip

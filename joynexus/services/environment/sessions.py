@@ -192,7 +192,9 @@ class EnvironmentService:
         return session.session_id
 
     def close(self, tenant_id: str, session_id: str) -> None:
-        """Stop the session's worker. Idempotent for the owner; another tenant's id -> UnknownSession."""
+        """Stop the session's worker. Idempotent for the owner; another tenant's id -> UnknownSession.
+        An id "<session>#<slot>" closes its whole vectorized session."""
+        session_id = _split_slot(session_id)[0]
         with self._lock:
             gone = self._tombstones.get(session_id)
             if gone is not None and gone.tenant_id == tenant_id:
@@ -243,7 +245,7 @@ class EnvironmentService:
 
     # -- queries ------------------------------------------------------------------------------ #
     def spec(self, tenant_id: str, session_id: str) -> dict[str, Any]:
-        return dict(self._get(tenant_id, session_id).spec)
+        return dict(self._get(tenant_id, _split_slot(session_id)[0]).spec)
 
     def sessions(self, tenant_id: str) -> list[dict[str, Any]]:
         """This tenant's open sessions, then its failed ones (not yet closed) with their reason."""
@@ -273,11 +275,14 @@ class EnvironmentService:
         """{"images": {camera: float32 (3, H, W)}, "state": float32 (state_dim,), "instruction": str}"""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0):
             raise ValueError(f"seed: expected a non-negative int or None, got {seed!r}")
-        session = self._get(tenant_id, session_id)
+        base, slot = _split_slot(session_id)
+        session = self._get(tenant_id, base)
+        _check_slot(session, slot)
         with session.lock:
             self._check_usable(session)
             seed = None if seed is None else int(seed)
-            obs = self._request(session, {"cmd": "reset", "seed": seed}, self.reset_timeout_s, "reset")
+            message = {"cmd": "reset", "seed": seed, **({} if slot is None else {"slot": slot})}
+            obs = self._request(session, message, self.reset_timeout_s, "reset")
             session.needs_reset = False
             session.episodes += 1
         return obs
@@ -285,6 +290,11 @@ class EnvironmentService:
     @timed("env_step_seconds")
     def step(self, tenant_id: str, session_id: str, action: Any) -> dict[str, Any]:
         """{"observation": {...}, "reward", "terminated", "truncated", "success", "info"}"""
+        if "#" in session_id:  # one environment of a vectorized session: its worker steps slots
+            result = self.batch_step(tenant_id, {session_id: action})[session_id]
+            if "error" in result:
+                raise SimulatorError(f"session {session_id!r}: {result['error']}")
+            return result
         session = self._get(tenant_id, session_id)
         act = self._validate(session, action)
         with session.lock:
@@ -298,46 +308,62 @@ class EnvironmentService:
     def batch_step(self, tenant_id: str, actions: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Step several of this tenant's sessions in parallel: send every action, then collect every
         reply under one deadline. A failing session's entry is {"error": message, "error_type": name};
-        the others still return their step result."""
+        the others still return their step result. An id "<session>#<slot>" names one environment
+        of a vectorized session (`envs.vector`): all of a session's slots go to its worker as ONE
+        message, answered by one reply."""
         results: dict[str, dict[str, Any]] = {}
-        ready: list[tuple[_Session, np.ndarray]] = []
+        # Per session: (session, the message to its worker, the callers' (id, slot) it answers).
+        ready: dict[str, tuple[_Session, dict[str, Any], list[tuple[str, int | None]]]] = {}
         for session_id, action in actions.items():
             try:
-                session = self._get(tenant_id, session_id)
-                ready.append((session, self._validate(session, action)))
+                base, slot = _split_slot(session_id)
+                session = self._get(tenant_id, base)
+                _check_slot(session, slot)
+                act = self._validate(session, action)
             except Exception as exc:
                 results[session_id] = error_entry(exc)
-        ready.sort(key=lambda item: item[0].session_id)  # one lock order for every caller: no deadlock
+                continue
+            message = {"cmd": "step"} if slot is None else {"cmd": "step_many", "actions": {}}
+            _, message, callers = ready.setdefault(base, (session, message, []))
+            if slot is None:
+                message["action"] = act
+            else:
+                message["actions"][str(slot)] = act
+            callers.append((session_id, slot))
         held: list[_Session] = []
         stepped = 0  # steps that ran, for metering
         try:
-            pending: dict[Connection, _Session] = {}
-            for session, act in ready:
+            pending: dict[Connection, tuple[_Session, list[tuple[str, int | None]]]] = {}
+            for base in sorted(ready):  # one lock order for every caller: no deadlock
+                session, message, callers = ready[base]
                 session.lock.acquire()
                 held.append(session)
                 try:
                     self._check_usable(session)
-                    self._send(session, {"cmd": "step", "action": act})
-                    pending[session.conn] = session
+                    self._send(session, message)
+                    pending[session.conn] = (session, callers)
                 except Exception as exc:
-                    results[session.session_id] = error_entry(exc)
+                    results.update({sid: error_entry(exc) for sid, _ in callers})
             deadline = time.monotonic() + self.step_timeout_s
             while pending:
                 remaining = deadline - time.monotonic()
                 readable = wait(list(pending), timeout=max(remaining, 0)) if remaining > 0 else []
                 if not readable:
-                    for session in pending.values():
+                    for session, callers in pending.values():
                         exc = self._fail(session, f"step timed out after {self.step_timeout_s:g} s")
-                        results[session.session_id] = error_entry(exc)
+                        results.update({sid: error_entry(exc) for sid, _ in callers})
                     break
                 for conn in readable:
-                    session = pending.pop(conn)
+                    session, callers = pending.pop(conn)
                     try:
-                        results[session.session_id] = self._receive(session)
-                        session.steps += 1
-                        stepped += 1
+                        reply = self._receive(session)
                     except Exception as exc:
-                        results[session.session_id] = error_entry(exc)
+                        results.update({sid: error_entry(exc) for sid, _ in callers})
+                        continue
+                    for sid, slot in callers:
+                        results[sid] = reply if slot is None else reply[str(slot)]
+                    session.steps += len(callers)
+                    stepped += len(callers)
         finally:
             for session in held:
                 session.lock.release()
@@ -468,3 +494,25 @@ class EnvironmentService:
         self.close_all()
 
 
+
+
+def _split_slot(session_id: str) -> tuple[str, int | None]:
+    """"<session>#<slot>" -> (session, slot); a plain session id -> (id, None)."""
+    if not isinstance(session_id, str) or "#" not in session_id:
+        return session_id, None
+    base, _, slot = session_id.partition("#")
+    if not slot.isdigit():
+        raise ValueError(f"session_id: {session_id!r} names no environment slot (expected '<session>#<slot>')")
+    return base, int(slot)
+
+
+def _check_slot(session: _Session, slot: int | None) -> None:
+    """A vectorized session is addressed by slot, a plain one never."""
+    count = session.config.num_envs
+    if slot is None and count > 1:
+        raise ValueError(
+            f"session_id: {session.session_id!r} holds {count} environments; "
+            f"address one as '{session.session_id}#<slot>'"
+        )
+    if slot is not None and not slot < count:
+        raise ValueError(f"session_id: slot {slot} of {session.session_id!r}, which holds slots 0..{count - 1}")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from joynexus.envs.base import AssetDownloadRefused, SimulatorConfig, build_simulator
+from joynexus.envs.vector import VectorSimulator
 
 __all__ = ["pack_message", "unpack_message", "worker_main"]
 
@@ -129,10 +130,12 @@ def worker_main(conn: Connection, adapter_module: str, config_json: str) -> None
         if adapter_module not in ("__main__", "__mp_main__"):
             importlib.import_module(adapter_module)
         config = SimulatorConfig.model_validate_json(config_json)
-        adapter = build_simulator(config)
+        vector = config.num_envs > 1
+        adapter = VectorSimulator(config) if vector else build_simulator(config)
         if "torch" in sys.modules:  # ManiSkill computes on tiny CPU tensors
             sys.modules["torch"].set_num_threads(1)
-        send({"ok": True, "result": {"spec": adapter.spec.to_dict(), "pid": os.getpid()}})
+        spec = adapter.spec_dict() if vector else adapter.spec.to_dict()
+        send({"ok": True, "result": {"spec": spec, "pid": os.getpid()}})
     except BaseException as exc:  # report, then exit: the parent reaps us
         try:
             send(_error_reply(exc))
@@ -150,9 +153,14 @@ def worker_main(conn: Connection, adapter_module: str, config_json: str) -> None
                 send({"ok": True, "result": None})
                 break
             try:
-                if cmd == "reset":
+                if cmd == "reset" and vector:
+                    result = adapter.reset(msg.get("slot"), msg.get("seed")).to_dict()
+                elif cmd == "reset":
                     result = adapter.reset(msg.get("seed")).to_dict()
-                elif cmd == "step":
+                elif cmd == "step_many" and vector:  # {slot: action} -> {slot: result}, keys as strings
+                    stepped = adapter.step_many({int(k): a for k, a in msg["actions"].items()})
+                    result = {str(k): v for k, v in stepped.items()}
+                elif cmd == "step" and not vector:
                     result = adapter.step(msg["action"]).to_dict()
                 else:
                     raise ValueError(f"unknown command {cmd!r}")

@@ -22,10 +22,8 @@ from joynexus.models.module_batching import (
     StackedParameterCache,
     architecture_key,
     gather_inputs,
-    group_log_prob,
-    group_policy_mean,
-    group_policy_std,
     group_predict,
+    group_sample,
     group_value,
     pad_rows,
     unpad_actions,
@@ -112,15 +110,14 @@ class BatchDecoder:
                 # Drawn in batch order (unseeded draws come from the global generator, as per request).
                 drawn = {id(request): self._noise(request, device) for request, _ in members}
                 chunk_shape = (max(m.config.action_chunk for m in modules), max(m.config.action_dim for m in modules))
+                if sample:  # a flow head's draw leads with its chain steps (an architecture field: shared)
+                    chunk_shape = (*modules[0].sample_noise_shape()[:-2], *chunk_shape)
                 noise = pad_rows(
                     [torch.cat([drawn[id(r)] for r, _ in reqs]) for reqs in order], inputs.rows, chunk_shape
                 )
-            log_probs = None
+            log_probs = chains = None
             if sample:
-                mean = group_policy_mean(modules, params, inputs)
-                std = group_policy_std(modules, params)
-                actions = mean + std * noise
-                log_probs = group_log_prob(modules, mean, std, actions)
+                actions, log_probs, chains = group_sample(modules, params, inputs, noise)
             else:
                 actions = group_predict(modules, params, inputs, noise)
             per_member = unpad_actions(modules, inputs, actions)
@@ -137,6 +134,7 @@ class BatchDecoder:
                     "actions": per_member[g][own].cpu().numpy(),
                     "values": None if values is None else values[g, own].cpu().numpy(),
                     "log_probs": None if log_probs is None else log_probs[g, own].cpu().numpy(),
+                    "chains": None if chains is None else _own_chain(modules[g], chains[g, own]),
                     "batch_samples": len(images),
                 }
         return results
@@ -147,9 +145,8 @@ class BatchDecoder:
         normal per action (CPU generators, then moved), a flow expert's x0 through `draw_noise`."""
         pinned: Pinned = request.context
         module = pinned.state.module
-        cfg = module.config
         if pinned.sample:
-            shape = (cfg.action_chunk, cfg.action_dim)
+            shape = module.sample_noise_shape()
             if pinned.seeds is None:
                 return torch.randn((request.size, *shape)).to(device)
             draws = [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in pinned.seeds]
@@ -162,13 +159,11 @@ class BatchDecoder:
         pinned: Pinned = request.context
         module = pinned.state.module
         state = torch.stack([as_tensor(obs.state) for obs in request.observations]).to(features.tokens.device)
-        log_probs = None
+        log_probs = records = None
         with torch.inference_mode():
             if pinned.sample:
-                dist = module.action_distribution(features, state)
-                noise = self._noise(request, dist.mean.device)
-                actions = dist.mean + dist.stddev * noise
-                log_probs = dist.log_prob(actions).sum(dim=(-1, -2))
+                noise = self._noise(request, state.device)
+                actions, log_probs, records = module.sample_policy(features, state, noise)
             elif pinned.seeds is None:
                 actions = module.predict(features, state)
             else:  # per-observation generators: the same draws whether served alone or grouped
@@ -187,8 +182,15 @@ class BatchDecoder:
             "actions": actions.cpu().numpy(),
             "values": None if values is None else values.cpu().numpy(),
             "log_probs": None if log_probs is None else log_probs.cpu().numpy(),
+            # A flow head's sampled chains (its density's support), which rollouts record for PPO.
+            "chains": records.cpu().numpy() if records is not None and module.rl_record_field == "chain" else None,
             "batch_samples": len(images),
         }
+
+
+def _own_chain(module: Any, chains: torch.Tensor) -> np.ndarray:
+    """A member's chains (rows, K+1, chunk, A) in the group's padded dims cut to its own."""
+    return chains[:, :, : module.config.action_chunk, : module.config.action_dim].cpu().numpy()
 
 
 def _in_dataset_units(request: InferenceRequest, outcome: dict[str, Any] | Exception) -> dict[str, Any] | Exception:

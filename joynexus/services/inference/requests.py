@@ -92,6 +92,7 @@ def join_chunk_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "actions": rows("actions"),
         "values": rows("values"),
         "log_probs": rows("log_probs"),
+        "chains": rows("chains") if "chains" in parts[0] else None,
         "batch_samples": max(part["batch_samples"] for part in parts),  # the largest shared batch it rode in
         "device_seconds": sum(part["device_seconds"] for part in parts),
     }

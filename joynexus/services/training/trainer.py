@@ -264,9 +264,12 @@ class SlotTrainer:
         features_cache: dict[tuple[int, ...], BackboneFeatures] = {}
         module = slot.module
         samples = 0
+        # A flow head's density is over its recorded denoising chain, which the partition then carries.
+        record = module.rl_record_field
+        fields = RL_FIELDS if record in RL_FIELDS else (*RL_FIELDS, record)
         for epoch in range(rl.ppo_epochs):
             while True:
-                meta = queue.get_meta(job.partition_id, RL_FIELDS, slot.config.microbatch_size, f"ppo-epoch-{epoch}")
+                meta = queue.get_meta(job.partition_id, fields, slot.config.microbatch_size, f"ppo-epoch-{epoch}")
                 if meta is None:
                     break
                 data = queue.get_data(meta)
@@ -313,12 +316,16 @@ class _PpoObjective:
         self.old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32), device=device)
         self.advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32), device=device)
         self.returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32), device=device)
+        # What the policy's density is over: the action chunk, or a flow head's chain (`rl_record_field`).
+        field = module.rl_record_field
+        self.record = (
+            batch.action if field == "action" else torch.as_tensor(np.asarray(data[field], np.float32), device=device)
+        )
         self.last: PPOLoss | None = None
 
     def __call__(self) -> torch.Tensor:
         module, rl, features, batch = self.module, self.rl, self.features, self.batch
-        dist = module.action_distribution(features, batch.state)
-        new_log_prob = dist.log_prob(batch.action).sum(dim=(-1, -2))
+        new_log_prob, entropy = module.record_log_prob(features, batch.state, self.record)
         values = module.value(features, batch.state) if module.config.value_head else None
         self.last = ppo_loss(
             new_log_prob,
@@ -326,7 +333,7 @@ class _PpoObjective:
             self.advantages,
             values=values,
             returns=self.returns if values is not None else None,
-            entropy=dist.entropy().sum(dim=(-1, -2)),
+            entropy=entropy,
             clip=rl.clip,
             value_coef=rl.value_coef,
             entropy_coef=rl.entropy_coef,
