@@ -252,16 +252,18 @@ class MasterService:
         self.deployment.shutdown()
 
     # -- tenants ----------------------------------------------------------------------------------
-    def create_tenant(self, spec: WorkloadSpec | dict[str, Any]) -> Tenant:
+    def create_tenant(self, spec: WorkloadSpec | dict[str, Any], *, starts_from_checkpoint: bool = False) -> Tenant:
         """Validate (every check that can fail runs before anything is written), persist, and give
         the tenant its slot. A slot that still cannot be built removes the tenant again: no
-        half-made tenant is left behind."""
+        half-made tenant is left behind. `starts_from_checkpoint`: the caller (a fork) wrote the
+        new tenant's version 0 itself, after checking that the id had no checkpoints."""
         if not isinstance(spec, WorkloadSpec):
             spec = parse_workload_spec(spec)
         spec = resolve_dataset_source(spec, self.settings)
         from joynexus.master.tenant_lifecycle import check_id_reusable
 
-        check_id_reusable(self.deployment, spec.tenant)  # no inheriting an earlier tenant's checkpoints
+        if not starts_from_checkpoint:
+            check_id_reusable(self.deployment, spec.tenant)  # no inheriting an earlier tenant's checkpoints
         tenant = self.deployment.creator.create(spec)
         try:
             self.deployment.training_service.add_tenant(tenant.backend_config)

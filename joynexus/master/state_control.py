@@ -101,13 +101,16 @@ def fork_tenant(
         pass
     else:
         raise TenantExists([("new_tenant", f"tenant {new_tenant!r} already exists")])
+    from joynexus.master.tenant_lifecycle import check_id_reusable
+
+    check_id_reusable(deployment, new_tenant)  # a retired id, or an earlier tenant's leftovers
     checkpoints = deployment.checkpoints
     if checkpoints.versions(new_tenant) or checkpoints.latest_version(new_tenant) is not None:
         raise SpecError([("new_tenant", f"checkpoints of an earlier tenant {new_tenant!r} remain; choose another id")])
     forked = _source_version(deployment, source, version)
     _copy_checkpoint(checkpoints, source.tenant_id, forked, new_tenant)
     try:
-        tenant = master.create_tenant(spec)
+        tenant = master.create_tenant(spec, starts_from_checkpoint=True)
     except BaseException:
         try:
             checkpoints.delete_tenant(new_tenant)
