@@ -83,7 +83,7 @@ def test_lifecycle_creates_trains_evaluates_registers_and_promotes(handles, reac
     assert training["state"] == "completed" and training["completed_jobs"] == 1
     assert training["registered_version"] == 1
     evaluation = result["evaluation"]  # measured by the Master's promotion at publish
-    assert evaluation["policy_version"] == training["version"] and evaluation["metric"] == "eval/success_rate"
+    assert evaluation["policy_version"] == training["version"] and evaluation["metric"] == "eval/success_ci_low"
     assert 0.0 <= evaluation["value"] <= 1.0
     decision = result["promotion"]
     assert decision["promoted"] and decision["reason"] == "no champion yet"
@@ -91,7 +91,8 @@ def test_lifecycle_creates_trains_evaluates_registers_and_promotes(handles, reac
 
     tracker = handles.tracker
     assert tracker.alias_version("reacher", CANDIDATE_ALIAS) == tracker.alias_version("reacher", CHAMPION_ALIAS) == 1
-    assert tracker.evaluation_metric("reacher", 1, "eval/success_rate") == evaluation["value"]
+    # the rule compares the 95% interval's lower bound (issue 27), logged beside the success rate
+    assert tracker.evaluation_metric("reacher", 1, "eval/success_ci_low") == evaluation["value"]
     runs = task_runs(state)
     assert {"create-tenant", "train"} <= set(runs) and "promote" not in runs  # the workload promoted it
     assert all(r.state.is_completed() for rs in runs.values() for r in rs)
