@@ -152,7 +152,11 @@ def test_version_infos_pages_from_one_listing(tmp_path: Path) -> None:
     for info in page:
         manifest = store.read_manifest("acme", info.version)
         assert info == VersionInfo(
-            info.version, manifest.created_at, manifest.digest, info.size_bytes, export_manifest(manifest).digest
+            info.version,
+            manifest.created_at,
+            manifest.digest,
+            info.size_bytes,
+            export_digest=export_manifest(manifest).digest,
         )
         assert info.size_bytes == store.version_bytes("acme", info.version) > 0
 
