@@ -482,7 +482,8 @@ def test_futures_and_sampling_run_on_the_shared_call_queue_actor(ray_api: RayApi
     assert [r.status_code for r in (first, second, step)] == [202, 202, 202], step.text
     done = ray_api.client2.get(f"/v1/futures/{step.json()['future_id']}", params={"wait_s": 60}, headers=sft.headers)
     assert done.status_code == 200, done.text
-    assert done.json()["microbatches"] == 2 and done.json()["version"] == version + 1
+    # both microbatches (submitted through two servers) went into the one step; a new version
+    assert done.json()["microbatches"] == 2 and done.json()["version"] > version
     again = ray_api.client.get(f"/v1/futures/{second.json()['future_id']}", headers=sft.headers)
     assert again.json()["accumulated_microbatches"] == 2
     named = ray.util.list_named_actors(all_namespaces=True)
