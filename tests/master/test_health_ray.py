@@ -97,7 +97,7 @@ def test_killed_services_restart_in_place_and_workloads_complete(cluster: Cluste
     assert served
     sigkill(cluster, "inference_service")
     report = wait_for(lambda: restarted(cluster, "inference_service", 1), "the inference service back", 120)
-    assert "serving 1 of 1" in report["inference_service"]["detail"]
+    assert "restored the serving sets of 1 tenants" in report["inference_service"]["detail"]  # from the store
     observation = Observation(images=(np.zeros((3, 32, 32), dtype=np.float32),), state=np.zeros(4, dtype=np.float32))
     result = cluster.inference.predict("alpha", [observation])
     assert np.asarray(result["actions"]).shape == (1, 2, 3)
