@@ -169,7 +169,11 @@ class FutureOperations(GatewayBase):
         return public, logprobs_result(raw)
 
     def stop(self) -> None:
-        local = getattr(self, "_local_call_futures", None)
+        # A gateway used again after a stop (a server's lifespan ended, another began over the same
+        # gateway) makes a new queue on first use instead of submitting to a closed one.
+        with self._lock:
+            local = getattr(self, "_local_call_futures", None)
+            self._local_call_futures = self._call_futures = None
         if local is not None:
             local.close()
         super().stop()
