@@ -117,6 +117,7 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     # openpi clients: /v1/openpi, the same limits and per-tenant connection counts as /v1/stream
     openpi = OpenPiStream(gateway, keys, settings.policy_stream, robots.connections, limiter=app.state.limiter)
     app.include_router(openpi.router())
+    robots.role_follower = openpi.role_follower = follower
     return app
 
 

@@ -126,6 +126,18 @@ def validation_problems(errors: list[dict[str, Any]], drop_prefix: tuple[str, ..
     return problems
 
 
+def role_away(error: BaseException, follower: Any = None) -> ServiceUnavailable:
+    """The answer to a call that met a role away (HTTP 503, or a stream's `unavailable` frame)
+    with its retry delay; the role follower (if any) looks the roles up again now (a new
+    deployment, a replaced actor)."""
+    if follower is not None:
+        follower.check_now()
+    role = getattr(error, "role", None) or "a service"
+    return ServiceUnavailable(
+        f"{role} is restarting; retry shortly", retry_after_s=getattr(error, "retry_after_s", RETRY_AFTER_S)
+    )
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -146,13 +158,8 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     async def _role_away(request: Request, error: Exception) -> JSONResponse:
         # A handler by class (not the catch-all below): the answer keeps the connection alive.
-        role = getattr(error, "role", None) or "a service"
-        log.warning("%s %s: %s is away: %s", request.method, request.url.path, role, error)
-        follower = getattr(request.app.state, "role_follower", None)
-        if follower is not None:  # look the roles up again (a new deployment, a replaced actor)
-            follower.check_now()
-        retry = getattr(error, "retry_after_s", RETRY_AFTER_S)
-        return error_response(ServiceUnavailable(f"{role} is restarting; retry shortly", retry_after_s=retry))
+        log.warning("%s %s: a role is away: %s", request.method, request.url.path, error)
+        return error_response(role_away(error, getattr(request.app.state, "role_follower", None)))
 
     for unavailable in role_unavailable_errors():
         app.add_exception_handler(unavailable, _role_away)

@@ -218,7 +218,9 @@ class IdempotencyMiddleware:
 
         try:
             await self.app(scope, _replaying(body, pending, receive), capture)
-            if captured["status"] < 500 and captured["status"] != 401 and captured["size"] <= self.max_body_bytes:
+            # 401 (unverified) and 499 (the caller hung up: nothing was answered) are not kept.
+            status = captured["status"]
+            if status < 500 and status not in (401, 499) and captured["size"] <= self.max_body_bytes:
                 answer = (
                     time.monotonic(),
                     fingerprint,

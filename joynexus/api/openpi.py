@@ -30,6 +30,7 @@ Camera images may also come as flat keys ``"observation/images/<camera>"``. Answ
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -38,7 +39,9 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 
-from joynexus.api.errors import ApiError, validation_problems
+from joynexus.actors import role_unavailable_errors
+from joynexus.api.abandoned import keyed_predict
+from joynexus.api.errors import ApiError, role_away, validation_problems
 from joynexus.api.streaming import CLOSE_POLICY, PolicyStream, _Refused, tenant_interface
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.protocol import openpi_wire
@@ -152,6 +155,17 @@ def predict_request(obs: Any, cfg: TenantBackendConfig, timeout_s: float) -> s.P
     )
 
 
+def _error_text(error: ApiError) -> str:
+    """openpi's error frame: text, with the problems and (429, 503) the retry delay."""
+    details = "; ".join(f"{f}: {r}" for f, r in error.problems[:5])
+    retry = (error.headers or {}).get("Retry-After")
+    return (
+        f"{error.code}: {error.message}"
+        + (f" ({details})" if details else "")
+        + (f" [retry after {retry} s]" if retry else "")
+    )
+
+
 class OpenPiStream(PolicyStream):
     """`/v1/openpi`: `PolicyStream`'s connection handling (auth, per-tenant connection limit, frame
     limit, close codes) with openpi's messages. One instance per app."""
@@ -178,15 +192,31 @@ class OpenPiStream(PolicyStream):
             "request_timeout_s": self.settings.request_timeout_s,
         }
         await websocket.send_bytes(openpi_wire.pack(server_metadata(cfg, limits)))
-        while True:
-            obs = await self._receive_frame(websocket)
-            if obs.get("type") == "hello":  # authenticated by header already
-                continue
-            answer = await self._answer_openpi(tenant_id, cfg, obs)
-            if isinstance(answer, str):
-                await websocket.send_text(answer)
-            else:
-                await websocket.send_bytes(openpi_wire.pack(answer))
+        next_frame: asyncio.Task | None = None
+        try:
+            while True:
+                next_frame = next_frame or asyncio.ensure_future(self._receive_frame(websocket))
+                obs = await next_frame
+                next_frame = None
+                if obs.get("type") == "hello":  # authenticated by header already
+                    continue
+                # openpi is request / answer, but the socket is read meanwhile: a robot that hangs
+                # up while its request waits in the Inference Queue has the request called off at
+                # once (a frame sent early is kept for its turn).
+                answering = asyncio.ensure_future(self._answer_openpi(tenant_id, cfg, obs))
+                next_frame = asyncio.ensure_future(self._receive_frame(websocket))
+                await asyncio.wait({answering, next_frame}, return_when=asyncio.FIRST_COMPLETED)
+                if next_frame.done() and next_frame.exception() is not None and not answering.done():
+                    answering.cancel()  # hung up (or a frame refused): nobody to answer
+                    raise next_frame.exception()
+                answer = await answering
+                if isinstance(answer, str):
+                    await websocket.send_text(answer)
+                else:
+                    await websocket.send_bytes(openpi_wire.pack(answer))
+        finally:
+            if next_frame is not None and not next_frame.done():
+                next_frame.cancel()
 
     async def _answer_openpi(self, tenant_id: str, cfg: TenantBackendConfig, obs: dict) -> dict | str:
         """The answer map, or the error text (openpi's error frame is text)."""
@@ -194,17 +224,16 @@ class OpenPiStream(PolicyStream):
         try:
             request = predict_request(obs, cfg, self.settings.request_timeout_s)
             samples = request.observations.state.shape[0] if request.observations.state.shape else 0
-            result = await self.limiter.run(
-                tenant_id, self.gateway.predict, tenant_id, request, samples=samples, wait=True
-            )
+            result = await keyed_predict(self.limiter, self.gateway, tenant_id, request, samples)
         except ObservationError as error:
             return f"invalid_input: {error.field}: {error.reason}"
         except ValidationError as error:
             problems = [(p.field, p.reason) for p in validation_problems(list(error.errors()), ())]
             return "invalid_input: " + "; ".join(f"{f}: {r}" for f, r in problems[:5])
         except ApiError as error:
-            details = "; ".join(f"{f}: {r}" for f, r in error.problems[:5])
-            return f"{error.code}: {error.message}" + (f" ({details})" if details else "")
+            return _error_text(error)
+        except role_unavailable_errors() as error:  # as HTTP answers it: 503-like, never `internal`
+            return _error_text(role_away(error, self.role_follower))
         return {
             "actions": result.actions.to_numpy()[0],
             "policy_version": result.policy_version,

@@ -57,8 +57,10 @@ from fastapi import APIRouter, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from joynexus.actors import role_unavailable_errors
+from joynexus.api.abandoned import keyed_predict
 from joynexus.api.auth import ApiKeyStore, Principal
-from joynexus.api.errors import ApiError, validation_problems
+from joynexus.api.errors import ApiError, role_away, validation_problems
 from joynexus.api.gateway import ApiGateway
 from joynexus.api.rate_limits import TenantCallLimiter
 from joynexus.protocol import schemas as s
@@ -111,6 +113,14 @@ def error_frame(seq: int | None, code: str, message: str, problems: list[tuple[s
         "message": message,
         "problems": [{"field": f, "reason": r} for f, r in problems or []],
     }
+
+
+def api_error_frame(seq: int | None, error: ApiError) -> dict:
+    """An API error as an error frame; its Retry-After (429, 503) as `retry_after_s`."""
+    frame = error_frame(seq, error.code, error.message, error.problems)
+    if error.headers and "Retry-After" in error.headers:
+        frame["retry_after_s"] = float(error.headers["Retry-After"])
+    return frame
 
 
 def _short(reason: str) -> str:
@@ -188,6 +198,7 @@ class PolicyStream:
         self.keys = keys
         self.settings = settings or StreamSettings()
         self.connections = connections if connections is not None else TenantCounter()
+        self.role_follower: Any = None  # set by the app on Ray: looks roles up again when one is away
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -349,20 +360,8 @@ class PolicyStream:
             )
             # Blocks one of the tenant's own worker threads while the Inference Queue groups it with
             # other robots' requests; over the tenant's rate limit: an error frame with retry_after_s.
-            # Keyed, so that if the robot hangs up meanwhile its queued work is called off at once
-            # (issue 26); the thread keeps its slot until the call really ends (the shield).
-            request_key = uuid.uuid4().hex
-            call = asyncio.ensure_future(
-                self.limiter.run(
-                    tenant_id, self.gateway.predict, tenant_id, request, request_key, samples=_rows(request), wait=True
-                )
-            )
-            call.add_done_callback(_consume_outcome)
-            try:
-                result = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                self._call_off(tenant_id, request_key)
-                raise
+            # Keyed, so that if the robot hangs up meanwhile its queued work is called off at once.
+            result = await keyed_predict(self.limiter, self.gateway, tenant_id, request, _rows(request))
             frame: dict[str, Any] = {
                 "type": "actions",
                 "seq": obs.seq,
@@ -372,12 +371,13 @@ class PolicyStream:
                 "batch_samples": result.batch_samples,
             }
         except ApiError as error:
-            frame = error_frame(obs.seq, error.code, error.message, error.problems)
-            if error.headers and "Retry-After" in error.headers:
-                frame["retry_after_s"] = float(error.headers["Retry-After"])
+            frame = api_error_frame(obs.seq, error)
         except ValidationError as error:
             problems = [(p.field, p.reason) for p in validation_problems(list(error.errors()), ())]
             frame = error_frame(obs.seq, "invalid_input", "invalid request", problems)
+        except role_unavailable_errors() as error:  # as HTTP answers it: 503-like, never `internal`
+            log.warning("policy stream of tenant %s: a role is away: %s", tenant_id, error)
+            frame = api_error_frame(obs.seq, role_away(error, self.role_follower))
         except Exception as error:
             reference = uuid.uuid4().hex[:12]
             log.error("policy stream request %s of tenant %s failed", reference, tenant_id, exc_info=error)
@@ -386,24 +386,6 @@ class PolicyStream:
             await send(frame)
         except Exception:  # the connection closed meanwhile: nobody to answer
             pass
-
-    def _call_off(self, tenant_id: str, request_key: str) -> None:
-        """Cancel an abandoned predict in the Inference Model Service, off the event loop and
-        without waiting (the connection is going away)."""
-
-        def cancel() -> None:
-            try:
-                self.gateway.cancel_predict(tenant_id, request_key)
-            except Exception as error:  # best effort: the request's own timeout still ends it
-                log.warning("could not call off predict %s of tenant %s: %s", request_key, tenant_id, error)
-
-        threading.Thread(target=cancel, name="stream-call-off", daemon=True).start()
-
-
-def _consume_outcome(call: asyncio.Future) -> None:
-    """A shielded call whose caller went away: its outcome is nobody's (no 'never retrieved')."""
-    if not call.cancelled():
-        call.exception()
 
 
 __all__ = ["STREAM_PATH", "PolicyStream", "StreamSettings", "TenantCounter", "error_frame"]

@@ -7,6 +7,9 @@ API (`TenantFairQueue.depth(tenant)`)."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
 import time
 
 import httpx
@@ -75,3 +78,34 @@ def test_a_tenants_queued_samples_are_bounded_with_a_clear_429(api, live_server,
     assert "JOYNEXUS_MAX_QUEUED_SAMPLES_PER_TENANT" in answer["message"]
     assert answer["problems"][0]["field"] == "max_queued_samples_per_tenant"
     assert fine.status_code == 200, fine.text  # the other tenant is not refused
+
+
+def test_an_http_client_that_hangs_up_leaves_nothing_queued(api, live_server, attacker):
+    """A plain HTTP predict whose client closes its connection is called off at the hang-up, not
+    at its `timeout_s` (600 s here): its chunks leave the Inference Queue within seconds."""
+    host, port = live_server.removeprefix("http://").split(":")
+    body = json.dumps(predict_body(attacker, 1024, seed=3, timeout_s=600)).encode()
+    headers = {**attacker.headers, "Content-Type": "application/json"}
+    connections = []
+    served_before = api.cluster.inference.stats()["samples"]
+    for _ in range(2):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/predict", body=body, headers=headers)
+        connections.append(conn)
+    wait_for(lambda: queued_chunks(api, attacker.tenant_id) > 0, "the requests queued", timeout_s=30)
+    for conn in connections:
+        conn.sock.shutdown(socket.SHUT_RDWR)  # hang up without reading the answer
+        conn.close()
+    hung_up = time.monotonic()
+    wait_for(lambda: queued_chunks(api, attacker.tenant_id) == 0, "the queued chunks dropped", timeout_s=15)
+    print(f"queue empty {time.monotonic() - hung_up:.2f} s after the hang-up")
+    time.sleep(0.3)  # a batch taken before the cancel finishes
+    served = api.cluster.inference.stats()["samples"] - served_before
+    assert served < 2048, f"{served} of 2,048 samples computed for clients that had hung up"
+    # The server still answers the tenant normally afterwards (its in-flight slots came back).
+    with httpx.Client(base_url=live_server, headers=attacker.headers, timeout=60) as client:
+        wait_for(
+            lambda: client.post("/v1/predict", json=predict_body(attacker, 1)).status_code == 200,
+            "a later predict answered",
+            timeout_s=30,
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from joynexus.api.abandoned import answered_unless_hung_up, new_request_key
 from joynexus.api.middleware import WireRoute
 from joynexus.api.routers.dependencies import ERRORS, Gateway, PartitionName, SessionId, Tenant
 from joynexus.api.routers.limited import batch_samples, call_limited, column_rows, rows
@@ -84,13 +85,16 @@ async def save(request: Request, body: s.SaveRequest, tenant_id: Tenant, gateway
 # -- inference ------------------------------------------------------------------------------------
 @router.post("/predict", response_model=s.PredictResult)
 async def predict(request: Request, body: s.PredictRequest, tenant_id: Tenant, gateway: Gateway) -> Response:
-    """Actions through the shared Inference Queue, batched with other tenants' requests."""
-    return await call_limited(
+    """Actions through the shared Inference Queue, batched with other tenants' requests. A client
+    that hangs up meanwhile has its request called off in the service at once (not at `timeout_s`)."""
+    request_key = new_request_key()
+    call = call_limited(
         request,
         tenant_id,
-        lambda: respond(request, gateway.predict(tenant_id, body)),
+        lambda: respond(request, gateway.predict(tenant_id, body, request_key)),
         samples=batch_samples(body.observations),
     )
+    return await answered_unless_hung_up(request, call, lambda: gateway.cancel_predict(tenant_id, request_key))
 
 
 # -- Training Queue -------------------------------------------------------------------------------
