@@ -110,8 +110,9 @@ class SoakResult:
 
 
 def _retrying(call: Any, errors: list[int]) -> Any:
-    """A Master call that may meet the Master restarting: retry for up to a minute."""
-    deadline = time.monotonic() + 60
+    """A Master call that may meet the Master restarting: retry for up to three minutes (a restart
+    with its restores takes over a minute on a loaded 2-core machine)."""
+    deadline = time.monotonic() + 180
     while True:
         try:
             return call()
