@@ -26,14 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from joynexus.actors import handle_of, named_actor
 from joynexus.core.serving_sets import ServingSetStore
 from joynexus.core.tenants import Tenant
-from joynexus.data.sources import resolve_dataset_source
+from joynexus.data.sources import resolve_dataset, resolve_dataset_source
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
 from joynexus.settings import Settings
-from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
+from joynexus.spec import DatasetSpec, SpecError, TaskType, WorkloadSpec, parse_workload_spec
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class MasterService:
             default_max_device_seconds=self.options.default_max_device_seconds,
             default_max_queued_workloads=self.options.default_max_queued_workloads,
             default_max_storage_bytes=self.options.default_max_storage_bytes,
+            datasets_dir=self.settings.data_dir / "datasets",
         )
         self.workloads = WorkloadManager(
             self.deployment,
@@ -353,9 +354,23 @@ class MasterService:
             self.deployment.creator.mark_healthy(tenant.tenant_id)
 
     # -- workloads: the API's and Ray clients' names for the WorkloadManager's calls --------------
-    def submit_workload(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadInfo:
-        self.check_tenant(tenant_id)
-        return self.workloads.submit(tenant_id, jobs=jobs)
+    def submit_workload(
+        self, tenant_id: str, *, jobs: int | None = None, dataset: DatasetSpec | dict[str, Any] | None = None
+    ) -> WorkloadInfo:
+        """Queue a training workload; `dataset` (SFT) trains on another dataset than the tenant's:
+        one it uploaded (`dataset.id`), resolved here to the stored copy (a SpecError naming
+        `dataset.id` when the tenant has no such upload)."""
+        tenant = self.check_tenant(tenant_id)
+        resolved = None
+        if dataset is not None:
+            dataset = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec.model_validate(dataset)
+            if dataset.id is None:
+                raise SpecError([("dataset.id", "a workload names an uploaded dataset by its id (POST /v1/datasets)")])
+            if tenant.spec.task is not TaskType.SFT:
+                reason = f"tenant {tenant_id!r} trains by {tenant.spec.task.value!r}, not on a dataset"
+                raise SpecError([("dataset.id", reason)])
+            resolved = resolve_dataset(dataset, tenant_id, self.settings).model_dump(mode="json")
+        return self.workloads.submit(tenant_id, jobs=jobs, dataset=resolved)
 
     def evaluate(
         self,
