@@ -258,6 +258,21 @@ class Versions(_Response):
     next_after: int | None = None
 
 
+class DatasetInfo(_Response):
+    """A dataset the tenant uploaded (POST /v1/datasets): a spec names it by `dataset.id`."""
+
+    dataset_id: str  # the archive's sha256: also the content digest versions trained on it record
+    repo_id: str | None = None
+    bytes: int  # unpacked, counted in the tenant's storage quota
+
+
+class DatasetDeleted(DatasetInfo):
+    """An upload deleted (DELETE /v1/datasets/{dataset_id}) and the tenant's storage bytes after."""
+
+    deleted: bool = True
+    storage_bytes: int
+
+
 class VersionDeleted(_Response):
     """A checkpointed version deleted (DELETE /v1/versions/{version}): the bytes it freed and the
     tenant's storage bytes after."""

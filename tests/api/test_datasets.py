@@ -6,7 +6,6 @@ kept, listed only for that tenant, refused when it escapes its folder or passes 
 from __future__ import annotations
 
 import io
-import tarfile
 import time
 import zipfile
 from pathlib import Path
@@ -15,7 +14,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, tar_dataset, write_dataset_for
 
 
 @mock_aws
@@ -52,14 +51,7 @@ def arm_dataset(tmp_path_factory) -> Path:
 
 
 def _tar(root: Path, *, gz: bool = True, extra: dict[str, bytes] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz" if gz else "w") as tar:
-        tar.add(root, arcname="arm")
-        for name, data in (extra or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+    return tar_dataset(root, gz=gz, extra=extra)
 
 
 def _zip(root: Path) -> bytes:

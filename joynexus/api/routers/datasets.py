@@ -24,6 +24,7 @@ from joynexus.data.uploads import (
     tenant_datasets,
 )
 from joynexus.data.validation import DatasetExpectation
+from joynexus.protocol import schemas as s
 
 router = APIRouter(prefix="/v1", tags=["upper layer"], responses=ERRORS)
 
@@ -39,7 +40,7 @@ def _described(dataset) -> dict:
     return {"dataset_id": dataset.sha256, "repo_id": dataset.repo_id or None, "bytes": dataset.nbytes}
 
 
-@router.post("/datasets", status_code=201)
+@router.post("/datasets", status_code=201, response_model=s.DatasetInfo)
 async def upload_dataset(
     request: Request,
     tenant_id: Tenant,
@@ -75,13 +76,13 @@ async def upload_dataset(
     return JSONResponse(_described(stored), status_code=201)
 
 
-@router.get("/datasets")
+@router.get("/datasets", response_model=list[s.DatasetInfo])
 def list_datasets(tenant_id: Tenant, gateway: Gateway) -> JSONResponse:
     """The caller's uploaded datasets (never another tenant's)."""
     return JSONResponse([_described(d) for d in tenant_datasets(_datasets_dir(gateway), tenant_id)])
 
 
-@router.delete("/datasets/{dataset_id}")
+@router.delete("/datasets/{dataset_id}", response_model=s.DatasetDeleted)
 def delete_dataset(
     tenant_id: Tenant,
     gateway: Gateway,
