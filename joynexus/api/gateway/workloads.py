@@ -88,8 +88,9 @@ class WorkloadOperations(GatewayBase):
         ignored = [(f, m, t) for f, m, t in changed if f not in applied and f.partition(".")[0] not in applied]
         if ignored:
             raise ApiError(
-                f"a workload applies only spec.{', spec.'.join(sorted(APPLIED))}; the other fields were fixed "
-                "when the tenant was created (a change needs a new tenant)",
+                f"a workload applies only spec.{', spec.'.join(sorted(APPLIED))} (and, for SFT, a spec.dataset "
+                "naming your upload by dataset.id); the other fields were fixed when the tenant was created (a "
+                "change needs a new tenant)",
                 [
                     (f"spec.{field}", f"{mine!r} differs from your tenant's {theirs!r}; a workload cannot change it")
                     for field, mine, theirs in ignored
