@@ -180,14 +180,17 @@ def fetch_s3_dataset(
     return FetchedDataset(entry, digest)
 
 
-def resolve_dataset_source(spec: WorkloadSpec, settings: Settings, *, s3_client: Any = None) -> WorkloadSpec:
+def resolve_dataset_source(
+    spec: WorkloadSpec, settings: Settings, *, s3_client: Any = None, owner: str | None = None
+) -> WorkloadSpec:
     """``spec`` with its dataset made local: a ``dataset.uri`` fetched into the cache under
     ``settings.data_dir``, a ``dataset.id`` found among the spec's tenant's uploads, a
     ``dataset.root`` checked against ``settings.dataset_roots`` (``root`` and ``sha256`` recorded
-    for each). Refusals are a ``SpecError`` naming the field."""
+    for each). ``owner``: whose uploads a ``dataset.id`` is among (default the spec's tenant; a fork's
+    source tenant). Refusals are a ``SpecError`` naming the field."""
     if spec.dataset is None:
         return spec
-    dataset = resolve_dataset(spec.dataset, spec.tenant, settings, s3_client=s3_client)
+    dataset = resolve_dataset(spec.dataset, owner or spec.tenant, settings, s3_client=s3_client)
     return spec.model_copy(update={"dataset": dataset})
 
 

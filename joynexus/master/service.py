@@ -253,14 +253,21 @@ class MasterService:
         self.deployment.shutdown()
 
     # -- tenants ----------------------------------------------------------------------------------
-    def create_tenant(self, spec: WorkloadSpec | dict[str, Any], *, starts_from_checkpoint: bool = False) -> Tenant:
+    def create_tenant(
+        self,
+        spec: WorkloadSpec | dict[str, Any],
+        *,
+        starts_from_checkpoint: bool = False,
+        dataset_owner: str | None = None,
+    ) -> Tenant:
         """Validate (every check that can fail runs before anything is written), persist, and give
         the tenant its slot. A slot that still cannot be built removes the tenant again: no
         half-made tenant is left behind. `starts_from_checkpoint`: the caller (a fork) wrote the
-        new tenant's version 0 itself, after checking that the id had no checkpoints."""
+        new tenant's version 0 itself, after checking that the id had no checkpoints. `dataset_owner`:
+        the tenant whose uploads a `dataset.id` names (default the new tenant; a fork's source)."""
         if not isinstance(spec, WorkloadSpec):
             spec = parse_workload_spec(spec)
-        spec = resolve_dataset_source(spec, self.settings)
+        spec = resolve_dataset_source(spec, self.settings, owner=dataset_owner)
         from joynexus.master.tenant_lifecycle import check_id_reusable
 
         if not starts_from_checkpoint:

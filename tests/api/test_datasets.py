@@ -192,6 +192,10 @@ def test_a_tenant_created_on_its_upload_trains_on_it_and_cannot_delete_it(api, a
     headers = {"Authorization": f"Bearer {r.json()['key']['api_key']}"}
     deleted = api.client.delete(f"/v1/datasets/{stored.sha256}", headers=headers)
     assert deleted.status_code == 409 and "your tenant's spec trains on it" in deleted.text
+    # A fork names the same upload: it is resolved among its source's uploads.
+    forked = api.client.post("/v1/fork", json={"new_tenant": f"{spec['tenant']}-fork"}, headers=headers)
+    assert forked.status_code == 201, forked.text
+    assert api.cluster.master.get_tenant(f"{spec['tenant']}-fork").spec.dataset.root == str(stored.root)
 
 
 def test_upload_bytes_are_in_the_usage_ledger_and_deleting_gives_them_back(api, arm_dataset):
