@@ -34,6 +34,7 @@ __all__ = [
     "DatasetUploadError",
     "UploadedDataset",
     "delete_tenant_dataset",
+    "delete_tenant_datasets",
     "find_tenant_dataset",
     "store_uploaded_dataset",
     "tenant_dataset_bytes",
@@ -199,6 +200,15 @@ def delete_tenant_dataset(datasets_dir: str | Path, tenant_id: str, dataset_id: 
     found.root.with_name(f"{found.sha256}.json").unlink(missing_ok=True)
     shutil.rmtree(doomed, ignore_errors=True)
     return found
+
+
+def delete_tenant_datasets(datasets_dir: str | Path, tenant_id: str) -> int:
+    """Remove every upload of a tenant (its deletion with its artifacts); returns how many there were."""
+    found = tenant_datasets(datasets_dir, tenant_id)
+    for dataset in found:
+        delete_tenant_dataset(datasets_dir, tenant_id, dataset.sha256)
+    shutil.rmtree(Path(datasets_dir) / "tenants" / tenant_id, ignore_errors=True)  # staging leftovers too
+    return len(found)
 
 
 def tenant_dataset_bytes(datasets_dir: str | Path, tenant_id: str) -> int:

@@ -27,6 +27,7 @@ from joynexus.actors import handle_of, named_actor
 from joynexus.core.serving_sets import ServingSetStore
 from joynexus.core.tenants import Tenant
 from joynexus.data.sources import resolve_dataset, resolve_dataset_source
+from joynexus.data.uploads import delete_tenant_datasets
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
@@ -331,6 +332,7 @@ class MasterService:
             steps += (
                 ("checkpoint_objects", lambda: dep.checkpoints.delete_tenant(tenant_id)),
                 ("registered_model", lambda: dep.tracker.delete_tenant_model(tenant_id)),
+                ("uploaded_datasets", lambda: delete_tenant_datasets(self.settings.data_dir / "datasets", tenant_id)),
             )
         for name, step in steps:
             try:

@@ -228,3 +228,14 @@ def test_upload_bytes_are_in_the_usage_ledger_and_deleting_gives_them_back(api, 
     accepted = api.client.post("/v1/workloads", json={"jobs": 1}, headers=tenant.headers)
     assert accepted.status_code == 202, accepted.text  # the bytes given back: under the quota again
     api.client.post(f"/v1/workloads/{accepted.json()['workload_id']}/cancel", headers=tenant.headers)
+
+
+def test_a_tenant_deleted_with_its_artifacts_takes_its_uploads_along(api, arm_dataset):
+    tenant = api.tenant("up-gone")
+    assert _upload(api, tenant, _tar(arm_dataset, gz=False)).status_code == 201
+    home = api.data_dir / "datasets" / "tenants" / tenant.tenant_id
+    assert any(home.iterdir())
+    r = api.client.delete(f"/v1/admin/tenants/{tenant.tenant_id}?delete_artifacts=true", headers=api.admin)
+    assert r.status_code == 200, r.text
+    assert r.json()["removed"]["uploaded_datasets"] == "1" and not home.exists()
+    assert r.json()["removed"]["tenant_id_reusable"] == "yes"  # a new tenant under the id starts with none
