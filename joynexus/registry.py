@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
+    DATASET_SHA256_KEY,
     MANIFEST_FILE,
     PayloadError,
     TenantManifest,
@@ -281,6 +282,7 @@ class ExperimentTracker:
                     "manifest_digest": manifest.digest,
                     "payload_sha256": payload_digest(payload),
                     **(normalizer.tags() if normalizer is not None else {}),
+                    **_dataset_tags(manifest),
                 },
                 description=f"tenant {tenant_id} policy_version {manifest.policy_version}",
             )
@@ -566,3 +568,13 @@ def promote(
         tags[metric] = value
     tracker.set_version_tags(tenant_id, version, tags)
     return decision
+
+
+def _dataset_tags(manifest: TenantManifest) -> dict[str, str]:
+    """The data that trained a version (its manifest's dataset digests) as registry tags."""
+    digest = manifest.extra.get(DATASET_SHA256_KEY)
+    datasets = manifest.extra.get("datasets")
+    tags = {DATASET_SHA256_KEY: digest} if isinstance(digest, str) else {}
+    if isinstance(datasets, list) and datasets:
+        tags["datasets"] = ",".join(str(d) for d in datasets)  # 65 characters each; MLflow keeps 5,000
+    return tags

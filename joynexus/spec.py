@@ -114,12 +114,14 @@ class ObservationSpec(_Strict):
 
 class DatasetSpec(_Strict):
     """A LeRobot-format dataset (image mode): a server directory (`root`, under the operator's
-    JOYNEXUS_DATASET_ROOTS when set) or an S3 prefix (`uri`) the Master fetches into its
-    content-addressed cache (`joynexus.data.sources`); `sha256` pins (or, after a fetch, records)
-    the fetched content."""
+    JOYNEXUS_DATASET_ROOTS when set), an S3 prefix (`uri`) the Master fetches into its
+    content-addressed cache, or one the tenant uploaded (`id`, as POST /v1/datasets returned it),
+    which the Master resolves to its stored copy (`joynexus.data.sources`). `sha256` pins (or, once
+    resolved, records) the content: checkpoint manifests carry it as the data that trained them."""
 
     root: str | None = None
     uri: str | None = Field(default=None, pattern=r"^s3://[^/]+(/.*)?$")
+    id: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     repo_id: str = Field(min_length=1)
     # The last N episodes are held out of training: the dataset-only tenant's promotion metric
@@ -128,9 +130,14 @@ class DatasetSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
-        # Both only once fetched: the Master records the cache directory and the content digest.
-        if (self.root is None) == (self.uri is None) and not (self.uri and self.sha256):
-            raise ValueError("give exactly one of dataset.root (a server path) and dataset.uri (s3://...)")
+        # A root beside a uri or an id only once resolved: the Master records the local copy and the digest.
+        references = [name for name in ("uri", "id") if getattr(self, name) is not None]
+        resolved = self.root is not None and self.sha256 is not None and len(references) == 1
+        if len(references) > 1 or (self.root is None) == (not references) and not resolved:
+            raise ValueError(
+                "give exactly one of dataset.root (a server path), dataset.uri (s3://...) and dataset.id "
+                "(a dataset you uploaded: POST /v1/datasets)"
+            )
         return self
 
 

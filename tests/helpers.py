@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -212,3 +214,16 @@ def padded_microbatch(
         "tenant_id": [name] * rows,
         "schema_signature": [cfg.schema_signature] * rows,
     }
+
+
+def tar_dataset(root: Path, *, gz: bool = True, extra: dict[str, bytes] | None = None) -> bytes:
+    """A dataset folder as an upload archive (its folder as the one top-level entry); plain tar
+    (``gz=False``) is byte-stable, gzip stamps a time. ``extra``: more members, name -> bytes."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz" if gz else "w") as tar:
+        tar.add(root, arcname=root.name)
+        for name, data in (extra or {}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()

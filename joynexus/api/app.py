@@ -70,6 +70,7 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
         default_max_device_seconds=settings.default_max_device_seconds,
         default_max_queued_workloads=settings.default_max_queued_workloads,
         default_max_storage_bytes=settings.default_max_storage_bytes,
+        datasets_dir=cluster.settings.data_dir / "datasets",
     )
     gateway = ApiGateway(cluster, keys, ledger, limits=settings.limits)
     # Ray mode: the roles are looked up again when one is replaced or a new deployment comes up.

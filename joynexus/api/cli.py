@@ -1,5 +1,5 @@
-"""`joynexus` commands of the tenant API (typer + rich): serve, tenants, workloads, versions,
-export, usage. Registered on the main `joynexus` app by `joynexus.cli`.
+"""`joynexus` commands of the tenant API (typer + rich): serve, tenants, workloads, datasets,
+versions, export, usage. Registered on the main `joynexus` app by `joynexus.cli`.
 
 Where to reach the server and with which key: `--url` / env JOYNEXUS_URL (default
 http://127.0.0.1:8765), `--api-key` / env JOYNEXUS_API_KEY (a tenant key), `--admin-key` / env
@@ -27,6 +27,9 @@ tenant_app = typer.Typer(
 )
 workload_app = typer.Typer(
     help="Workloads of your tenant: submit, watch, list, cancel.", no_args_is_help=True, context_settings=HELP_SETTINGS
+)
+dataset_app = typer.Typer(
+    help="Datasets your tenant uploaded: upload, list, delete.", no_args_is_help=True, context_settings=HELP_SETTINGS
 )
 
 URL = typer.Option(None, "--url", envvar="JOYNEXUS_URL", help="API base URL.", show_default="http://127.0.0.1:8765")
@@ -385,6 +388,51 @@ def workload_cancel(
     console.print(f"workload {workload_id}: {status.state}")
 
 
+# -- datasets ------------------------------------------------------------------------------------
+
+
+@dataset_app.command("upload")
+def dataset_upload(
+    path: Path = typer.Argument(..., help="A LeRobot dataset folder, or a .tar / .tar.gz / .tgz / .zip of one."),
+    repo_id: str | None = typer.Option(None, help="The dataset's LeRobot repo id.", show_default="local/<name>"),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Upload a dataset (validated against your tenant's interface); prints the id a spec names."""
+    with _client(url, api_key, "api key") as client:
+        info = _run(lambda: client.upload_dataset(path, repo_id=repo_id))
+    console.print(f"dataset {info.dataset_id} ({info.repo_id}, {info.bytes:,} B)", markup=False)
+    console.print(f"train on it: a workload spec with  dataset: {{id: {info.dataset_id}, repo_id: {info.repo_id}}}")
+
+
+@dataset_app.command("list")
+def dataset_list(url: str | None = URL, api_key: str | None = API_KEY) -> None:
+    with _client(url, api_key, "api key") as client:
+        rows = _run(client.datasets)
+    table = Table(title="datasets")
+    for column in ("dataset id", "repo id", "bytes"):
+        table.add_column(column)
+    for d in rows:
+        table.add_row(d.dataset_id, d.repo_id or "-", f"{d.bytes:,}")
+    console.print(table)
+
+
+@dataset_app.command("delete")
+def dataset_delete(
+    dataset_id: str = typer.Argument(..., help="As `joynexus dataset list` shows it."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    url: str | None = URL,
+    api_key: str | None = API_KEY,
+) -> None:
+    """Delete an upload to free its storage (not while a workload trains on it)."""
+    if not yes:
+        typer.confirm(f"delete dataset {dataset_id}?", abort=True)
+    with _client(url, api_key, "api key") as client:
+        deleted = _run(lambda: client.delete_dataset(dataset_id))
+    freed, stored = f"{deleted.bytes:,}", f"{deleted.storage_bytes:,}"
+    console.print(f"deleted dataset {deleted.dataset_id}: freed {freed} B, {stored} B stored")
+
+
 # -- versions, export, usage ----------------------------------------------------------------------
 
 
@@ -479,7 +527,8 @@ def usage(
         with _client(url, api_key, "api key") as client:
             rows = [_run(client.usage)]
     table = Table(title="usage")
-    for column in ("tenant", "train s", "infer s", "total s", "cap s", "samples", "predicted", "env steps", "storage"):
+    columns = ("tenant", "train s", "infer s", "total s", "cap s", "samples", "predicted", "env steps", "storage")
+    for column in (*columns, "datasets"):
         table.add_column(column)
     for u in rows:
         cap = u.quota.max_device_seconds
@@ -493,6 +542,7 @@ def usage(
             f"{u.samples_predicted:,}",
             f"{u.env_steps:,}",
             f"{u.storage_bytes:,} B",
+            f"{u.dataset_bytes:,} B",
         )
     console.print(table)
 
@@ -539,6 +589,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve", context_settings=HELP_SETTINGS)(serve)
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(workload_app, name="workload")
+    app.add_typer(dataset_app, name="dataset")
     app.command("versions", context_settings=HELP_SETTINGS)(versions)
     app.command("export", context_settings=HELP_SETTINGS)(export)
     app.command("delete-version", context_settings=HELP_SETTINGS)(delete_version)

@@ -5,6 +5,7 @@ from joynexus.artifacts.blobs import BlobStore, LocalBlobStore
 from joynexus.artifacts.checkpoints import CheckpointStore, VersionInfo, VersionInUse
 from joynexus.artifacts.codec import (
     ACTION_MODULE_FILE,
+    DATASET_SHA256_KEY,
     MANIFEST_FILE,
     OPTIMIZER_JSON_FILE,
     OPTIMIZER_TENSORS_FILE,
@@ -23,6 +24,7 @@ from joynexus.artifacts.stores import blob_store_for
 
 __all__ = [
     "ACTION_MODULE_FILE",
+    "DATASET_SHA256_KEY",
     "MANIFEST_FILE",
     "OPTIMIZER_JSON_FILE",
     "OPTIMIZER_TENSORS_FILE",

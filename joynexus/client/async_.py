@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
-from joynexus.client.calls import Calls, merged_versions, next_versions_page
+from joynexus.client.calls import Calls, dataset_archive, default_repo_id, merged_versions, next_versions_page
 from joynexus.client.errors import (
     ConnectionFailed,
     JoyNexusError,
@@ -183,6 +184,17 @@ class AsyncJoyNexusClient(ClientBase, AsyncFutureCalls):
 
     async def usage(self) -> s.Usage:
         return await self._run(Calls.usage())
+
+    async def upload_dataset(self, path: str | Path, *, repo_id: str | None = None) -> s.DatasetInfo:
+        """`JoyNexusClient.upload_dataset` (a folder is packed in a worker thread)."""
+        archive, name = await asyncio.to_thread(dataset_archive, path)
+        return await self._run(Calls.upload_dataset(archive, repo_id or default_repo_id(name)))
+
+    async def datasets(self) -> list[s.DatasetInfo]:
+        return await self._run(Calls.datasets())
+
+    async def delete_dataset(self, dataset_id: str) -> s.DatasetDeleted:
+        return await self._run(Calls.delete_dataset(dataset_id))
 
     async def train_batch(
         self, images: Any, state: Any, action: Any, *, action_is_pad: Any = None, instructions: list[str] | None = None

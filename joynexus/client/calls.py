@@ -22,6 +22,38 @@ from joynexus.protocol.wire import (
 )
 
 VERSIONS_PAGE = 1000  # checkpoints per GET /v1/versions page when the client pages through all
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+
+
+def dataset_archive(path: str | Path) -> tuple[bytes, str]:
+    """What `upload_dataset` sends: a LeRobot dataset folder packed as tar.gz (in memory), or an
+    archive file (.tar, .tar.gz, .tgz, .zip) as it is; and the folder's (or archive's) bare name."""
+    import io
+    import tarfile
+
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "meta" / "info.json").is_file():
+            raise InvalidArgument([("path", f"{str(path)!r} is not a LeRobot dataset folder (no meta/info.json)")])
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            tar.add(path, arcname=path.name)
+        return buffer.getvalue(), path.name
+    name = path.name.lower()
+    suffix = next((s for s in ARCHIVE_SUFFIXES if name.endswith(s)), None)
+    if not path.is_file() or suffix is None:
+        reason = f"{str(path)!r} is neither a dataset folder nor a {', '.join(ARCHIVE_SUFFIXES)} archive"
+        raise InvalidArgument([("path", reason)])
+    try:
+        return path.read_bytes(), path.name[: -len(suffix)]
+    except OSError as error:
+        raise InvalidArgument([("path", f"cannot read {str(path)!r}: {error.strerror or error}")]) from None
+
+
+def default_repo_id(name: str) -> str:
+    """`local/<name>` with the characters a repo id refuses replaced (the server checks the pattern)."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name).lstrip("._-") or "dataset"
+    return f"local/{cleaned[:96]}"
 
 
 def load_spec_file(path: str | Path) -> dict[str, Any]:
@@ -205,6 +237,19 @@ class Calls:
     @staticmethod
     def usage() -> Call:
         return Call("GET", "/v1/usage", s.Usage)
+
+    @staticmethod
+    def upload_dataset(archive: bytes, repo_id: str) -> Call:
+        params = {"repo_id": repo_id}
+        return Call("POST", "/v1/datasets", s.DatasetInfo, params=params, content=archive)
+
+    @staticmethod
+    def datasets() -> Call:
+        return Call("GET", "/v1/datasets", list[s.DatasetInfo])
+
+    @staticmethod
+    def delete_dataset(dataset_id: str) -> Call:
+        return Call("DELETE", f"/v1/datasets/{dataset_id}", s.DatasetDeleted)
 
     @staticmethod
     def train_batch(images: Any, state: Any, action: Any, action_is_pad: Any, instructions: Any) -> Call:

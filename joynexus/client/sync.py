@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import httpx
 
-from joynexus.client.calls import Calls, merged_versions, next_versions_page
+from joynexus.client.calls import Calls, dataset_archive, default_repo_id, merged_versions, next_versions_page
 from joynexus.client.errors import (
     ConnectionFailed,
     InvalidArgument,
@@ -236,6 +236,21 @@ class JoyNexusClient(ClientBase, SyncFutureCalls):
 
     def usage(self) -> s.Usage:
         return self._run(Calls.usage())
+
+    def upload_dataset(self, path: str | Path, *, repo_id: str | None = None) -> s.DatasetInfo:
+        """Upload a LeRobot dataset (a folder, packed here, or a tar / zip archive) for your tenant;
+        name it in a workload's spec as ``dataset: {id: <dataset_id>, repo_id: ...}``. `repo_id`
+        defaults to ``local/<folder name>``."""
+        archive, name = dataset_archive(path)
+        return self._run(Calls.upload_dataset(archive, repo_id or default_repo_id(name)))
+
+    def datasets(self) -> list[s.DatasetInfo]:
+        """Your tenant's uploaded datasets."""
+        return self._run(Calls.datasets())
+
+    def delete_dataset(self, dataset_id: str) -> s.DatasetDeleted:
+        """Delete an upload (not one a queued or running workload trains on) to free its storage."""
+        return self._run(Calls.delete_dataset(dataset_id))
 
     # lower layer
     def train_batch(

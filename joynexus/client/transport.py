@@ -83,6 +83,7 @@ class Call:
     body: BaseModel | dict[str, Any] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     raw: bool = False  # the answer is bytes (safetensors), not a model
+    content: bytes | None = None  # a raw request body (a dataset archive) instead of `body`
 
 
 @functools.cache
@@ -193,7 +194,10 @@ class ClientBase:
             headers["Idempotency-Key"] = uuid.uuid4().hex  # reused by every retry of this call
         if call.raw:
             headers["Accept"] = "application/octet-stream"
-        if call.body is not None:
+        if call.content is not None:
+            headers["Content-Type"] = "application/octet-stream"
+            kwargs["content"] = call.content
+        elif call.body is not None:
             if isinstance(call.body, BaseModel):
                 data = call.body.model_dump(exclude_none=True, mode="python" if self.wire == "msgpack" else "json")
             else:

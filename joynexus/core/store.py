@@ -139,6 +139,9 @@ class WorkloadRecord(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # An SFT workload on another dataset than its tenant's (a resolved DatasetSpec as JSON: an
+    # upload the tenant named by dataset.id); None: the tenant's own dataset.
+    dataset: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
 class SequenceRecord(Base):

@@ -8,6 +8,13 @@
   content-addressed cache, ``<cache>/<sha256>/``, where the digest is over the sorted (relative key,
   file sha256) pairs; ``joynexus_dataset.json`` in the entry is its manifest (uri, digest, each file's
   sha256). A spec's ``dataset.sha256`` pins the content: other bytes are refused.
+* ``dataset.id``: a dataset the spec's tenant uploaded (``POST /v1/datasets``), resolved to its
+  stored copy under ``<data_dir>/datasets/tenants/<tenant>/`` (`joynexus.data.uploads`); its digest
+  is the id (the archive's sha256). Only the tenant's own uploads are looked at: another tenant's
+  id and an unknown one get the same answer.
+
+Every resolved spec records ``dataset.sha256`` (a server path's too: the same content digest as an
+S3 fetch, over its files), and checkpoint manifests carry it as the data that trained them.
 """
 
 from __future__ import annotations
@@ -22,18 +29,21 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from joynexus.artifacts.s3 import split_s3_uri
+from joynexus.data.uploads import find_tenant_dataset
 
 if TYPE_CHECKING:
     from joynexus.settings import Settings
-    from joynexus.spec import WorkloadSpec
+    from joynexus.spec import DatasetSpec, WorkloadSpec
 
 __all__ = [
     "DATASET_MANIFEST_FILE",
     "DatasetSourceError",
     "FetchedDataset",
     "check_dataset_root",
+    "content_digest",
     "fetch_s3_dataset",
     "parse_dataset_roots",
+    "resolve_dataset",
     "resolve_dataset_source",
 ]
 
@@ -92,6 +102,27 @@ class FetchedDataset:
         return f"FetchedDataset(root={str(self.root)!r}, sha256={self.sha256!r})"
 
 
+def _pair_digest(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+
+
+def content_digest(root: str | Path) -> str:
+    """The digest of a dataset folder's content, the one an S3 fetch records: sha256 over the
+    sorted (relative path, file sha256) pairs (hidden files and the cache manifest left out)."""
+    base = Path(root)
+    files: dict[str, str] = {}
+    for path in sorted(p for p in base.rglob("*") if p.is_file()):
+        relative = path.relative_to(base).as_posix()
+        if relative == DATASET_MANIFEST_FILE or any(part.startswith(".") for part in PurePosixPath(relative).parts):
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        files[relative] = digest.hexdigest()
+    return _pair_digest(files)
+
+
 def _relative_key(key: str, prefix: str) -> str:
     relative = key[len(prefix) :].lstrip("/") if prefix else key
     parts = PurePosixPath(relative).parts
@@ -133,7 +164,7 @@ def fetch_s3_dataset(
             target.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, key, str(target))
             files[relative] = hashlib.sha256(target.read_bytes()).hexdigest()
-        digest = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+        digest = _pair_digest(files)
         if expected_sha256 is not None and digest != expected_sha256:
             raise DatasetSourceError("dataset.sha256", f"{uri!r} holds content {digest}, not {expected_sha256}")
         entry = cache / digest
@@ -149,17 +180,38 @@ def fetch_s3_dataset(
     return FetchedDataset(entry, digest)
 
 
-def resolve_dataset_source(spec: WorkloadSpec, settings: Settings, *, s3_client: Any = None) -> WorkloadSpec:
+def resolve_dataset_source(
+    spec: WorkloadSpec, settings: Settings, *, s3_client: Any = None, owner: str | None = None
+) -> WorkloadSpec:
     """``spec`` with its dataset made local: a ``dataset.uri`` fetched into the cache under
-    ``settings.data_dir`` (``root`` and ``sha256`` recorded), a ``dataset.root`` checked against
-    ``settings.dataset_roots``. Refusals are a ``SpecError`` naming the field."""
+    ``settings.data_dir``, a ``dataset.id`` found among the spec's tenant's uploads, a
+    ``dataset.root`` checked against ``settings.dataset_roots`` (``root`` and ``sha256`` recorded
+    for each). ``owner``: whose uploads a ``dataset.id`` is among (default the spec's tenant; a fork's
+    source tenant). Refusals are a ``SpecError`` naming the field."""
+    if spec.dataset is None:
+        return spec
+    dataset = resolve_dataset(spec.dataset, owner or spec.tenant, settings, s3_client=s3_client)
+    return spec.model_copy(update={"dataset": dataset})
+
+
+def resolve_dataset(dataset: DatasetSpec, owner: str, settings: Settings, *, s3_client: Any = None) -> DatasetSpec:
+    """One dataset made local (see `resolve_dataset_source`); ``owner``: the tenant whose uploads
+    a ``dataset.id`` names."""
     from joynexus.spec import SpecError
 
-    dataset = spec.dataset
-    if dataset is None:
-        return spec
     try:
-        if dataset.uri is not None and dataset.root is None:
+        if dataset.id is not None:
+            found = find_tenant_dataset(settings.data_dir / "datasets", owner, dataset.id)
+            if found is None:
+                raise DatasetSourceError(
+                    "dataset.id",
+                    f"tenant {owner!r} has no uploaded dataset {dataset.id} (POST /v1/datasets uploads one, "
+                    "GET /v1/datasets lists them)",
+                )
+            if dataset.sha256 is not None and dataset.sha256 != found.sha256:
+                raise DatasetSourceError("dataset.sha256", f"dataset {dataset.id} has digest {found.sha256}")
+            dataset = dataset.model_copy(update={"root": str(found.root), "sha256": found.sha256})
+        elif dataset.uri is not None and dataset.root is None:
             if s3_client is None:
                 import boto3
 
@@ -170,7 +222,10 @@ def resolve_dataset_source(spec: WorkloadSpec, settings: Settings, *, s3_client:
         elif dataset.uri is None:
             assert dataset.root is not None
             root = check_dataset_root(dataset.root, parse_dataset_roots(settings.dataset_roots))
-            dataset = dataset.model_copy(update={"root": str(root)})
+            digest = content_digest(root) if root.is_dir() else None  # a missing folder: the creator says so
+            if dataset.sha256 is not None and digest is not None and digest != dataset.sha256:
+                raise DatasetSourceError("dataset.sha256", f"the dataset holds content {digest}, not {dataset.sha256}")
+            dataset = dataset.model_copy(update={"root": str(root), "sha256": digest or dataset.sha256})
     except DatasetSourceError as error:
         raise SpecError([(error.field, error.reason)]) from None
-    return spec.model_copy(update={"dataset": dataset})
+    return dataset

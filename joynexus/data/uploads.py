@@ -1,7 +1,8 @@
 """Tenant dataset uploads (``POST /v1/datasets``): a LeRobot dataset as a tar or zip archive,
 unpacked safely, validated with Great Expectations against the tenant's observation interface,
 and kept under ``<datasets>/tenants/<tenant>/<sha256 of the archive>/`` (only that tenant lists or
-reads it).
+reads it). ``<sha256>.json`` beside the folder records its repo id and unpacked bytes, so listing
+and the usage ledger do not walk the dataset's files.
 
 Safe extraction: only regular files and folders; every member path relative, without ``..``, and
 inside the destination; at most ``MAX_UPLOAD_MEMBERS`` members and ``max_unpacked_bytes`` in total
@@ -13,19 +14,36 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-from joynexus.data.validation import DatasetExpectation, validate_dataset
+if TYPE_CHECKING:
+    from joynexus.data.validation import DatasetExpectation
 
-__all__ = ["MAX_UPLOAD_MEMBERS", "DatasetUploadError", "UploadedDataset", "store_uploaded_dataset", "tenant_datasets"]
+__all__ = [
+    "DATASET_ID_PATTERN",
+    "MAX_UPLOAD_MEMBERS",
+    "DatasetUploadError",
+    "UploadedDataset",
+    "delete_tenant_dataset",
+    "delete_tenant_datasets",
+    "find_tenant_dataset",
+    "store_uploaded_dataset",
+    "tenant_dataset_bytes",
+    "tenant_datasets",
+]
 
 MAX_UPLOAD_MEMBERS = 100_000
+DATASET_ID_PATTERN = r"^[0-9a-f]{64}$"  # an upload's id: the sha256 of its archive
+_DATASET_ID_RE = re.compile(DATASET_ID_PATTERN)
 
 
 class DatasetUploadError(ValueError):
@@ -111,6 +129,8 @@ def store_uploaded_dataset(
     max_unpacked_bytes: int,
 ) -> UploadedDataset:
     """Unpack, validate and keep an uploaded dataset (the same archive again is the same dataset)."""
+    from joynexus.data.validation import validate_dataset  # pandas and Great Expectations: only to store one
+
     digest = hashlib.sha256(data).hexdigest()
     home = Path(datasets_dir) / "tenants" / tenant_id
     entry = home / digest
@@ -130,8 +150,70 @@ def store_uploaded_dataset(
             except OSError:
                 if not entry.is_dir():
                     raise
+    recorded = _read_record(entry)
+    if recorded is not None:
+        return recorded
     nbytes = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+    record = {"dataset_id": digest, "repo_id": repo_id, "bytes": nbytes}
+    sidecar = entry.with_name(f"{digest}.json")
+    staging_record = sidecar.with_name(f".{digest}.json.tmp")
+    staging_record.write_text(json.dumps(record, sort_keys=True) + "\n")
+    os.replace(staging_record, sidecar)
     return UploadedDataset(digest, repo_id, entry, nbytes)
+
+
+def _read_record(entry: Path) -> UploadedDataset | None:
+    """The dataset in folder ``entry`` from its record beside it (None: no readable record)."""
+    try:
+        record = json.loads(entry.with_name(f"{entry.name}.json").read_text())
+        return UploadedDataset(entry.name, str(record["repo_id"]), entry, int(record["bytes"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _entry(entry: Path) -> UploadedDataset:
+    recorded = _read_record(entry)
+    if recorded is not None:
+        return recorded
+    nbytes = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())  # kept before records existed
+    return UploadedDataset(entry.name, "", entry, nbytes)
+
+
+def find_tenant_dataset(datasets_dir: str | Path, tenant_id: str, dataset_id: str) -> UploadedDataset | None:
+    """The tenant's upload ``dataset_id``, or None: an id that is not a sha256, another tenant's
+    and a missing one look alike (only the tenant's own folder is read)."""
+    if not isinstance(dataset_id, str) or not _DATASET_ID_RE.fullmatch(dataset_id):
+        return None
+    entry = Path(datasets_dir) / "tenants" / tenant_id / dataset_id
+    return _entry(entry) if entry.is_dir() else None
+
+
+def delete_tenant_dataset(datasets_dir: str | Path, tenant_id: str, dataset_id: str) -> UploadedDataset | None:
+    """Remove the tenant's upload ``dataset_id`` (its folder and record); None if it has none.
+    Versions trained on it keep its digest in their manifests."""
+    found = find_tenant_dataset(datasets_dir, tenant_id, dataset_id)
+    if found is None:
+        return None
+    # Renamed away first: a concurrent reader sees the dataset whole or not at all.
+    doomed = found.root.with_name(f".deleting-{found.sha256}-{os.getpid()}")
+    os.rename(found.root, doomed)
+    found.root.with_name(f"{found.sha256}.json").unlink(missing_ok=True)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return found
+
+
+def delete_tenant_datasets(datasets_dir: str | Path, tenant_id: str) -> int:
+    """Remove every upload of a tenant (its deletion with its artifacts); returns how many there were."""
+    found = tenant_datasets(datasets_dir, tenant_id)
+    for dataset in found:
+        delete_tenant_dataset(datasets_dir, tenant_id, dataset.sha256)
+    shutil.rmtree(Path(datasets_dir) / "tenants" / tenant_id, ignore_errors=True)  # staging leftovers too
+    return len(found)
+
+
+def tenant_dataset_bytes(datasets_dir: str | Path, tenant_id: str) -> int:
+    """Unpacked bytes of the tenant's uploads (what its storage quota counts beside checkpoints)."""
+    return sum(d.nbytes for d in tenant_datasets(datasets_dir, tenant_id))
 
 
 def tenant_datasets(datasets_dir: str | Path, tenant_id: str) -> list[UploadedDataset]:
@@ -139,8 +221,4 @@ def tenant_datasets(datasets_dir: str | Path, tenant_id: str) -> list[UploadedDa
     home = Path(datasets_dir) / "tenants" / tenant_id
     if not home.is_dir():
         return []
-    found = []
-    for entry in sorted(p for p in home.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        nbytes = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-        found.append(UploadedDataset(entry.name, "", entry, nbytes))  # repo_id: not kept on disk
-    return found
+    return [_entry(p) for p in sorted(home.iterdir()) if p.is_dir() and _DATASET_ID_RE.fullmatch(p.name)]

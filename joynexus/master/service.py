@@ -26,14 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from joynexus.actors import handle_of, named_actor
 from joynexus.core.serving_sets import ServingSetStore
 from joynexus.core.tenants import Tenant
-from joynexus.data.sources import resolve_dataset_source
+from joynexus.data.sources import resolve_dataset, resolve_dataset_source
+from joynexus.data.uploads import delete_tenant_datasets
 from joynexus.master.deployment import Deployment
 from joynexus.master.health import HealthManager, HealthOptions
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
 from joynexus.settings import Settings
-from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
+from joynexus.spec import DatasetSpec, SpecError, TaskType, WorkloadSpec, parse_workload_spec
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class MasterService:
             default_max_device_seconds=self.options.default_max_device_seconds,
             default_max_queued_workloads=self.options.default_max_queued_workloads,
             default_max_storage_bytes=self.options.default_max_storage_bytes,
+            datasets_dir=self.settings.data_dir / "datasets",
         )
         self.workloads = WorkloadManager(
             self.deployment,
@@ -252,14 +254,21 @@ class MasterService:
         self.deployment.shutdown()
 
     # -- tenants ----------------------------------------------------------------------------------
-    def create_tenant(self, spec: WorkloadSpec | dict[str, Any], *, starts_from_checkpoint: bool = False) -> Tenant:
+    def create_tenant(
+        self,
+        spec: WorkloadSpec | dict[str, Any],
+        *,
+        starts_from_checkpoint: bool = False,
+        dataset_owner: str | None = None,
+    ) -> Tenant:
         """Validate (every check that can fail runs before anything is written), persist, and give
         the tenant its slot. A slot that still cannot be built removes the tenant again: no
         half-made tenant is left behind. `starts_from_checkpoint`: the caller (a fork) wrote the
-        new tenant's version 0 itself, after checking that the id had no checkpoints."""
+        new tenant's version 0 itself, after checking that the id had no checkpoints. `dataset_owner`:
+        the tenant whose uploads a `dataset.id` names (default the new tenant; a fork's source)."""
         if not isinstance(spec, WorkloadSpec):
             spec = parse_workload_spec(spec)
-        spec = resolve_dataset_source(spec, self.settings)
+        spec = resolve_dataset_source(spec, self.settings, owner=dataset_owner)
         from joynexus.master.tenant_lifecycle import check_id_reusable
 
         if not starts_from_checkpoint:
@@ -323,6 +332,7 @@ class MasterService:
             steps += (
                 ("checkpoint_objects", lambda: dep.checkpoints.delete_tenant(tenant_id)),
                 ("registered_model", lambda: dep.tracker.delete_tenant_model(tenant_id)),
+                ("uploaded_datasets", lambda: delete_tenant_datasets(self.settings.data_dir / "datasets", tenant_id)),
             )
         for name, step in steps:
             try:
@@ -353,9 +363,23 @@ class MasterService:
             self.deployment.creator.mark_healthy(tenant.tenant_id)
 
     # -- workloads: the API's and Ray clients' names for the WorkloadManager's calls --------------
-    def submit_workload(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadInfo:
-        self.check_tenant(tenant_id)
-        return self.workloads.submit(tenant_id, jobs=jobs)
+    def submit_workload(
+        self, tenant_id: str, *, jobs: int | None = None, dataset: DatasetSpec | dict[str, Any] | None = None
+    ) -> WorkloadInfo:
+        """Queue a training workload; `dataset` (SFT) trains on another dataset than the tenant's:
+        one it uploaded (`dataset.id`), resolved here to the stored copy (a SpecError naming
+        `dataset.id` when the tenant has no such upload)."""
+        tenant = self.check_tenant(tenant_id)
+        resolved = None
+        if dataset is not None:
+            dataset = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec.model_validate(dataset)
+            if dataset.id is None:
+                raise SpecError([("dataset.id", "a workload names an uploaded dataset by its id (POST /v1/datasets)")])
+            if tenant.spec.task is not TaskType.SFT:
+                reason = f"tenant {tenant_id!r} trains by {tenant.spec.task.value!r}, not on a dataset"
+                raise SpecError([("dataset.id", reason)])
+            resolved = resolve_dataset(dataset, tenant_id, self.settings).model_dump(mode="json")
+        return self.workloads.submit(tenant_id, jobs=jobs, dataset=resolved)
 
     def evaluate(
         self,

@@ -110,7 +110,8 @@ def fork_tenant(
     forked = _source_version(deployment, source, version)
     _copy_checkpoint(checkpoints, source.tenant_id, forked, new_tenant)
     try:
-        tenant = master.create_tenant(spec, starts_from_checkpoint=True)
+        # An upload the source trains on (dataset.id) stays the source's: the fork names it from there.
+        tenant = master.create_tenant(spec, starts_from_checkpoint=True, dataset_owner=source.tenant_id)
     except BaseException:
         try:
             checkpoints.delete_tenant(new_tenant)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from joynexus.artifacts.leftovers import sweep_leftovers
+from joynexus.data.uploads import delete_tenant_datasets
 from joynexus.master.tenant_creator import TenantIdRetired
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UNHEALTHY_RETRY_S = 5.0  # an unhealthy tenant's slot is rebuilt at most this often on lookups
-ARTIFACT_STEPS = ("checkpoint_objects", "registered_model")  # MasterService._forget_tenant's report keys
+# MasterService._forget_tenant's report keys of what a deletion with its artifacts removes.
+ARTIFACT_STEPS = ("checkpoint_objects", "registered_model", "uploaded_datasets")
 
 
 class TenantNotDeleted(RuntimeError):
@@ -63,7 +65,7 @@ def check_id_reusable(deployment: Deployment, tenant_id: str) -> None:
 
 
 def purge(deployment: Deployment, tenant_id: str) -> dict[str, Any]:
-    """Delete a deleted tenant's kept artifacts (checkpoints, registered model) and free its id.
+    """Delete a deleted tenant's kept artifacts (checkpoints, registered model, uploads) and free its id.
     TenantNotDeleted while the tenant exists; the tombstone stays if a deletion failed."""
     try:
         deployment.creator.get(tenant_id)
@@ -75,6 +77,7 @@ def purge(deployment: Deployment, tenant_id: str) -> dict[str, Any]:
     steps: tuple[tuple[str, Callable[[], Any]], ...] = (
         ("checkpoint_objects", lambda: deployment.checkpoints.delete_tenant(tenant_id)),
         ("registered_model", lambda: deployment.tracker.delete_tenant_model(tenant_id)),
+        ("uploaded_datasets", lambda: delete_tenant_datasets(deployment.settings.data_dir / "datasets", tenant_id)),
     )
     for name, step in steps:
         try:

@@ -9,12 +9,14 @@ What is metered, and where the number comes from:
   the Environment Service themselves (`joynexus.core.metering.UsageMeter`), so API calls, RL
   rollouts and evaluations are all counted: every shared backbone batch is timed and each request
   gets its share by samples;
-- storage: bytes of the tenant's checkpoints, as the CheckpointStore counts them.
+- storage: bytes of the tenant's checkpoints, as the CheckpointStore counts them, plus the unpacked
+  bytes of the datasets it uploaded (`dataset_bytes`, `joynexus.data.uploads`); deleting an upload
+  gives its bytes back.
 
 Quotas: a spend cap on device-seconds (training + inference) stops admission of new work once
 reached (`SpendCapReached`, a clear message, HTTP 429); work already running finishes. A storage
-quota (`max_storage_bytes`) likewise stops admission once the tenant's checkpoints take that many
-bytes (`StorageQuotaReached`, a kind of `SpendCapReached`); checkpoint retention in the
+quota (`max_storage_bytes`) likewise stops admission once the tenant's checkpoints and uploads take
+that many bytes (`StorageQuotaReached`, a kind of `SpendCapReached`); checkpoint retention in the
 CheckpointStore (keep the last K plus the registered versions) is what frees them. Running
 workloads per tenant are bounded by the Master Service (one at a time); further submissions wait
 in its queue with a visible position, up to `max_queued_workloads`.
@@ -30,6 +32,7 @@ from sqlalchemy import func, select
 
 from joynexus.core.metering import ENVIRONMENT, INFERENCE, TRAINING
 from joynexus.core.store import ControlPlaneStore, TenantQuotaRecord, TrainingJobRecord, UsageRecord, utcnow
+from joynexus.data.uploads import tenant_dataset_bytes
 from joynexus.protocol.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
 
 if TYPE_CHECKING:
@@ -59,9 +62,11 @@ class UsageLedger:
         default_max_device_seconds: float | None = None,
         default_max_queued_workloads: int | None = 8,
         default_max_storage_bytes: int | None = None,
+        datasets_dir: Path | None = None,
     ):
-        """`checkpoints` answers the tenants' storage bytes (`tenant_bytes`); `checkpoint_root`, a local
-        folder read directly, is deprecated (it misses object-store checkpoints)."""
+        """`checkpoints` answers the tenants' checkpoint bytes (`tenant_bytes`); `checkpoint_root`, a local
+        folder read directly, is deprecated (it misses object-store checkpoints). `datasets_dir`: where
+        uploads are kept (`<data_dir>/datasets`); their bytes count in storage too."""
         if checkpoints is not None and checkpoint_root is not None:
             raise ValueError("pass either checkpoints or checkpoint_root, not both")
         if checkpoint_root is not None:
@@ -73,6 +78,7 @@ class UsageLedger:
         self.store = store
         self.checkpoints = checkpoints
         self.checkpoint_root = checkpoint_root
+        self.datasets_dir = datasets_dir
         self.default_max_device_seconds = default_max_device_seconds
         self.default_max_queued_workloads = default_max_queued_workloads
         if default_max_storage_bytes is not None and default_max_storage_bytes < 0:
@@ -151,16 +157,16 @@ class UsageLedger:
             self.check_storage(tenant_id)
 
     def check_storage(self, tenant_id: str) -> None:
-        """Raise StorageQuotaReached when the tenant's checkpoint bytes reach its storage quota."""
+        """Raise StorageQuotaReached when the tenant's checkpoint and dataset bytes reach its storage quota."""
         allowed = self.max_storage_bytes(tenant_id)
         if allowed is None:
             return  # no quota: no listing of the tenant's checkpoints either
         used = self.storage_bytes(tenant_id)
         if used >= allowed:
             raise StorageQuotaReached(
-                f"tenant {tenant_id!r} stores {used:,} bytes of checkpoints, at or above its quota of "
-                f"{allowed:,} bytes (quota.max_storage_bytes); no new work is admitted until old "
-                "checkpoints are pruned or deleted, or an admin raises the quota"
+                f"tenant {tenant_id!r} stores {used:,} bytes of checkpoints and datasets, at or above its quota "
+                f"of {allowed:,} bytes (quota.max_storage_bytes); no new work is admitted until old "
+                "checkpoints are pruned or deleted (or uploads deleted), or an admin raises the quota"
             )
 
     # -- reading ------------------------------------------------------------------------------
@@ -178,13 +184,15 @@ class UsageLedger:
         inference = api[INFERENCE]["device_seconds"]
         quota = self.quota(tenant_id)
         total = training + inference
+        checkpoint_bytes, dataset_bytes = self.checkpoint_bytes(tenant_id), self.dataset_bytes(tenant_id)
         return Usage(
             tenant_id=tenant_id,
             device_seconds=DeviceSeconds(training=training, inference=inference, total=total),
             samples_trained=api[TRAINING]["samples"] + jobs_samples,
             samples_predicted=api[INFERENCE]["samples"],
             env_steps=api[ENVIRONMENT]["env_steps"],
-            storage_bytes=self.storage_bytes(tenant_id),
+            storage_bytes=checkpoint_bytes + dataset_bytes,
+            dataset_bytes=dataset_bytes,
             workloads_running=running,
             workloads_queued=queued,
             quota=quota,
@@ -194,6 +202,14 @@ class UsageLedger:
         )
 
     def storage_bytes(self, tenant_id: str) -> int:
+        """What the storage quota counts: the tenant's checkpoint bytes plus its uploads' bytes."""
+        return self.checkpoint_bytes(tenant_id) + self.dataset_bytes(tenant_id)
+
+    def dataset_bytes(self, tenant_id: str) -> int:
+        """Unpacked bytes of the datasets the tenant uploaded (0 without a datasets folder)."""
+        return 0 if self.datasets_dir is None else tenant_dataset_bytes(self.datasets_dir, tenant_id)
+
+    def checkpoint_bytes(self, tenant_id: str) -> int:
         if self.checkpoints is not None:
             return int(self.checkpoints.tenant_bytes(tenant_id))
         if self.checkpoint_root is None:  # deprecated path below: a local checkpoint folder

@@ -139,7 +139,8 @@ class Usage(_Response):
     samples_trained: int = 0
     samples_predicted: int = 0
     env_steps: int = 0
-    storage_bytes: int = 0
+    storage_bytes: int = 0  # what quota.max_storage_bytes counts: checkpoints + dataset_bytes
+    dataset_bytes: int = 0  # unpacked bytes of the tenant's uploaded datasets (POST /v1/datasets)
     workloads_running: int = 0
     workloads_queued: int = 0
     quota: Quota
@@ -189,6 +190,7 @@ class WorkloadInfo(_Response):
     run_id: str | None = Field(default=None, exclude=True)
     error: str | None = None
     result: dict[str, Any] | None = None  # evaluation: success rate, returns, episode lengths
+    dataset_id: str | None = None  # SFT on an upload the workload named (spec dataset.id); None: the tenant's
     created_at: str | None = None
     started_at: str | None = None
     finished_at: str | None = None
@@ -254,6 +256,21 @@ class Versions(_Response):
     checkpoints: list[CheckpointInfo]
     serving_versions: list[int]
     next_after: int | None = None
+
+
+class DatasetInfo(_Response):
+    """A dataset the tenant uploaded (POST /v1/datasets): a spec names it by `dataset.id`."""
+
+    dataset_id: str  # the archive's sha256: also the content digest versions trained on it record
+    repo_id: str | None = None
+    bytes: int  # unpacked, counted in the tenant's storage quota
+
+
+class DatasetDeleted(DatasetInfo):
+    """An upload deleted (DELETE /v1/datasets/{dataset_id}) and the tenant's storage bytes after."""
+
+    deleted: bool = True
+    storage_bytes: int
 
 
 class VersionDeleted(_Response):

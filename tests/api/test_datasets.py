@@ -6,7 +6,7 @@ kept, listed only for that tenant, refused when it escapes its folder or passes 
 from __future__ import annotations
 
 import io
-import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, tar_dataset, write_dataset_for
 
 
 @mock_aws
@@ -51,14 +51,7 @@ def arm_dataset(tmp_path_factory) -> Path:
 
 
 def _tar(root: Path, *, gz: bool = True, extra: dict[str, bytes] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz" if gz else "w") as tar:
-        tar.add(root, arcname="arm")
-        for name, data in (extra or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+    return tar_dataset(root, gz=gz, extra=extra)
 
 
 def _zip(root: Path) -> bytes:
@@ -104,3 +97,145 @@ def test_uploads_are_refused_when_unsafe_invalid_or_over_quota(api, arm_dataset,
     over = _upload(api, tenant, _tar(arm_dataset))
     assert over.status_code == 429 and "quota.max_storage_bytes" in over.text
     assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
+
+
+def _wait(api, tenant, workload_id: str, timeout_s: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = api.client.get(f"/v1/workloads/{workload_id}", headers=tenant.headers).json()
+        if info["state"] in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
+            return info
+        time.sleep(0.1)
+
+
+def _naming(tenant, dataset_id: str) -> dict:
+    """A workload body whose spec names an upload (everything else as the tenant was created)."""
+    spec = {**tenant.spec, "dataset": {"id": dataset_id, "repo_id": "team/arm"}}
+    return {"jobs": 1, "spec": spec}
+
+
+def test_an_sft_workload_trains_on_the_upload_its_spec_names_and_versions_record_it(api, arm_dataset):
+    from joynexus.data.sources import content_digest
+    from joynexus.registry import ExperimentTracker
+    from joynexus.settings import local_tracking_uri
+
+    tenant = api.tenant("up-train")
+    uploaded = _upload(api, tenant, _tar(arm_dataset, gz=False))
+    assert uploaded.status_code == 201, uploaded.text
+    dataset_id = uploaded.json()["dataset_id"]
+    own = api.cluster.master.get_tenant(tenant.tenant_id).spec.dataset
+    assert own.sha256 == content_digest(own.root) != dataset_id  # a server path records its digest too
+
+    r = api.client.post("/v1/workloads", json=_naming(tenant, dataset_id), headers=tenant.headers)
+    assert r.status_code == 202, r.text
+    info = _wait(api, tenant, r.json()["workload_id"])
+    assert info["state"] == "completed" and info["dataset_id"] == dataset_id, info
+    version = info["version"]
+    manifest = api.client.get(f"/v1/checkpoints/{version}/manifest", headers=tenant.headers).json()
+    assert manifest["extra"]["dataset_sha256"] == dataset_id and manifest["extra"]["datasets"] == [dataset_id]
+    exported = api.client.get(f"/v1/versions/{version}/export?format=json", headers=tenant.headers)
+    assert exported.status_code == 200, exported.text
+    assert exported.json()["manifest"]["extra"]["dataset_sha256"] == dataset_id
+    tags = ExperimentTracker(local_tracking_uri(api.data_dir)).model_version_tags(
+        tenant.tenant_id, info["registered_version"]
+    )
+    assert tags["dataset_sha256"] == dataset_id, tags
+    # The next workload on the tenant's own dataset: the version records both, its own digest last.
+    r = api.client.post("/v1/workloads", json={"jobs": 1}, headers=tenant.headers)
+    info = _wait(api, tenant, r.json()["workload_id"])
+    assert info["state"] == "completed" and info["dataset_id"] is None, info
+    manifest = api.client.get(f"/v1/checkpoints/{info['version']}/manifest", headers=tenant.headers).json()
+    assert manifest["extra"]["datasets"] == [dataset_id, own.sha256]
+    assert manifest["extra"]["dataset_sha256"] == own.sha256
+
+
+def test_a_spec_naming_another_tenants_or_an_unknown_upload_is_refused_alike(api, arm_dataset):
+    mine, other = api.tenant("up-mine"), api.tenant("up-theirs")
+    theirs = _upload(api, other, _tar(arm_dataset, gz=False)).json()["dataset_id"]
+    unknown = "0" * 64
+    answers = []
+    for dataset_id in (theirs, unknown):
+        r = api.client.post("/v1/workloads", json=_naming(mine, dataset_id), headers=mine.headers)
+        assert r.status_code == 422, r.text
+        problems = {p["field"]: p["reason"] for p in r.json()["problems"]}
+        assert set(problems) == {"spec.dataset.id"} and other.tenant_id not in r.text, r.text
+        answers.append(problems["spec.dataset.id"].replace(dataset_id, "<id>"))
+    assert answers[0] == answers[1]  # nothing tells another tenant's upload from no upload
+    assert api.client.get("/v1/workloads", headers=mine.headers).json() == []
+    bad = api.client.post("/v1/workloads", json=_naming(mine, "not-a-digest"), headers=mine.headers)
+    assert bad.status_code == 422 and "spec.dataset.id" in bad.text
+    spec = {**api.spec("up-admin"), "dataset": {"id": theirs, "repo_id": "team/arm"}}  # a new tenant has no uploads
+    r = api.client.post("/v1/admin/tenants", json=spec, headers=api.admin)
+    assert r.status_code == 422 and "dataset.id" in {p["field"] for p in r.json()["problems"]}, r.text
+
+
+def test_a_tenant_created_on_its_upload_trains_on_it_and_cannot_delete_it(api, arm_dataset):
+    from joynexus.data.uploads import store_uploaded_dataset
+    from joynexus.data.validation import DatasetExpectation
+    from tests.api.conftest import SHAPES
+
+    spec = api.spec("up-created")
+    shape = SHAPES["arm"]
+    expectation = DatasetExpectation(
+        cameras=shape["cameras"], image_size=shape["image_size"], state_dim=4, action_dim=3
+    )
+    # As POST /v1/datasets keeps it (the same store function), before its tenant exists.
+    stored = store_uploaded_dataset(
+        _tar(arm_dataset, gz=False), tenant_id=spec["tenant"], repo_id="team/arm",
+        datasets_dir=api.data_dir / "datasets", expectation=expectation, max_unpacked_bytes=1 << 30,
+    )  # fmt: skip
+    spec["dataset"] = {"id": stored.sha256, "repo_id": "team/arm"}
+    r = api.client.post("/v1/admin/tenants", json=spec, headers=api.admin)
+    assert r.status_code == 201, r.text
+    tenant_dataset = api.cluster.master.get_tenant(spec["tenant"]).spec.dataset
+    assert tenant_dataset.root == str(stored.root) and tenant_dataset.sha256 == stored.sha256
+    headers = {"Authorization": f"Bearer {r.json()['key']['api_key']}"}
+    deleted = api.client.delete(f"/v1/datasets/{stored.sha256}", headers=headers)
+    assert deleted.status_code == 409 and "your tenant's spec trains on it" in deleted.text
+    # A fork names the same upload: it is resolved among its source's uploads.
+    forked = api.client.post("/v1/fork", json={"new_tenant": f"{spec['tenant']}-fork"}, headers=headers)
+    assert forked.status_code == 201, forked.text
+    assert api.cluster.master.get_tenant(f"{spec['tenant']}-fork").spec.dataset.root == str(stored.root)
+
+
+def test_upload_bytes_are_in_the_usage_ledger_and_deleting_gives_them_back(api, arm_dataset):
+    tenant, other = api.tenant("up-usage"), api.tenant("up-usage-other")
+    before = api.client.get("/v1/usage", headers=tenant.headers).json()
+    assert before["dataset_bytes"] == 0
+    uploaded = _upload(api, tenant, _tar(arm_dataset, gz=False)).json()
+    usage = api.client.get("/v1/usage", headers=tenant.headers).json()
+    assert usage["dataset_bytes"] == uploaded["bytes"] > 0
+    assert usage["storage_bytes"] == before["storage_bytes"] + uploaded["bytes"]
+    admin_view = {u["tenant_id"]: u for u in api.client.get("/v1/admin/usage", headers=api.admin).json()}
+    assert admin_view[tenant.tenant_id]["dataset_bytes"] == uploaded["bytes"]
+    # The quota counts what the ledger shows: uploads alone at the quota stop new work.
+    quota = {"max_storage_bytes": usage["storage_bytes"]}
+    set_quota = api.client.put(f"/v1/admin/tenants/{tenant.tenant_id}/quota", json=quota, headers=api.admin)
+    assert set_quota.status_code == 200, set_quota.text
+    refused = api.client.post("/v1/workloads", json={"jobs": 1}, headers=tenant.headers)
+    assert refused.status_code == 429 and "quota.max_storage_bytes" in refused.text, refused.text
+
+    dataset_id = uploaded["dataset_id"]
+    assert api.client.delete(f"/v1/datasets/{dataset_id}", headers=other.headers).status_code == 404
+    deleted = api.client.delete(f"/v1/datasets/{dataset_id}", headers=tenant.headers)
+    assert deleted.status_code == 200, deleted.text
+    assert deleted.json()["bytes"] == uploaded["bytes"] and deleted.json()["storage_bytes"] == before["storage_bytes"]
+    after = api.client.get("/v1/usage", headers=tenant.headers).json()
+    assert after["dataset_bytes"] == 0 and after["storage_bytes"] == before["storage_bytes"]
+    assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
+    again = api.client.delete(f"/v1/datasets/{dataset_id}", headers=tenant.headers)
+    assert again.status_code == 404 and "dataset_id" in again.text
+    accepted = api.client.post("/v1/workloads", json={"jobs": 1}, headers=tenant.headers)
+    assert accepted.status_code == 202, accepted.text  # the bytes given back: under the quota again
+    api.client.post(f"/v1/workloads/{accepted.json()['workload_id']}/cancel", headers=tenant.headers)
+
+
+def test_a_tenant_deleted_with_its_artifacts_takes_its_uploads_along(api, arm_dataset):
+    tenant = api.tenant("up-gone")
+    assert _upload(api, tenant, _tar(arm_dataset, gz=False)).status_code == 201
+    home = api.data_dir / "datasets" / "tenants" / tenant.tenant_id
+    assert any(home.iterdir())
+    r = api.client.delete(f"/v1/admin/tenants/{tenant.tenant_id}?delete_artifacts=true", headers=api.admin)
+    assert r.status_code == 200, r.text
+    assert r.json()["removed"]["uploaded_datasets"] == "1" and not home.exists()
+    assert r.json()["removed"]["tenant_id_reusable"] == "yes"  # a new tenant under the id starts with none

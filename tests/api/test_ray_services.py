@@ -428,6 +428,33 @@ def test_tenant_and_version_lifecycle_on_the_resident_master(ray_api: RayApi):
     ray_api.create_tenant(spec)
 
 
+def test_an_upload_a_spec_names_is_resolved_and_trained_on_by_the_resident_master(ray_api: RayApi):
+    """Issue 24 on the Ray path: a tenant uploads a dataset to the API server; the Master actor
+    resolves the workload's `dataset.id` to the stored copy (another id: 422 naming it), trains on
+    it, and the checkpoint's manifest records its digest; the usage ledger counts the upload."""
+    from tests.helpers import tar_dataset
+
+    spec = sft_spec("ray-upload", ray_api.data_dir / "datasets" / "ray-upload", jobs=1, samples_per_job=8)
+    write_dataset_for(spec, episodes=2, length=8)
+    tenant = ray_api.create_tenant(spec)
+    other = sft_spec("ray-upload-src", ray_api.data_dir / "datasets" / "ray-upload-src")
+    write_dataset_for(other, episodes=2, length=6, seed=3)
+    archive = tar_dataset(Path(other["dataset"]["root"]), gz=False)
+    uploaded = ray_api.client.post("/v1/datasets?repo_id=team/ray", content=archive, headers=tenant.headers)
+    assert uploaded.status_code == 201, uploaded.text
+    dataset_id = uploaded.json()["dataset_id"]
+    assert ray_api.usage(tenant)["dataset_bytes"] == uploaded.json()["bytes"]
+
+    unknown = {**spec, "dataset": {"id": "1" * 64, "repo_id": "team/ray"}}
+    refused = ray_api.client.post("/v1/workloads", json={"jobs": 1, "spec": unknown}, headers=tenant.headers)
+    assert refused.status_code == 422 and refused.json()["problems"][0]["field"] == "spec.dataset.id", refused.text
+    named = {**spec, "dataset": {"id": dataset_id, "repo_id": "team/ray"}}
+    info = ray_api.wait(tenant, ray_api.submit(tenant, jobs=1, spec=named))
+    assert info["state"] == "completed" and info["dataset_id"] == dataset_id, info
+    manifest = ray_api.client.get(f"/v1/checkpoints/{info['version']}/manifest", headers=tenant.headers).json()
+    assert manifest["extra"]["dataset_sha256"] == dataset_id, manifest["extra"]
+
+
 def test_state_control_and_off_policy_losses_run_on_the_resident_services(ray_api: RayApi, trained: Trained):
     """Issue 28.3/28.4 on the Ray path: load_state and fork go through the resident Master actor to
     the Training Model Service actor; ppo_clip and per-step AdamW through the actor too."""

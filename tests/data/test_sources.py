@@ -1,6 +1,7 @@
 """Dataset sources (issue 24.2): admin paths only under JOYNEXUS_DATASET_ROOTS, with one answer for
 missing and disallowed paths; `dataset.uri: s3://...` fetched (boto3 against moto) into a
-content-addressed cache with its manifest, pinned by `dataset.sha256`."""
+content-addressed cache with its manifest, pinned by `dataset.sha256`; `dataset.id`: one of the
+spec's tenant's uploads. Every resolved spec records the content digest."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from joynexus.data.sources import (
     DATASET_MANIFEST_FILE,
     DatasetSourceError,
     check_dataset_root,
+    content_digest,
     fetch_s3_dataset,
     parse_dataset_roots,
     resolve_dataset_source,
 )
 from joynexus.settings import Settings
 from joynexus.spec import SpecError, parse_workload_spec
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, tar_dataset, write_dataset_for
 
 BUCKET = "robot-data"
 
@@ -113,3 +115,52 @@ def test_a_spec_with_a_uri_resolves_to_the_cache_and_records_the_checksum(datase
     with pytest.raises(SpecError) as refused:
         resolve_dataset_source(parse_workload_spec(by_path), settings)
     assert refused.value.fields == ["dataset.root"]
+
+
+@mock_aws
+def test_a_server_path_records_the_digest_its_s3_copy_gets_and_a_pin_is_checked(dataset, tmp_path):
+    client = boto3.client("s3", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    _upload(client, dataset, "same")
+    fetched = fetch_s3_dataset(f"s3://{BUCKET}/same", tmp_path / "cache", client)
+    assert content_digest(dataset) == fetched.sha256 == content_digest(fetched.root)  # its manifest left out
+    settings = Settings(data_dir=tmp_path)
+    spec = resolve_dataset_source(parse_workload_spec(sft_spec("by-path", dataset)), settings)
+    assert spec.dataset.sha256 == fetched.sha256
+    pinned = sft_spec("pinned", dataset)
+    pinned["dataset"]["sha256"] = "f" * 64
+    with pytest.raises(SpecError) as refused:
+        resolve_dataset_source(parse_workload_spec(pinned), settings)
+    assert refused.value.fields == ["dataset.sha256"]
+
+
+def test_a_dataset_id_resolves_only_among_the_spec_tenants_uploads(dataset, tmp_path):
+    from joynexus.data.uploads import delete_tenant_dataset, store_uploaded_dataset, tenant_datasets
+    from joynexus.data.validation import DatasetExpectation
+
+    expectation = DatasetExpectation(cameras=("front",), image_size=(32, 32), state_dim=4, action_dim=3)
+    datasets = tmp_path / "datasets"
+    stored = store_uploaded_dataset(
+        tar_dataset(dataset, gz=False), tenant_id="owner", repo_id="team/pick", datasets_dir=datasets,
+        expectation=expectation, max_unpacked_bytes=1 << 30,
+    )  # fmt: skip
+    assert [(d.sha256, d.repo_id, d.nbytes) for d in tenant_datasets(datasets, "owner")] == [
+        (stored.sha256, "team/pick", stored.nbytes)
+    ]
+    settings = Settings(data_dir=tmp_path)
+    raw = sft_spec("owner", "unused")
+    raw["dataset"] = {"id": stored.sha256, "repo_id": "team/pick"}
+    spec = resolve_dataset_source(parse_workload_spec(raw), settings)
+    assert spec.dataset.root == str(stored.root) and spec.dataset.sha256 == stored.sha256
+    assert parse_workload_spec(spec.model_dump(mode="json")) == spec  # the resolved spec round-trips
+    with pytest.raises(SpecError) as refused:
+        resolve_dataset_source(parse_workload_spec({**raw, "tenant": "stranger"}), settings)
+    assert refused.value.fields == ["dataset.id"] and "owner" not in str(refused.value)
+    with pytest.raises(SpecError) as both:
+        parse_workload_spec({**raw, "dataset": {**raw["dataset"], "uri": "s3://b/p"}})
+    assert both.value.fields == ["dataset"] and "dataset.id" in str(both.value)
+    assert delete_tenant_dataset(datasets, "stranger", stored.sha256) is None
+    assert delete_tenant_dataset(datasets, "owner", stored.sha256) == stored
+    assert tenant_datasets(datasets, "owner") == [] and not stored.root.exists()
+    with pytest.raises(SpecError):
+        resolve_dataset_source(parse_workload_spec(raw), settings)

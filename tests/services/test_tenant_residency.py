@@ -303,6 +303,27 @@ def test_a_paged_out_slot_resumes_bit_exact(tmp_path, caps):
     assert "lora" in paged.backbone.adapters
 
 
+def test_the_datasets_that_trained_a_slot_survive_paging_and_a_checkpoint_restore(tmp_path, caps):
+    """A slot's dataset digests (issue 24: a version says which data trained it) are a counter like
+    the others: paged out and in with the slot, written in every manifest, read back on resume."""
+    first, second = "a" * 64, "b" * 64
+    paged, configs = _training(tmp_path, "paged", caps, max_resident_tenants=1, spill_dir=tmp_path / "spill")
+    with paged._slots.scope():
+        slot = paged.slot_table.slot("oft")
+        for digest in (first, second, first, None):  # used again: moves last; none: nothing to record
+            slot.note_dataset({"dataset_sha256": digest})
+    paged.train_batch("flow", _batch(configs["flow"], rows=2, seed=1))  # pages "oft" out
+    assert paged.residency_stats()["resident"] == 1 and paged.residency_stats()["page_outs"] >= 1
+    paged.train_batch("oft", _batch(configs["oft"], rows=2, seed=2))  # and back in
+    [manifest] = paged.save(["oft"])
+    assert manifest["extra"]["datasets"] == [second, first] and manifest["extra"]["dataset_sha256"] == first
+    resumed = TrainingModelService(BackboneSource(preset="tiny"), tmp_path / "paged", num_threads=1, placement="cpu")
+    resumed.add_tenant(configs["oft"])
+    resumed.train_batch("oft", _batch(configs["oft"], rows=2, seed=3))
+    [after] = resumed.save(["oft"])
+    assert after["policy_version"] == manifest["policy_version"] + 1 and after["extra"]["datasets"] == [second, first]
+
+
 def test_pending_gradients_keep_a_slot_resident_and_removal_deletes_its_spill_file(tmp_path, caps):
     paged, configs = _training(tmp_path, "paged", caps, max_resident_tenants=1)
     resident, _ = _training(tmp_path, "resident", caps)

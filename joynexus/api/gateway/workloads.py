@@ -25,11 +25,14 @@ class WorkloadOperations(GatewayBase):
         if task not in (declared, "eval"):
             reason = f"your tenant was created for {declared!r}: submit {declared!r} (training) or 'eval', got {task!r}"
             raise InvalidInput("task", reason)
-        jobs = request.jobs
+        jobs, dataset = request.jobs, None
         if request.spec is not None:
             spec = self._check_submitted_spec(tenant, request.spec)
             if jobs is None:
                 jobs = spec.scheduling.completion_target
+            if _names_an_upload(spec):
+                assert spec.dataset is not None
+                dataset = spec.dataset.model_dump(mode="json", exclude_none=True)
         try:
             if task == "eval":
                 version: int | str = "latest" if request.version is None else request.version
@@ -37,8 +40,13 @@ class WorkloadOperations(GatewayBase):
                     tenant_id, version=version, episodes=request.episodes, environment=request.environment,
                     suite=request.suite, videos=request.videos,
                 )  # fmt: skip
+            elif dataset is not None:
+                status = self.master.submit_workload(tenant_id, jobs=jobs, dataset=dataset)
             else:
                 status = self.master.submit_workload(tenant_id, jobs=jobs)
+        except SpecError as error:  # dataset.id: not one of the tenant's uploads
+            problems = [(f"spec.{field}", reason) for field, reason in error.problems]
+            raise ApiError("invalid workload spec", problems).with_status(422, "invalid_spec") from None
         except AdmissionRefused as error:
             field = next(
                 (f"quota.{name}" for name in ("max_queued_workloads", "max_storage_bytes") if name in str(error)),
@@ -75,11 +83,14 @@ class WorkloadOperations(GatewayBase):
             )
         # A workload applies only completion_target; any other field set to something else than the
         # tenant's would be ignored without a word, so it is refused, naming each one.
-        ignored = [(f, mine, theirs) for f, mine, theirs in _changed_fields(spec, tenant.spec) if f not in APPLIED]
+        applied = APPLIED | ({"dataset"} if _names_an_upload(spec) else set())
+        changed = _changed_fields(spec, tenant.spec)
+        ignored = [(f, m, t) for f, m, t in changed if f not in applied and f.partition(".")[0] not in applied]
         if ignored:
             raise ApiError(
-                f"a workload applies only spec.{', spec.'.join(sorted(APPLIED))}; the other fields were fixed "
-                "when the tenant was created (a change needs a new tenant)",
+                f"a workload applies only spec.{', spec.'.join(sorted(APPLIED))} (and, for SFT, a spec.dataset "
+                "naming your upload by dataset.id); the other fields were fixed when the tenant was created (a "
+                "change needs a new tenant)",
                 [
                     (f"spec.{field}", f"{mine!r} differs from your tenant's {theirs!r}; a workload cannot change it")
                     for field, mine, theirs in ignored
@@ -113,8 +124,13 @@ class WorkloadOperations(GatewayBase):
         return s.WorkloadEvents(workload=info, events=[s.WorkloadEvent.model_validate(e) for e in events])
 
 
-# The fields of a submitted spec a workload applies (the rest must equal the tenant's).
+# The fields of a submitted spec a workload applies (the rest must equal the tenant's); an SFT
+# workload's spec may also name another dataset, one the tenant uploaded (dataset.id).
 APPLIED = frozenset({"scheduling.completion_target"})
+
+
+def _names_an_upload(spec: WorkloadSpec) -> bool:
+    return spec.dataset is not None and spec.dataset.id is not None
 
 
 def _changed_fields(submitted: BaseModel, declared: BaseModel, prefix: str = "") -> list[tuple[str, Any, Any]]:

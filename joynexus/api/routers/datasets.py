@@ -1,32 +1,46 @@
 """``/v1/datasets``: a tenant uploads a LeRobot dataset (tar or zip body, at most the API's body
-limit) and lists its own (`joynexus.data.uploads`). An upload is validated with Great Expectations
-against the tenant's observation interface before it is kept, and its unpacked bytes count
-against the tenant's storage quota together with its checkpoints."""
+limit), lists and deletes its own (`joynexus.data.uploads`). An upload is validated with Great
+Expectations against the tenant's observation interface before it is kept, and its unpacked bytes
+count against the tenant's storage quota together with its checkpoints (the usage ledger's
+`storage_bytes`; `dataset_bytes` is their share). A workload trains on one by naming it in its
+spec: ``dataset: {id: <dataset_id>, repo_id: ...}``."""
 
 from __future__ import annotations
 
-import shutil
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from joynexus.api.errors import InvalidInput, QuotaExceeded
+from joynexus.api.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
 from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant
-from joynexus.data.uploads import DatasetUploadError, store_uploaded_dataset, tenant_datasets
+from joynexus.data.uploads import (
+    DATASET_ID_PATTERN,
+    DatasetUploadError,
+    delete_tenant_dataset,
+    find_tenant_dataset,
+    store_uploaded_dataset,
+    tenant_datasets,
+)
 from joynexus.data.validation import DatasetExpectation
+from joynexus.protocol import schemas as s
 
 router = APIRouter(prefix="/v1", tags=["upper layer"], responses=ERRORS)
 
 REPO_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$"
+ACTIVE_STATES = ("queued", "running")
 
 
 def _datasets_dir(gateway: Gateway):
     return gateway.cluster.settings.data_dir / "datasets"
 
 
-@router.post("/datasets", status_code=201)
+def _described(dataset) -> dict:
+    return {"dataset_id": dataset.sha256, "repo_id": dataset.repo_id or None, "bytes": dataset.nbytes}
+
+
+@router.post("/datasets", status_code=201, response_model=s.DatasetInfo)
 async def upload_dataset(
     request: Request,
     tenant_id: Tenant,
@@ -54,16 +68,40 @@ async def upload_dataset(
         raise InvalidInput(error.field, error.reason) from None
     allowed = gateway.ledger.max_storage_bytes(tenant_id)
     if allowed is not None and stored.sha256 not in known:
-        used = gateway.ledger.storage_bytes(tenant_id) + sum(d.nbytes for d in tenant_datasets(datasets, tenant_id))
+        used = gateway.ledger.storage_bytes(tenant_id)  # checkpoints and uploads, this one included
         if used > allowed:
-            shutil.rmtree(stored.root, ignore_errors=True)
+            delete_tenant_dataset(datasets, tenant_id, stored.sha256)
             reason = f"checkpoints and datasets would take {used:,} of {allowed:,} bytes"
             raise QuotaExceeded(f"dataset refused: {reason}", [("quota.max_storage_bytes", reason)])
-    return JSONResponse({"dataset_id": stored.sha256, "repo_id": repo_id, "bytes": stored.nbytes}, status_code=201)
+    return JSONResponse(_described(stored), status_code=201)
 
 
-@router.get("/datasets")
+@router.get("/datasets", response_model=list[s.DatasetInfo])
 def list_datasets(tenant_id: Tenant, gateway: Gateway) -> JSONResponse:
     """The caller's uploaded datasets (never another tenant's)."""
-    found = tenant_datasets(_datasets_dir(gateway), tenant_id)
-    return JSONResponse([{"dataset_id": d.sha256, "bytes": d.nbytes} for d in found])
+    return JSONResponse([_described(d) for d in tenant_datasets(_datasets_dir(gateway), tenant_id)])
+
+
+@router.delete("/datasets/{dataset_id}", response_model=s.DatasetDeleted)
+def delete_dataset(
+    tenant_id: Tenant,
+    gateway: Gateway,
+    dataset_id: Annotated[str, Path(pattern=DATASET_ID_PATTERN, description="as POST /v1/datasets returned it")],
+) -> JSONResponse:
+    """Delete one of the caller's uploads and give its bytes back to the storage quota. 404 for an
+    id the caller never uploaded (another tenant's too); 409 while a queued or running workload,
+    or the tenant's own spec, trains on it. Versions trained on it keep its digest."""
+    datasets = _datasets_dir(gateway)
+    if find_tenant_dataset(datasets, tenant_id, dataset_id) is None:
+        raise NotFound("dataset", dataset_id, "dataset_id")
+    own = gateway.tenant(tenant_id).spec.dataset
+    workloads = gateway.list_workloads(tenant_id)
+    users = [w.workload_id for w in workloads if w.state in ACTIVE_STATES and w.dataset_id == dataset_id]
+    if users or (own is not None and own.id == dataset_id):
+        reason = f"workloads {users} train on it" if users else "your tenant's spec trains on it"
+        raise Conflict(f"dataset {dataset_id} is in use: {reason}", [("dataset_id", reason)])
+    deleted = delete_tenant_dataset(datasets, tenant_id, dataset_id)
+    if deleted is None:  # deleted meanwhile by another request
+        raise NotFound("dataset", dataset_id, "dataset_id")
+    body = {**_described(deleted), "deleted": True, "storage_bytes": gateway.ledger.storage_bytes(tenant_id)}
+    return JSONResponse(body)

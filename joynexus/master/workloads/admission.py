@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 class Admission(WorkloadBase):
     _admission: threading.RLock  # one admission at a time; reentrant: a launch that fails finishes, which admits
 
-    def submit(self, tenant_id: str, *, jobs: int | None = None) -> WorkloadInfo:
+    def submit(self, tenant_id: str, *, jobs: int | None = None, dataset: dict | None = None) -> WorkloadInfo:
         """Queue a workload running the tenant's declared task for `jobs` training jobs (default:
-        the spec's completion target)."""
+        the spec's completion target); `dataset` (SFT: a resolved DatasetSpec as JSON) trains on
+        that dataset instead of the tenant's own."""
         tenant = self.deployment.creator.get(tenant_id)
         task = tenant.spec.task.value
         if task not in ("sft", "rl"):
@@ -40,6 +41,8 @@ class Admission(WorkloadBase):
                 f"task: tenant {tenant_id!r} is a {task!r} tenant; training workloads run 'sft' or 'rl' tenants "
                 "(evaluate any tenant with evaluate())"
             )
+        if dataset is not None and task != "sft":
+            raise ValueError(f"dataset: tenant {tenant_id!r} is a {task!r} tenant; only SFT workloads name a dataset")
         target = jobs if jobs is not None else tenant.spec.scheduling.completion_target
         if target is None or target < 1:
             raise ValueError("jobs: give the number of training jobs (>= 1); the spec has no completion_target")
@@ -50,8 +53,9 @@ class Admission(WorkloadBase):
         with self.deployment.store.transaction() as s:
             s.add(
                 WorkloadRecord(
-                    workload_id=workload_id, tenant_id=tenant_id, task=task, state=QUEUED, target_jobs=target
-                )
+                    workload_id=workload_id, tenant_id=tenant_id, task=task, state=QUEUED, target_jobs=target,
+                    dataset=dataset,
+                )  # fmt: skip
             )
         self._emit(workload_id, "queued", target_jobs=target)
         self._admit()

@@ -31,6 +31,7 @@ from joynexus.services.training.service import UnknownTenant
 
 if TYPE_CHECKING:
     from joynexus.master.deployment import Deployment
+    from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class _RunningWorkload:
     producer: Producer | None = None
     resumed: bool = False
     produced: bool = False  # the producer returned with its target covered (not a dead producer)
+    dataset: DatasetSpec | None = None  # SFT: what its jobs train on (the tenant's, or one the workload named)
 
 
 class WorkloadBase:
@@ -186,6 +188,7 @@ class WorkloadBase:
             "started_at": _iso(record.started_at),
             "finished_at": _iso(record.finished_at),
             "result": record.result,
+            "dataset_id": (record.dataset or {}).get("id"),
         }
         return WorkloadInfo(**{**recorded, **live})
 

@@ -29,6 +29,7 @@ from joynexus.master.workloads.base import (
     _RunningWorkload,
 )
 from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
+from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,13 @@ class TrainingWorkloads(WorkloadBase):
             completion_target=done + running.target_jobs - running.completed_jobs,
             max_policy_staleness=sched.max_policy_staleness,
         )
+        running.dataset = self._training_dataset(running)
         if running.run_id is None:
+            tags = {"task": tenant.spec.task.value}
+            if running.dataset is not None and running.dataset.sha256:  # which data this run trains on
+                tags["dataset_sha256"] = running.dataset.sha256
             running.run_id = deployment.tracker.start_workload_run(
-                tenant.tenant_id,
-                running.workload_id,
-                _run_params(tenant, running.target_jobs),
-                tags={"task": tenant.spec.task.value},
+                tenant.tenant_id, running.workload_id, _run_params(tenant, running.target_jobs), tags=tags
             )
         with deployment.store.transaction() as s:
             record = s.get(WorkloadRecord, running.workload_id)
@@ -120,12 +122,22 @@ class TrainingWorkloads(WorkloadBase):
                 tenant.backend_config, deployment.scheduler, deployment.queue, deployment.environment_service,
                 deployment.inference_service, job_metadata=metadata, rollout_slots=self._rollout_slots,
             )  # fmt: skip
-        assert tenant.spec.dataset is not None
+        dataset = running.dataset
+        assert dataset is not None and dataset.root is not None
+        if dataset.sha256:  # each job says which data it holds: the versions it trains record it
+            metadata["dataset_sha256"] = dataset.sha256
         return SFTProducer.from_dataset(
-            tenant.backend_config, deployment.scheduler, deployment.queue, tenant.spec.dataset.root,
-            tenant.spec.dataset.repo_id, job_metadata=metadata,
-            validation_episodes=tenant.spec.dataset.validation_episodes,
+            tenant.backend_config, deployment.scheduler, deployment.queue, dataset.root, dataset.repo_id,
+            job_metadata=metadata, validation_episodes=dataset.validation_episodes,
         )  # fmt: skip
+
+    def _training_dataset(self, running: _RunningWorkload) -> DatasetSpec | None:
+        """What an SFT workload trains on: the dataset it named when submitted, else its tenant's."""
+        if running.tenant.spec.task.value != "sft":
+            return None
+        with self.deployment.store.transaction() as s:
+            named = s.get(WorkloadRecord, running.workload_id).dataset
+        return DatasetSpec.model_validate(named) if named else running.tenant.spec.dataset
 
     def _produce(self, running: _RunningWorkload) -> None:
         """The producer thread: run the producer, waiting through restarting services, and start it

@@ -147,6 +147,8 @@ class JobGroupTrainer:
         if run.samples == 0:
             return _failed(job, TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples"))
         slot.jobs_completed += 1
+        if job.task_type != "rl":
+            slot.note_dataset(job.metadata)
         every = slot.config.checkpoint_every_jobs
         manifest = self.table.save(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
         result = {

@@ -85,6 +85,7 @@ class SlotPager:
             jobs_completed=slot.jobs_completed,
             samples_trained=slot.samples_trained,
             version_created_at=slot.version_created_at,
+            datasets=list(slot.datasets),
         )
         return tensors, meta
 
@@ -108,6 +109,7 @@ class SlotPager:
             "samples_trained": int(meta["samples_trained"]),
             "losses": tensors["losses"].tolist(),
             "version_created_at": str(meta["version_created_at"]),
+            "datasets": tuple(meta.get("datasets", ())),
         }
         if "packed" in meta:  # back as it left: packed (materialized on first use)
             packed = PackedTrainingState.from_tensors(parts["packed"], meta["packed"], self._device)

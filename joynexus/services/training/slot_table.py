@@ -18,6 +18,7 @@ import torch
 
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
+    DATASET_SHA256_KEY,
     OPTIMIZER_TENSORS_FILE,
     VERSION_CREATED_AT_KEY,
     CheckpointError,
@@ -166,6 +167,8 @@ class SlotTable:
         slot.optimizer_steps = int(manifest.extra.get("optimizer_steps", 0))
         slot.jobs_completed = int(manifest.extra.get("jobs_completed", 0))
         slot.samples_trained = int(manifest.extra.get("samples_trained", 0))
+        recorded = manifest.extra.get("datasets", [])
+        slot.datasets = tuple(d for d in recorded if isinstance(d, str)) if isinstance(recorded, list) else ()
         return manifest
 
     def _restore_adapter(
@@ -302,4 +305,6 @@ def _extra(slot: TenantSlot) -> dict[str, Any]:
         extra["adapter"] = slot.adapter.model_dump(mode="json")
     if slot.config.normalization is not None:  # the statistics travel with every version
         extra["normalization"] = slot.config.normalization
+    if slot.datasets:  # the data that trained it: every dataset's digest, and the latest one's
+        extra["datasets"], extra[DATASET_SHA256_KEY] = list(slot.datasets), slot.datasets[-1]
     return extra

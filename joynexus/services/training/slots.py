@@ -62,6 +62,7 @@ class TenantSlot:
         "adapter",
         "adapter_parameters",
         "config",
+        "datasets",
         "issued_version",
         "jobs_completed",
         "losses",
@@ -85,6 +86,7 @@ class TenantSlot:
         adapter: LoraAdapterConfig | None = None,
         adapter_parameters: list[torch.nn.Parameter] | None = None,
         version_created_at: str | None = None,
+        datasets: tuple[str, ...] = (),
         *,
         packed: PackedTrainingState | None = None,
         active_tier: ActiveSlots | None = None,
@@ -113,6 +115,16 @@ class TenantSlot:
         # When the weights of `version` were made (an export's created_at: exports of one version are
         # byte-identical); restored from the checkpoint with the version.
         self.version_created_at = datetime.now(UTC).isoformat() if version_created_at is None else version_created_at
+        # Content digests of the datasets whose jobs trained these weights, the latest last (from the
+        # jobs' `dataset_sha256`): every checkpoint and export records them, so a version says which
+        # data trained it. Restored with the version.
+        self.datasets = tuple(datasets)
+
+    def note_dataset(self, job_metadata: dict[str, Any]) -> None:
+        """Record the dataset a job trained the slot on (its `dataset_sha256`; none: nothing to record)."""
+        digest = job_metadata.get("dataset_sha256")
+        if isinstance(digest, str) and digest:
+            self.datasets = (*(d for d in self.datasets if d != digest), digest)
 
     @property
     def module(self) -> ActionModule:

@@ -25,7 +25,7 @@ from joynexus.services.training.slots import TenantSlot
 
 __all__ = ["VersionNotKept", "load_slot_state"]
 
-_COUNTERS = ("version", "version_created_at", "optimizer_steps", "jobs_completed", "samples_trained")
+_COUNTERS = ("version", "version_created_at", "optimizer_steps", "jobs_completed", "samples_trained", "datasets")
 
 
 class VersionNotKept(ValueError):

@@ -215,6 +215,7 @@ class SlotTrainer:
             losses, samples, extra = self._train_rl_partition(self.queue, slot, job)
         else:
             losses, samples = self._train_sft_partition(self.queue, slot, job)
+            slot.note_dataset(job.metadata)
         if samples == 0:
             raise TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples")
         self.table.issue_version(slot)
