@@ -19,6 +19,7 @@ from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant, WorkloadI
 from joynexus.api.settings import ApiSettings
 from joynexus.api.streaming import TenantCounter
 
+FINAL_EVENT_GRACE_S = 2.0
 router = APIRouter(prefix="/v1", route_class=WireRoute, tags=["upper layer"], responses=ERRORS)
 
 
@@ -117,6 +118,7 @@ async def _event_stream(
     limiter: TenantCallLimiter = request.app.state.limiter
     try:
         last_sent = time.monotonic()
+        final_seen, done_at = False, None
         while True:
             try:
                 batch = await limiter.run_unmetered(tenant_id, gateway.workload_events, tenant_id, workload_id, after)
@@ -125,11 +127,17 @@ async def _event_stream(
                 return
             for event in batch.events:
                 after = event.seq
+                final_seen = final_seen or event.kind == batch.workload.state
                 yield f"id: {event.seq}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n"
                 last_sent = time.monotonic()
             if batch.workload.done:
-                yield f"event: end\ndata: {batch.workload.model_dump_json()}\n\n"
-                return
+                # The Master records the final state just before it appends the final-state event:
+                # wait briefly for that event, so a stream never ends without it (a stream opened
+                # after it was sent, with `after` past it, ends after the grace).
+                done_at = done_at or time.monotonic()
+                if final_seen or time.monotonic() - done_at >= FINAL_EVENT_GRACE_S:
+                    yield f"event: end\ndata: {batch.workload.model_dump_json()}\n\n"
+                    return
             if time.monotonic() - last_sent >= settings.stream_heartbeat_s:
                 yield ": keep-alive\n\n"
                 last_sent = time.monotonic()
