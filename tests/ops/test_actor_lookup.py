@@ -110,3 +110,14 @@ def test_a_driver_that_looks_a_named_actor_up_does_not_import_its_service_module
         ray.kill(actor, no_restart=True)
         if started:
             ray.shutdown()
+
+
+def test_the_modules_a_client_of_a_running_deployment_imports_do_not_import_torch():
+    """`joynexus status` / `down` and the flows connect through these; the services import torch."""
+    code = (
+        "import sys, joynexus.actors, joynexus.connect, joynexus.ops.supervisor, joynexus.cli\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {set(HEAVY)!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
