@@ -50,11 +50,11 @@ def test_two_deployments_run_side_by_side(tmp_path):
         deployments.append(env)
 
     def joynexus(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([cli, *args], env=env, capture_output=True, text=True, timeout=900)
+        return subprocess.run([cli, *args], env=env, capture_output=True, text=True, timeout=1200)
 
     try:
         for env in deployments:
-            up = joynexus(env, "up")
+            up = joynexus(env, "up", "--timeout", "900")  # a loaded CI host: the backbone loads slowly
             assert up.returncode == 0, up.stdout + up.stderr
         for env in deployments:
             status = joynexus(env, "status", "--json")
