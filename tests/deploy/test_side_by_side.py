@@ -30,6 +30,7 @@ def _port_block(taken: set[int]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # two `up`s, two `down`s: over pytest-timeout's 600 s default
 def test_two_deployments_run_side_by_side(tmp_path):
     cli = str(Path(sys.executable).parent / "joynexus")
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("JOYNEXUS_", "PREFECT_", "MLFLOW_"))}
