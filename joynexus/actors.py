@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import importlib
+import inspect
 import os
 import threading
 import time
@@ -218,6 +220,59 @@ def _local_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="service-call")
 
 
+class ActorShell:
+    """The class Ray knows a role's actor by: a thin stand-in made by `actor_class`, with one
+    forwarding method per method of the service class, which it imports and builds only in the
+    actor's own process (`__init__`).
+
+    Why: a driver that looks an actor up (`ray.get_actor`) loads the actor's class to learn its
+    methods. Were that the service class itself, pickled by reference, every `joynexus status`,
+    `down` or client would import the service's module and with it torch and transformers
+    (30-60 s on a small machine) just to send a heartbeat. The stand-in travels by value and
+    needs nothing but this module."""
+
+    _shell_of: tuple[str, str] = ("", "")  # (module, qualified name) of the service class
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        module_name, qualname = self._shell_of
+        target: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        self._shell_target = target(*args, **kwargs)
+
+
+def _forwarding(name: str, generator: bool) -> Callable[..., Any]:
+    if generator:  # Ray streams a generator method's items: so must its stand-in
+
+        def forward_items(self: ActorShell, *args: Any, **kwargs: Any) -> Any:
+            yield from getattr(self._shell_target, name)(*args, **kwargs)
+
+        method = forward_items
+    else:
+
+        def forward(self: ActorShell, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self._shell_target, name)(*args, **kwargs)
+
+        method = forward
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+@functools.cache
+def actor_class(cls: type) -> type:
+    """The `ActorShell` Ray creates `cls`'s actors from: same class name (Ray's state shows it),
+    the same public and private methods (dunders aside), each calling the instance of `cls` the
+    actor built. Call sites and results are unchanged; only the driver's lookup gets cheap."""
+    methods = {
+        name: _forwarding(name, inspect.isgeneratorfunction(member))
+        for name, member in inspect.getmembers(cls, predicate=lambda m: inspect.isfunction(m) or inspect.ismethod(m))
+        if not (name.startswith("__") and name.endswith("__")) and not hasattr(ActorShell, name)
+    }
+    # Named after `cls` but not findable under that name here, so cloudpickle ships it by value.
+    namespace = {**methods, "__module__": __name__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (ActorShell,), {**namespace, "_shell_of": (cls.__module__, cls.__qualname__)})
+
+
 _placement: dict[str, RoleResources] = {}
 _placement_lock = threading.Lock()
 
@@ -269,7 +324,7 @@ def named_actor(
     if ray_resources is None:
         ray_resources = role_resources(role) if role else RoleResources()
     return (
-        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)  # not an .options() setting in Ray
+        ray.remote(concurrency_groups={HEALTH_GROUP: 1})(actor_class(cls))  # not an .options() setting in Ray
         .options(
             name=name,
             namespace=namespace,

@@ -20,16 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from joynexus.actors import service_handle
-from joynexus.artifacts import CheckpointStore
-from joynexus.artifacts.checkpoints import checkpoint_store
-from joynexus.core.store import ControlPlaneStore
 from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: a client of a running deployment needs neither torch nor the services
+    from joynexus.artifacts import CheckpointStore
+    from joynexus.core.store import ControlPlaneStore
     from joynexus.master.service import MasterOptions, MasterService
     from joynexus.protocol.schemas import WorkloadInfo
     from joynexus.scheduling.training_queue import TrainingQueue
@@ -62,6 +61,8 @@ class Cluster:
     def checkpoints(self) -> CheckpointStore:
         """The deployment's checkpoint store (local folder or S3), read-only use by clients."""
         if self._checkpoints is None:
+            from joynexus.artifacts.checkpoints import checkpoint_store
+
             self._checkpoints = checkpoint_store(self.settings)
         return self._checkpoints
 
@@ -70,6 +71,8 @@ class Cluster:
         """This client's connection to the control-plane store (opened on first use, disposed last
         by `close`)."""
         if self._store is None:
+            from joynexus.core.store import ControlPlaneStore
+
             self._store = ControlPlaneStore(self.settings.resolved_database_url())
             self._closers.insert(0, self._store.dispose)  # closers run in reverse: the store goes last
         return self._store
@@ -136,30 +139,26 @@ def ray_cluster(
     """Connect to (or start) Ray and use the deployment's named actors, creating missing ones."""
     import ray
 
-    from joynexus.master.deployment import create_service_actors
-    from joynexus.master.service import MasterService, master_service_actor
-    from joynexus.scheduling.training_queue import TrainingQueue
-    from joynexus.services.environment.service import EnvironmentService
-    from joynexus.services.inference.service import InferenceModelService
-    from joynexus.services.training.service import TrainingModelService
-
     with _create_lock:
         running = _running_actors(settings) if settings.ray_address and options is None else None
-        if running is not None:  # a deployment's actors, found by name: nothing to build or ship to Ray
+        if running is not None:  # a deployment's actors, found by name: nothing to build, ship or import
             queue, training, inference, environment, master_actor = running
         else:
+            from joynexus.master.deployment import create_service_actors
+            from joynexus.master.service import master_service_actor
+
             queue, training, inference, environment = create_service_actors(settings, detached=detached)
             master_actor = master_service_actor(settings, options=options, detached=detached)
             _RESIDENT.append(master_actor)
-    master = service_handle(MasterService, master_actor)
     ray.get(master_actor.ping.remote(), timeout=timeout_s)  # waits until it has reconciled and started
+    # Typed as the service classes (TYPE_CHECKING imports): the handles need only the actors.
     return Cluster(
         settings=settings,
-        master=master,
-        training=service_handle(TrainingModelService, training),
-        inference=service_handle(InferenceModelService, inference),
-        environment=service_handle(EnvironmentService, environment),
-        queue=service_handle(TrainingQueue, queue),
+        master=service_handle(cast("type[MasterService]", object), master_actor),
+        training=service_handle(cast("type[TrainingModelService]", object), training),
+        inference=service_handle(cast("type[InferenceModelService]", object), inference),
+        environment=service_handle(cast("type[EnvironmentService]", object), environment),
+        queue=service_handle(cast("type[TrainingQueue]", object), queue),
         mode="ray",
     )
 

@@ -286,6 +286,7 @@ def _refuse_busy_ports(settings: Settings) -> None:
         if not given and _port_open(HOST, port):
             raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
     if not settings.ray_address:
+        _refuse_long_ray_temp_dir(settings)
         taken = ray_ports(settings).busy(HOST)
         if taken:
             listed = ", ".join(f"{port} ({role})" for role, port in taken)
@@ -294,6 +295,23 @@ def _refuse_busy_ports(settings: Settings) -> None:
                 f"{settings.ray_port + len(RAY_PORT_ROLES) - 1}; in use on {HOST}: {listed} (another deployment?); "
                 "choose another JOYNEXUS_RAY_PORT"
             )
+
+
+# What Ray puts under the head's temp dir: session_<date>_<time>_<microseconds>_<pid up to 7 digits>/
+# sockets/plasma_store, its longest unix socket path; AF_UNIX allows 107 bytes.
+_RAY_SOCKET_TAIL = "/session_2026-12-04_12-05-25_094518_4194304/sockets/plasma_store"
+_AF_UNIX_MAX = 107
+
+
+def _refuse_long_ray_temp_dir(settings: Settings) -> None:
+    """Ray's head fails mid-start (a raw OSError) when its socket paths exceed the AF_UNIX limit."""
+    temp_dir = _ray_temp_dir(settings)
+    if len(str(temp_dir)) + len(_RAY_SOCKET_TAIL) > _AF_UNIX_MAX:
+        fits = _AF_UNIX_MAX - len(_RAY_SOCKET_TAIL) - len(temp_dir.name) - 1
+        raise DeployError(
+            f"RAY_TMPDIR={os.environ.get('RAY_TMPDIR', '')!r}: the Ray head's socket paths under {temp_dir} would "
+            f"exceed the {_AF_UNIX_MAX}-byte unix socket limit; choose a RAY_TMPDIR of at most {fits} characters"
+        )
 
 
 def _start_mlflow(

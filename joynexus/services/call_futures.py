@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from joynexus.actors import service_handle
+from joynexus.actors import actor_class, service_handle
 from joynexus.core.metering import TRAINING, UsageMeter
 from joynexus.services.inference.service import InferenceModelService
 from joynexus.services.training.service import TenantSlotError, TrainingModelService
@@ -339,4 +339,7 @@ def call_futures_actor(training: Any, inference: Any, *, database_url: str, name
     }
     if namespace is not None:
         options["namespace"] = namespace
-    return ray.remote(CallFutures).options(**options).remote(training, inference, database_url=database_url)
+    # Its stand-in class (`actor_class`): `joynexus down` and other drivers look it up without torch.
+    return (
+        ray.remote(actor_class(CallFutures)).options(**options).remote(training, inference, database_url=database_url)
+    )

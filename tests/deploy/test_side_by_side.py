@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,10 +30,13 @@ def _port_block(taken: set[int]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # two `up`s, two `down`s: over pytest-timeout's 600 s default
 def test_two_deployments_run_side_by_side(tmp_path):
     cli = str(Path(sys.executable).parent / "joynexus")
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("JOYNEXUS_", "PREFECT_", "MLFLOW_"))}
-    base_env.update(RAY_TMPDIR=str(tmp_path / "ray-tmp"), JOYNEXUS_TORCH_THREADS="1")
+    # Short: Ray's unix socket paths under it must fit 107 bytes (pytest's tmp_path is too deep).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="jr", dir="/tmp"))
+    base_env.update(RAY_TMPDIR=str(ray_tmp), JOYNEXUS_TORCH_THREADS="1")
     taken: set[int] = set()
     deployments = []
     for name, workers in (("one", "20000-24999"), ("two", "25000-29999")):
@@ -46,18 +51,18 @@ def test_two_deployments_run_side_by_side(tmp_path):
         deployments.append(env)
 
     def joynexus(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([cli, *args], env=env, capture_output=True, text=True, timeout=900)
+        return subprocess.run([cli, *args], env=env, capture_output=True, text=True, timeout=1200)
 
     try:
         for env in deployments:
-            up = joynexus(env, "up")
+            up = joynexus(env, "up", "--timeout", "900")  # a loaded CI host: the backbone loads slowly
             assert up.returncode == 0, up.stdout + up.stderr
         for env in deployments:
             status = joynexus(env, "status", "--json")
             report = json.loads(status.stdout)
             assert status.returncode == 0 and all(e["healthy"] for e in report.values()), report
             assert report["ray"]["where"] == f"127.0.0.1:{env['JOYNEXUS_RAY_PORT']}"
-        assert len(list((tmp_path / "ray-tmp").glob("joynexus-ray-*"))) == 2  # under RAY_TMPDIR, one each
+        assert len(list(ray_tmp.glob("joynexus-ray-*"))) == 2  # under RAY_TMPDIR, one each
         down = joynexus(deployments[0], "down")
         assert down.returncode == 0, down.stdout + down.stderr
         still = joynexus(deployments[1], "status", "--json")
@@ -65,3 +70,4 @@ def test_two_deployments_run_side_by_side(tmp_path):
     finally:
         for env in deployments:
             joynexus(env, "down")
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Every Ray port `joynexus up` uses is chosen together and checked before anything starts (issue 30):
 a block from JOYNEXUS_RAY_PORT outside Ray's worker range, refused with the setting to change;
-RAY_TMPDIR is where the head's temp dir goes."""
+RAY_TMPDIR is where the head's temp dir goes (refused when too long for its unix sockets)."""
 
 from __future__ import annotations
 
@@ -72,3 +72,17 @@ def test_the_head_temp_dir_goes_under_ray_tmpdir(tmp_path, monkeypatch):
     one, two = Settings(data_dir=tmp_path / "a"), Settings(data_dir=tmp_path / "b")
     assert deploy._ray_temp_dir(one).parent == tmp_path / "ray-tmp"
     assert deploy._ray_temp_dir(one) != deploy._ray_temp_dir(two)  # one per data dir
+
+
+def test_up_refuses_a_ray_tmpdir_too_long_for_rays_sockets_naming_the_setting(tmp_path, monkeypatch):
+    for name in EXTERNAL:
+        monkeypatch.delenv(name, raising=False)
+    deep = tmp_path / ("d" * 60)
+    monkeypatch.setenv("RAY_TMPDIR", str(deep))
+    settings = Settings(data_dir=tmp_path / "data", mlflow_port=deploy.free_port(), prefect_port=deploy.free_port())
+    with pytest.raises(deploy.DeployError, match="RAY_TMPDIR=") as caught:
+        deploy.up(settings)
+    assert "107-byte unix socket limit" in str(caught.value)
+    assert deploy.read_state(settings) is None and not deep.exists()  # nothing started
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp")
+    deploy._refuse_long_ray_temp_dir(settings)  # the usual place fits
