@@ -29,6 +29,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from joynexus.actors import handle_of  # noqa: E402
 from joynexus.master.deployment import Deployment  # noqa: E402
 from joynexus.master.workloads.manager import WorkloadManager  # noqa: E402
 from joynexus.services.environment.sessions import EnvironmentService  # noqa: E402
@@ -74,7 +75,7 @@ def cube_spec(
 
 
 def probe(task: str) -> tuple[int, int]:
-    service = EnvironmentService(max_sessions=1, reset_timeout_s=900)
+    service = EnvironmentService(max_sessions=1, reset_timeout_s=1800)
     try:
         sid = service.open_session("probe", "probe", {"simulator": "maniskill", "task": task,
                                                       "control_mode": "pd_ee_delta_pos"})  # fmt: skip
@@ -118,6 +119,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         dep = Deployment.in_process(Settings(data_dir=Path(tmp), torch_threads=1))
+        # On a loaded host a worker importing ManiSkill and building 8 scenes can take minutes.
+        env_service = handle_of(dep.environment_service).target
+        env_service.reset_timeout_s, env_service.step_timeout_s = 1800.0, 600.0
         manager = WorkloadManager(dep).start()
         try:
             for seed in args.seeds:
