@@ -93,3 +93,15 @@ def test_the_tuned_budget_reaches_the_stated_pushcube_success(manager):
     _train(manager, "cube-succeeds", jobs=60)  # 12,000 environment steps
     after = _evaluate(manager, "cube-succeeds", episodes=16)
     assert after["success_rate"] >= 0.6, after
+
+
+def test_the_main_jobs_maniskill_tenant_is_the_tuned_spec():
+    from joynexus.spec import parse_workload_spec
+    from recipes.main_job import cube_rl_spec
+
+    spec = parse_workload_spec(cube_rl_spec("some/model", jobs=7))
+    tuned = parse_workload_spec(TUNED)
+    assert (spec.tenant, spec.base_model, spec.scheduling.completion_target) == ("cube-pusher-rl", "some/model", 7)
+    assert (spec.environment, spec.rl, spec.training, spec.observation) == (
+        tuned.environment, tuned.rl, tuned.training, tuned.observation,
+    )  # fmt: skip
