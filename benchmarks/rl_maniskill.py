@@ -1,56 +1,81 @@
 """Learning curves of state-only ManiSkill RL through the services: success (with its 95% Wilson
-interval) vs environment steps and wall time, per seed.
+interval) vs environment steps, wall time and CPU time, per seed.
 
-  .venv/bin/python benchmarks/rl_maniskill.py [--task PushCube-v1] [--seeds 0 1 2] [--rounds 10]
-      [--jobs-per-round 4] [--eval-episodes 20] [--head oft_mlp|flow_matching] [--envs-per-worker 1]
+  .venv/bin/python benchmarks/rl_maniskill.py [--task PushCube-v1] [--seeds 0 1 2] [--rounds 6]
+      [--jobs-per-round 10] [--eval-episodes 16] [--head oft_mlp|flow_matching] [--csv PATH]
 
 Each seed is one tenant on an in-process deployment (the Master's WorkloadManager, Training Queue,
 Training / Inference Model Services, Environment Service workers): every round submits an RL
-workload of `jobs-per-round` jobs (PPO with GAE, state-only observations) and then an evaluation
-of the served version on the same seeded episodes (`evaluate`: deterministic actions); printed:
-round, jobs, environment steps so far, wall seconds so far, success rate [95% interval], mean return.
+workload of `jobs-per-round` jobs (PPO with GAE, state-only observations, the spec below) and then
+an evaluation of the served version on the same seeded episodes (`evaluate`: deterministic actions);
+printed per round: jobs, environment steps so far, wall seconds so far, CPU seconds so far (this
+process and its simulator workers, user + system), success rate [95% interval], mean return.
+The spec is examples/specs/tuned/pushcube_state.yaml (the main job's ManiSkill tenant uses it too).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from joynexus.actors import handle_of  # noqa: E402
 from joynexus.master.deployment import Deployment  # noqa: E402
 from joynexus.master.workloads.manager import WorkloadManager  # noqa: E402
 from joynexus.services.environment.sessions import EnvironmentService  # noqa: E402
 from joynexus.settings import Settings  # noqa: E402
 
+# The tuned spec (examples/specs/tuned/pushcube_state.yaml); the knobs below override its fields.
+CUBE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "specs" / "tuned" / "pushcube_state.yaml"
 
-def tenant_spec(args: argparse.Namespace, seed: int, state_dim: int, action_dim: int) -> dict:
+
+def cube_defaults() -> dict[str, Any]:
+    """The tuned spec's knobs, by the names of this script's options."""
+    spec = yaml.safe_load(CUBE_SPEC.read_text())
+    env, rl, training = spec["environment"], spec["rl"], spec["training"]
     return {
-        "tenant": f"ms-{args.task.lower().replace('-', '')}-s{seed}",
-        "base_model": "joynexus/tiny-smolvlm",
-        "task": "rl",
-        "action_module": {"kind": args.head, "size": "tiny"},
-        "observation": {"cameras": [], "state_dim": state_dim, "action_dim": action_dim, "action_chunk": 1},
-        "environment": {
-            "simulator": "maniskill", "task": args.task, "control_mode": "pd_ee_delta_pos",
-            "reward_mode": "normalized_dense", "num_envs": args.envs, "horizon": args.horizon,
-            "max_episode_steps": 50, "seed": seed, "envs_per_worker": args.envs_per_worker,
-        },
-        "rl": {"advantage": "gae", "ppo_epochs": 4, "gamma": 0.9, "entropy_coef": 0.0},
-        "scheduling": {"max_in_flight_jobs": 2, "max_policy_staleness": 1},
-        "training": {"samples_per_job": args.envs * args.horizon, "microbatch_size": args.envs * args.horizon // 2,
-                     "learning_rate": 3e-4, "seed": seed},
-        "promotion": {"eval_episodes": 1},
+        "envs": env["num_envs"], "horizon": env["horizon"], "max_episode_steps": env["max_episode_steps"],
+        "ppo_epochs": rl["ppo_epochs"], "microbatch": training["microbatch_size"], "gamma": rl["gamma"],
+        "gae_lambda": rl["gae_lambda"], "lr": training["learning_rate"],
     }  # fmt: skip
 
 
+def cube_spec(
+    tenant: str, task: str, state_dim: int, action_dim: int, *, seed: int = 0, head: str = "oft_mlp",
+    base_model: str = "joynexus/tiny-smolvlm", instruction: str | None = None, **overrides: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The tuned spec for `task` as tenant `tenant`, with any of `cube_defaults()`'s knobs overridden."""
+    k = {**cube_defaults(), **overrides}
+    spec = yaml.safe_load(CUBE_SPEC.read_text())
+    spec.update(tenant=tenant, base_model=base_model)
+    spec["action_module"]["kind"] = head
+    obs = spec["observation"]
+    obs.update(state_dim=state_dim, action_dim=action_dim)
+    if instruction is not None:
+        obs["instruction"] = instruction
+    spec["environment"].update(
+        task=task, seed=seed, num_envs=k["envs"], envs_per_worker=k["envs"], horizon=k["horizon"],
+        max_episode_steps=k["max_episode_steps"],
+    )  # fmt: skip
+    spec["rl"].update(ppo_epochs=k["ppo_epochs"], gamma=k["gamma"], gae_lambda=k["gae_lambda"])
+    spec["training"].update(
+        samples_per_job=k["envs"] * k["horizon"], microbatch_size=k["microbatch"], learning_rate=k["lr"], seed=seed
+    )
+    return spec
+
+
 def probe(task: str) -> tuple[int, int]:
-    service = EnvironmentService(max_sessions=1, reset_timeout_s=900)
+    service = EnvironmentService(max_sessions=1, reset_timeout_s=1800)
     try:
         sid = service.open_session("probe", "probe", {"simulator": "maniskill", "task": task,
                                                       "control_mode": "pd_ee_delta_pos"})  # fmt: skip
@@ -60,30 +85,51 @@ def probe(task: str) -> tuple[int, int]:
         service.close_all()
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, its finished children and its live ones."""
+    me = psutil.Process()
+    t = me.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in me.children(recursive=True):
+        try:
+            c = child.cpu_times()
+            total += c.user + c.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="PushCube-v1")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--jobs-per-round", type=int, default=4)
-    parser.add_argument("--eval-episodes", type=int, default=20)
-    parser.add_argument("--envs", type=int, default=4)
-    parser.add_argument("--horizon", type=int, default=32)
-    parser.add_argument("--envs-per-worker", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--jobs-per-round", type=int, default=10)
+    parser.add_argument("--eval-episodes", type=int, default=16)
     parser.add_argument("--head", default="oft_mlp", choices=["oft_mlp", "flow_matching"])
+    parser.add_argument("--csv", type=Path, default=None, help="append one row per round here")
+    defaults = cube_defaults()
+    for name, value in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    knobs = {name: getattr(args, name) for name in defaults}
     state_dim, action_dim = probe(args.task)
-    print(f"maniskill {args.task} state-only (state {state_dim}, action {action_dim}), head {args.head}, "
-          f"{args.envs} envs x horizon {args.horizon} per job")  # fmt: skip
+    print(f"maniskill {args.task} state-only (state {state_dim}, action {action_dim}), head {args.head}, {knobs}")
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         dep = Deployment.in_process(Settings(data_dir=Path(tmp), torch_threads=1))
+        # On a loaded host a worker importing ManiSkill and building 8 scenes can take minutes.
+        env_service = handle_of(dep.environment_service).target
+        env_service.reset_timeout_s, env_service.step_timeout_s = 1800.0, 600.0
         manager = WorkloadManager(dep).start()
         try:
             for seed in args.seeds:
-                tenant = dep.creator.create(tenant_spec(args, seed, state_dim, action_dim)).tenant_id
-                started, jobs = time.perf_counter(), 0
-                print(f"seed {seed}: round  jobs  env_steps  wall_s  success [95% CI]  mean_return")
+                name = f"ms-{args.task.lower().replace('-', '')}-s{seed}"
+                spec = cube_spec(name, args.task, state_dim, action_dim, seed=seed, head=args.head, **knobs)
+                tenant = dep.creator.create(spec).tenant_id
+                started, cpu0, jobs = time.perf_counter(), cpu_seconds(), 0
+                print(f"seed {seed}: round  jobs  env_steps  wall_s  cpu_s  success [95% CI]  mean_return")
                 for round_ in range(args.rounds + 1):
                     if round_:
                         status = manager.wait(manager.submit(tenant, jobs=args.jobs_per_round).workload_id, 36000)
@@ -92,10 +138,26 @@ def main() -> None:
                         jobs += args.jobs_per_round
                     ev = manager.wait(manager.evaluate(tenant, episodes=args.eval_episodes).workload_id, 36000)
                     r = ev.result or {}
-                    print(f"seed {seed}: {round_:5d} {jobs:5d} {jobs * args.envs * args.horizon:10d} "
-                          f"{time.perf_counter() - started:7.0f}  {r.get('success_rate', float('nan')):5.0%} "
+                    row = {
+                        "task": args.task, "seed": seed, "round": round_, "jobs": jobs,
+                        "env_steps": jobs * args.envs * args.horizon, "wall_s": round(time.perf_counter() - started),
+                        "cpu_s": round(cpu_seconds() - cpu0), "success_rate": r.get("success_rate"),
+                        "success_ci_low": r.get("success_ci_low"), "success_ci_high": r.get("success_ci_high"),
+                        "mean_return": r.get("mean_return"), "episodes": args.eval_episodes,
+                    }  # fmt: skip
+                    rows.append(row)
+                    print(f"seed {seed}: {round_:5d} {jobs:5d} {row['env_steps']:10d} {row['wall_s']:7d} "
+                          f"{row['cpu_s']:6d}  {r.get('success_rate', float('nan')):5.0%} "
                           f"[{r.get('success_ci_low', 0):.0%}-{r.get('success_ci_high', 1):.0%}]  "
                           f"{r.get('mean_return', float('nan')):8.3f}", flush=True)  # fmt: skip
+                    if args.csv is not None:
+                        new = not args.csv.exists()
+                        args.csv.parent.mkdir(parents=True, exist_ok=True)
+                        with args.csv.open("a", newline="") as fh:
+                            writer = csv.DictWriter(fh, fieldnames=list(row))
+                            if new:
+                                writer.writeheader()
+                            writer.writerow(row)
         finally:
             manager.stop()
             dep.shutdown()
