@@ -32,6 +32,8 @@ PAGE_TIMEOUT_S = 90.0
 
 pytestmark = [
     pytest.mark.slow,
+    # the first test also brings the deployment up and runs the flow and the main job (~4 min idle)
+    pytest.mark.timeout(1800),
     pytest.mark.skipif(
         not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
         reason=f"needs Debian's chromium ({CHROMIUM}) and chromedriver ({CHROMEDRIVER}): run scripts/install-browser",
@@ -112,7 +114,8 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     }
     settings = Settings(**fields, ray_port=_ray_port(fields))
     started = time.monotonic()
-    state = up(settings, on_stage=lambda message: print(f"up: {message}"))
+    # a generous limit: on a busy 2-core host, loading the services has taken over 300 s
+    state = up(settings, timeout_s=900.0, on_stage=lambda message: print(f"up: {message}"))
     print(f"joynexus up: {time.monotonic() - started:.0f} s")
     try:
         env = {**os.environ, **state.exports(), "PREFECT_HOME": str(root / "prefect-client")}
