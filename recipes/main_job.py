@@ -510,11 +510,19 @@ def _print_where(result: DemoResult) -> None:
     s = result.settings
     console.print(f"control-plane store: {s.resolved_database_url()}")
     console.print(f"checkpoints: {s.checkpoint_root}")
-    console.print(
-        "MLflow UI (runs, loss curves, registered tenant models):\n"
-        f"  .venv/bin/mlflow ui --backend-store-uri {s.resolved_mlflow_uri()} --port 5000\n"
-        "  then open http://127.0.0.1:5000"
-    )
+    console.print(mlflow_ui_hint(s))
+
+
+def mlflow_ui_hint(settings: Settings) -> str:
+    """How to see the runs in the MLflow UI: the server of the deployment the job ran on (`joynexus
+    up` serves the UI on its tracking server), else a `mlflow ui` over the embedded store."""
+    from joynexus.ops.deployment_state import effective_settings
+
+    uri = effective_settings(settings).resolved_mlflow_uri()
+    head = "MLflow UI (runs, loss curves, registered tenant models):\n"
+    if uri.startswith(("http://", "https://")):
+        return f"{head}  open {uri}"
+    return f"{head}  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000\n  then open http://127.0.0.1:5000"
 
 
 if __name__ == "__main__":

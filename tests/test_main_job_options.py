@@ -56,3 +56,20 @@ def test_the_options_are_documented() -> None:
     assert result.exit_code == 0
     assert "--backbone" in result.output and "--backbone-path" in result.output
     assert "smolvlm-256m" in result.output
+
+
+def test_the_mlflow_ui_hint_names_the_running_server_or_the_local_store(tmp_path: Path, monkeypatch) -> None:
+    from joynexus.ops.deployment_state import DeploymentState, write_state
+    from joynexus.settings import Settings
+    from recipes.main_job import mlflow_ui_hint
+
+    monkeypatch.delenv("JOYNEXUS_MLFLOW_TRACKING_URI", raising=False)
+    settings = Settings(data_dir=tmp_path)
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path.resolve()}/mlflow/mlflow.db" in mlflow_ui_hint(settings)
+    # over `joynexus up`'s deployment (recorded in the data dir): its MLflow server already serves the UI
+    (tmp_path / "run").mkdir()
+    state = DeploymentState(str(tmp_path), "127.0.0.1:6379", "http://127.0.0.1:4200/api", "http://127.0.0.1:5123",
+                            "joynexus", [], 0.0)  # fmt: skip
+    write_state(settings, state)
+    hint = mlflow_ui_hint(settings)
+    assert "open http://127.0.0.1:5123" in hint and "mlflow ui" not in hint

@@ -341,7 +341,11 @@ def _start_prefect(
     prefect_home = settings.data_dir / "prefect"
     prefect_home.mkdir(parents=True, exist_ok=True)
     argv = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(settings.prefect_port)]
+    # The UI asks the API where PREFECT_UI_API_URL says; left unset, Prefect derives it from
+    # PREFECT_SERVER_API_PORT (4200), not from --port: the UI of a server on another port could not
+    # connect, or showed the deployment that holds 4200.
     env = _child_env(settings, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env["PREFECT_UI_API_URL"] = prefect_url
     env.pop("PREFECT_API_URL", None)
     started.append(spawn_process("prefect", argv, env, folder, url=prefect_url))
     on_stage(f"Prefect server starting on {prefect_url.removesuffix('/api')}")
