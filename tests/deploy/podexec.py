@@ -1,7 +1,7 @@
 """The container runtime of the topology test (tests/deploy/test_topology.py), as small as it can be:
 started as root with a JSON pod description, it joins the pod's network namespace, gives the process
 a mount namespace of its own (the pod's volumes, /etc/hosts, the image paths, a read-only root when
-the manifest asks), enters the pod's memory cgroup, sets the pod's hostname, drops to the manifest's
+the manifest asks), enters the pod's memory (and cpu) cgroups, sets the pod's hostname, drops to the manifest's
 uid/gid with no new privileges, and execs the container's command with exactly its environment.
 No shell anywhere: argv goes to execvpe as a list.
 
@@ -43,8 +43,9 @@ def _bind(source: str, target: str, read_only: bool) -> None:
 
 def enter(pod: dict) -> None:
     """Everything between fork and exec, in the order a container runtime does it."""
-    with open(pod["cgroup"] + "/cgroup.procs", "w") as procs:
-        procs.write(str(os.getpid()))
+    for cgroup in pod["cgroups"]:
+        with open(cgroup + "/cgroup.procs", "w") as procs:
+            procs.write(str(os.getpid()))
     fd = os.open(pod["netns"], os.O_RDONLY)
     _check(_libc.setns(fd, CLONE_NEWNET), "setns")
     os.close(fd)

@@ -86,7 +86,7 @@ class Topology:
         subnet = f"10.29.{20 + os.getpid() % 200}"
         self.network = host.Network(self.run, subnet)
         self.closers.append(self.network.close)
-        self.cgroups = host.MemoryCgroups(self.run)
+        self.cgroups = host.MemoryCgroups(self.run, cpu_requests=self.cpu_requests())
         self.closers.append(self.cgroups.close)
         gw = self.network.gateway
         certs = self.base / "certs"
@@ -104,8 +104,7 @@ class Topology:
                                       "--save", "", "--appendonly", "no", "--dir", str(self.base)])  # fmt: skip
         moto = VENV / "bin" / "moto_server"
         self._start_process("s3", [str(moto), "-H", gw, "-p", str(S3_PORT)])
-        self.ca_bundle = self.base / "ca-certificates.crt"  # the image's trust store + the stand-ins' CA
-        self.ca_bundle.write_text(host.SYSTEM_CA.read_text() + cert.read_text())
+        self.trust_store = host.trust_store(self.base / "ssl-certs", cert)  # the image's + the stand-ins' CA
         self.s3 = self._s3_client()
         self._wait(lambda: self.s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION}), "S3")
 
@@ -130,6 +129,14 @@ class Topology:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{what} did not come up in {timeout_s:.0f}s") from None
                 time.sleep(0.5)
+
+    @staticmethod
+    def cpu_requests() -> float:
+        from tests.deploy.render import pod_specs, rendered
+        from tests.deploy.topology_pods import cpu_cores
+
+        return sum(cpu_cores(c.get("resources", {}).get("requests", {}).get("cpu", "0"))
+                   for doc in rendered() for _, spec in pod_specs(doc) for c in spec["containers"])  # fmt: skip
 
     # -- the manifests -----------------------------------------------------------------------------
     def secrets(self) -> dict[str, dict[str, str]]:
@@ -176,12 +183,18 @@ class Topology:
         lines.append(f"{self.network.gateway} {DB_HOST} {GCS_HOST} {S3_HOST}")
         self.hosts = self.base / "hosts"
         self.hosts.write_text("\n".join(lines) + "\n")
+        records = {name: line.split()[0] for line in lines[2:] for name in line.split()[1:]}
+        self.dns = host.ClusterDns(self.network.gateway, records)
+        self.closers.append(self.dns.close)
+        search = f"{NAMESPACE}.svc.cluster.local svc.cluster.local cluster.local"
+        (self.base / "resolv.conf").write_text(f"search {search}\nnameserver {self.network.gateway}\noptions ndots:5\n")
 
     def _image_mounts(self) -> list[dict]:
         """The image's paths: /opt/venv (the venv), /opt/joynexus (this checkout, read-only), and the
         checkout over the venv's editable-install path when that is another tree."""
         mounts = [{"kind": "bind", "source": str(self.hosts_path()), "target": "/etc/hosts", "read_only": True},
-                  {"kind": "bind", "source": str(self.ca_bundle), "target": str(host.SYSTEM_CA), "read_only": True},
+                  {"kind": "bind", "source": str(self.base / "resolv.conf"), "target": "/etc/resolv.conf", "read_only": True},
+                  {"kind": "bind", "source": str(self.trust_store), "target": str(host.SYSTEM_CA.parent), "read_only": True},
                   {"kind": "bind", "source": str(VENV), "target": "/opt/venv", "read_only": True},
                   *self._interpreter_mounts(),
                   {"kind": "bind", "source": str(REPO), "target": "/opt/joynexus", "read_only": True}]  # fmt: skip

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -64,21 +65,31 @@ class Network:
 class MemoryCgroups:
     """A parent cgroup (its peak = the topology's peak) and one child per pod with its limit."""
 
-    def __init__(self, run: str):
+    def __init__(self, run: str, cpu_requests: float):
         v1 = Path("/sys/fs/cgroup/memory")
         self.v2 = not v1.is_dir()
         self.root = (Path("/sys/fs/cgroup") if self.v2 else v1) / f"joynexus-topology-{run}"
         self.root.mkdir()
+        # CPU weight as the kubelet gives it (cpu.shares = requested milli-CPU x 1024 / 1000), for
+        # the whole topology too: on a host shared with other work, its pods still get about what
+        # they request. v1 only (v2: cpu.weight would need the same arithmetic; left at default).
+        self.cpu_root = None if self.v2 else Path("/sys/fs/cgroup/cpu") / f"joynexus-topology-{run}"
         if self.v2:
             (self.root / "cgroup.subtree_control").write_text("+memory")
         else:
             (self.root / "memory.use_hierarchy").write_text("1")
+            self.cpu_root.mkdir()
+            (self.cpu_root / "cpu.shares").write_text(str(max(2, int(cpu_requests * 1024))))
 
-    def add(self, pod: str, limit: int) -> Path:
+    def add(self, pod: str, limit: int, cpu_request: float) -> list[str]:
         path = self.root / pod
         path.mkdir()
         (path / ("memory.max" if self.v2 else "memory.limit_in_bytes")).write_text(str(limit))
-        return path
+        if self.cpu_root is None:
+            return [str(path)]
+        (self.cpu_root / pod).mkdir()
+        (self.cpu_root / pod / "cpu.shares").write_text(str(max(2, int(cpu_request * 1024))))
+        return [str(path), str(self.cpu_root / pod)]
 
     def peak(self, pod: str | None = None) -> int:
         path = self.root / pod if pod else self.root
@@ -111,6 +122,10 @@ class MemoryCgroups:
             self.kill(child.name)
             child.rmdir()
         self.root.rmdir()
+        if self.cpu_root is not None:
+            for child in [p for p in self.cpu_root.iterdir() if p.is_dir()]:
+                child.rmdir()
+            self.cpu_root.rmdir()
 
 
 def self_signed(directory: Path, names: list[str]) -> tuple[Path, Path]:
@@ -119,6 +134,19 @@ def self_signed(directory: Path, names: list[str]) -> tuple[Path, Path]:
     sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={names[0]}",
        "-addext", f"subjectAltName={sans}", "-keyout", str(key), "-out", str(cert))  # fmt: skip
     return cert, key
+
+
+def trust_store(directory: Path, ca: Path) -> Path:
+    """A copy of the system's /etc/ssl/certs with `ca` added as update-ca-certificates would: in the
+    bundle and as a hashed link (OpenSSL / BoringSSL look up either)."""
+    shutil.copytree(SYSTEM_CA.parent, directory, symlinks=True)
+    shutil.copy(ca, directory / "joynexus-topology-ca.pem")
+    digest = sh("openssl", "x509", "-hash", "-noout", "-in", str(ca)).stdout.strip()
+    (directory / f"{digest}.0").symlink_to("joynexus-topology-ca.pem")
+    bundle = directory / SYSTEM_CA.name
+    bundle.unlink()
+    bundle.write_text(SYSTEM_CA.read_text() + ca.read_text())
+    return directory
 
 
 def start_postgres(base: Path, listen: str, cert: Path, key: Path, password: str) -> Path:
@@ -163,7 +191,39 @@ class Pods:
         self.netns: dict[str, str] = {}
         self.plans: dict[str, PodPlan] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.exits: dict[str, list[int]] = {}  # each container exit's code, per pod
+        self.succeeded: set[str] = set()  # Jobs that completed
+        self.cgroup_paths: dict[str, list[str]] = {}
+        self.shared: Path | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         (base / "logs").mkdir(parents=True, exist_ok=True)
+        self._kubelet = threading.Thread(target=self._supervise, name="topology-kubelet", daemon=True)
+        self._kubelet.start()
+
+    def _supervise(self) -> None:
+        """The kubelet's restart policy: Always (Deployments, Ray pods) restarts a container that
+        exits; OnFailure (Jobs) restarts one that fails, up to the Job's backoffLimit. Back-off
+        5 s doubling to 60 s. A container that exits takes the rest of its cgroup with it."""
+        pending: dict[str, float] = {}
+        while not self._stop.wait(0.5):
+            with self._lock:
+                for pod, proc in list(self.procs.items()):
+                    code = proc.poll()
+                    if code is None or pod in pending:
+                        continue
+                    self.cgroups.kill(pod)
+                    plan = self.plans[pod]
+                    self.exits.setdefault(pod, []).append(code)
+                    failures = sum(1 for c in self.exits[pod] if c != 0)
+                    if plan.restart == "OnFailure" and code == 0:
+                        self.succeeded.add(pod)
+                    elif plan.restart == "Always" or (plan.restart == "OnFailure" and failures <= plan.backoff_limit):
+                        pending[pod] = time.monotonic() + min(60.0, 5.0 * 2 ** (len(self.exits[pod]) - 1))
+                for pod, when in list(pending.items()):
+                    if time.monotonic() >= when:
+                        del pending[pod]
+                        self._spawn(self.plans[pod])
 
     def address(self, pod: str) -> str:
         if pod not in self.ips:
@@ -188,12 +248,28 @@ class Pods:
                 Path(m["target"]).mkdir(parents=True)  # a path the image has: an empty mount point here
         return mounts
 
-    def start(self, plan: PodPlan, shared: Path) -> subprocess.Popen:
+    def start(self, plan: PodPlan, shared: Path) -> None:
+        self.shared = shared
         self.address(plan.name)
-        if plan.name not in self.plans:
-            self.cgroups.add(plan.name, plan.memory_limit)
-        self.plans[plan.name] = plan
-        spec = {"netns": self.netns[plan.name], "cgroup": str(self.cgroups.root / plan.name), "hostname": plan.name,
+        with self._lock:
+            if plan.name not in self.plans:
+                self.cgroup_paths[plan.name] = self.cgroups.add(plan.name, plan.memory_limit, plan.cpu_request)
+            self.plans[plan.name] = plan
+            self._spawn(plan)
+
+    def recreate(self, pod: str) -> None:
+        """The pod deleted and made anew by its controller (same name and address): its containers
+        killed, its emptyDirs gone, then started again."""
+        with self._lock:
+            self.cgroups.kill(pod)
+            self.procs[pod].wait(timeout=30)
+            self.exits.setdefault(pod, []).append(self.procs[pod].returncode)
+            shutil.rmtree(self.base / "volumes" / pod, ignore_errors=True)
+            self._spawn(self.plans[pod])
+
+    def _spawn(self, plan: PodPlan) -> None:
+        shared = self.shared
+        spec = {"netns": self.netns[plan.name], "cgroups": self.cgroup_paths[plan.name], "hostname": plan.name,
                 "mounts": self._mounts(plan, shared), "read_only_root": plan.read_only_root, "uid": plan.uid,
                 "gid": plan.gid, "groups": plan.groups, "no_new_privs": plan.no_new_privs, "cwd": plan.cwd,
                 "argv": plan.argv, "env": plan.env}  # fmt: skip
@@ -204,23 +280,23 @@ class Pods:
         proc = subprocess.Popen([sys.executable, str(PODEXEC), str(spec_file)], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         self.procs[plan.name] = proc
-        return proc
 
     def log(self, pod: str, tail: int = 4000) -> str:
         path = self.base / "logs" / f"{pod}.log"
         return path.read_text(errors="replace")[-tail:] if path.exists() else ""
 
-    def kill(self, pod: str) -> None:
-        self.cgroups.kill(pod)
-        proc = self.procs.get(pod)
-        if proc is not None:
-            proc.wait(timeout=30)
-
-    def wait_exit(self, pod: str, timeout_s: float) -> int:
-        try:
-            return self.procs[pod].wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{pod} still running after {timeout_s:.0f}s:\n{self.log(pod)}") from None
+    def wait_job(self, pod: str, timeout_s: float) -> None:
+        """Until the Job's pod succeeded; fails when its backoffLimit is spent or time is up."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if pod in self.succeeded:
+                    return
+                exits = self.exits.get(pod, [])
+                if sum(1 for c in exits if c != 0) > self.plans[pod].backoff_limit:
+                    raise AssertionError(f"Job {pod} failed {len(exits)} times {exits}:\n{self.log(pod)}")
+            time.sleep(1.0)
+        raise AssertionError(f"Job {pod} not complete after {timeout_s:.0f}s (exits {self.exits.get(pod)}):\n{self.log(pod)}")
 
     def wait_http(self, pod: str, timeout_s: float) -> float:
         """Until the pod's startup/readiness probe (httpGet) answers 2xx/3xx; the seconds it took."""
@@ -229,8 +305,6 @@ class Pods:
         port = plan.ports.get(port, port) if isinstance(port, str) else port
         url = f"http://{self.ips[pod]}:{port}{plan.probe['path']}"
         while time.monotonic() - start < timeout_s:
-            if self.procs[pod].poll() is not None:
-                raise AssertionError(f"{pod} exited ({self.procs[pod].returncode}) before {url} answered:\n{self.log(pod)}")
             try:
                 with urllib.request.urlopen(url, timeout=5) as response:
                     if response.status < 400:
@@ -241,6 +315,57 @@ class Pods:
         raise AssertionError(f"{pod}: {url} did not answer in {timeout_s:.0f}s:\n{self.log(pod)}")
 
     def close(self) -> None:
+        self._stop.set()
+        self._kubelet.join(timeout=10)
         for pod in list(self.procs):
             self.cgroups.kill(pod)
             self.procs[pod].wait(timeout=30)
+
+
+class ClusterDns:
+    """The cluster DNS (kube-dns) stand-in: A records for the Service names on the gateway's port 53,
+    NXDOMAIN for the rest. gRPC (Ray's GCS clients) resolves through c-ares, which asks DNS and not
+    /etc/hosts, so the pods' resolv.conf names this server as a Kubernetes pod's names kube-dns."""
+
+    def __init__(self, address: str, records: dict[str, str]):
+        import socket
+
+        self.records = {name.lower().rstrip("."): ip for name, ip in records.items()}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((address, 53))
+        self.sock.settimeout(0.5)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="topology-dns", daemon=True)
+        self.thread.start()
+
+    def _answer(self, query: bytes) -> bytes:
+        import struct
+
+        labels, i = [], 12
+        while query[i]:
+            labels.append(query[i + 1 : i + 1 + query[i]].decode(errors="replace"))
+            i += query[i] + 1
+        qtype = struct.unpack(">H", query[i + 1 : i + 3])[0]
+        question = query[12 : i + 5]
+        ip = self.records.get(".".join(labels).lower())
+        flags = 0x8580 if ip else 0x8583  # response, authoritative, recursion desired/available; rcode
+        answers = b""
+        if ip and qtype == 1:
+            answers = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 30, 4) + bytes(int(p) for p in ip.split("."))
+        header = query[:2] + struct.pack(">HHHHH", flags, 1, 1 if answers else 0, 0, 0)
+        return header + question + answers
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                query, peer = self.sock.recvfrom(512)
+                self.sock.sendto(self._answer(query), peer)
+            except OSError:
+                continue
+            except Exception:  # noqa: BLE001 - a malformed query gets no answer
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close()

@@ -30,6 +30,11 @@ def quantity_bytes(value: str | int) -> int:
     return int(text)
 
 
+def cpu_cores(value: str | int | float) -> float:
+    text = str(value)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
 @dataclass
 class PodPlan:
     name: str  # the pod's name (hostname)
@@ -40,6 +45,7 @@ class PodPlan:
     gid: int
     groups: list[int]
     memory_limit: int
+    cpu_request: float
     cwd: str
     read_only_root: bool
     no_new_privs: bool
@@ -47,6 +53,8 @@ class PodPlan:
     service_account: str = ""
     probe: dict | None = None  # the startup or readiness probe's httpGet, if any
     ports: dict[str, int] = field(default_factory=dict)
+    restart: str = "Always"  # the pod's restartPolicy
+    backoff_limit: int = 6  # a Job's
 
 
 def image_env(dockerfile: Path) -> dict[str, str]:
@@ -146,6 +154,7 @@ def plan_container(name: str, workload: str, pod_spec: dict, container: dict, en
     return PodPlan(
         name=name, workload=workload, argv=argv, env=env, uid=uid, gid=gid,
         groups=sorted({gid, pod_sc.get("fsGroup", gid)}), memory_limit=quantity_bytes(limit),
+        cpu_request=cpu_cores(container.get("resources", {}).get("requests", {}).get("cpu", "0")),
         cwd=container.get("workingDir", workdir), read_only_root=bool(sc.get("readOnlyRootFilesystem")),
         no_new_privs=sc.get("allowPrivilegeEscalation") is False, volumes=_volumes(pod_spec, container),
         service_account=pod_spec.get("serviceAccountName", "default"), probe=_probe(container), ports=ports,
@@ -209,7 +218,10 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
             for container in spec["containers"]:
                 env = {**base, **platform_env.get(spec.get("serviceAccountName", ""), {}), "HOSTNAME": name}
                 env = container_env(container, config_maps, secrets, env)
-                plans.append(plan_container(name, f"{kind}/{name}", spec, container, env, workdir))
+                plan = plan_container(name, f"{kind}/{name}", spec, container, env, workdir)
+                plan.restart = spec.get("restartPolicy", "Always")
+                plan.backoff_limit = doc["spec"].get("backoffLimit", 6) if kind == "Job" else 0
+                plans.append(plan)
         elif kind == "RayCluster":
             groups = [(None, doc["spec"]["headGroupSpec"])] + [(g, g) for g in doc["spec"].get("workerGroupSpecs", [])]
             for group, holder in groups:
