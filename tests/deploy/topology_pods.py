@@ -208,13 +208,14 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
                 for d in docs if d["kind"] == "Service"}  # fmt: skip
     services[HEAD_SVC] = {"gcs": 6379, "dashboard": 8265, "client": 10001}
     links = service_link_env({n: (service_ips[n], ports) for n, ports in services.items() if n in service_ips})
-    base = {**image_env(dockerfile), **links}
+    image = image_env(dockerfile)
     workdir = image_workdir(dockerfile)
     plans = []
     for doc in docs:
         kind, name = doc["kind"], doc["metadata"]["name"]
         if kind in ("Deployment", "Job"):
             spec = doc["spec"]["template"]["spec"]
+            base = {**image, **links} if spec.get("enableServiceLinks", True) else image
             for container in spec["containers"]:
                 env = {**base, **platform_env.get(spec.get("serviceAccountName", ""), {}), "HOSTNAME": name}
                 env = container_env(container, config_maps, secrets, env)
@@ -226,6 +227,7 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
             groups = [(None, doc["spec"]["headGroupSpec"])] + [(g, g) for g in doc["spec"].get("workerGroupSpecs", [])]
             for group, holder in groups:
                 spec = holder["template"]["spec"]
+                base = {**image, **links} if spec.get("enableServiceLinks", True) else image
                 container = spec["containers"][0]
                 pod_name = f"{name}-head" if group is None else f"{name}-{group['groupName']}-worker"
                 argv, kuberay_env = _ray_start(doc, group, container)
