@@ -68,21 +68,22 @@ def topo(tmp_path_factory):
 
 
 def _bring_up(t) -> None:
+    """`kubectl apply -k`: every pod at once (the Prefect worker and its register Job: in the flow
+    test), each readiness as its probe says, the services Job to completion."""
     pods, mark = t.pods, t.timeline.mark
-    t.start(HEAD)
-    _wait_ray_ready(t, HEAD)
-    mark("Ray head up")
-    t.start(WORKER)
-    _wait_ray_ready(t, WORKER)
-    mark("Ray GPU worker up")
-    t.start("joynexus-services")
-    pods.wait_job("joynexus-services", 900)
-    mark("services Job completed")
-    for pod in ("joynexus-api", "joynexus-mlflow", "joynexus-prefect"):
+    for pod in (HEAD, WORKER, "joynexus-services", "joynexus-api", "joynexus-mlflow", "joynexus-prefect"):
         t.start(pod)
-    for pod in ("joynexus-api", "joynexus-mlflow", "joynexus-prefect"):
-        pods.wait_http(pod, 600)
+    _wait_ray_ready(t, HEAD)
+    mark("Ray head ready")
+    _wait_ray_ready(t, WORKER)
+    mark("Ray GPU worker ready")
+    for pod in ("joynexus-mlflow", "joynexus-prefect"):
+        pods.wait_http(pod, 900)
         mark(f"{pod} ready")
+    pods.wait_job("joynexus-services", 1500)
+    mark("services Job completed")
+    pods.wait_http("joynexus-api", 900)
+    mark("joynexus-api ready")
 
 
 def _wait_ray_ready(t, pod: str, timeout_s: float = 600) -> None:
@@ -107,8 +108,8 @@ def _wait_ray_ready(t, pod: str, timeout_s: float = 600) -> None:
 def _report(t) -> None:
     if not hasattr(t, "cgroups"):
         return
-    print("\n[topology] wall time %.1fs; peak memory of all pods together %.2f GiB"
-          % (time.monotonic() - t.timeline.start, t.cgroups.peak() / 2**30))  # fmt: skip
+    wall, peak = time.monotonic() - t.timeline.start, t.cgroups.peak() / 2**30
+    print(f"\n[topology] wall time {wall:.1f}s; peak memory of all pods together {peak:.2f} GiB")
     for pod in getattr(t, "plans", {}):
         if pod in t.pods.plans:
             print(f"[topology]   {pod}: peak {t.cgroups.peak(pod) / 2**30:.2f} GiB of "
@@ -185,7 +186,11 @@ def _mlflow(t, path: str, body: dict | None = None) -> dict:
     url = f"http://{t.pods.ips['joynexus-mlflow']}:5000/api/2.0/mlflow{path}"
     # the Host the in-cluster clients send (--allowed-hosts); an IP Host would be refused
     headers = {"Host": "joynexus-mlflow:5000"}
-    response = httpx.post(url, json=body, headers=headers, timeout=60) if body is not None else httpx.get(url, headers=headers, timeout=60)
+    response = (
+        httpx.post(url, json=body, headers=headers, timeout=60)
+        if body is not None
+        else httpx.get(url, headers=headers, timeout=60)
+    )
     assert response.status_code == 200, f"{path}: {response.status_code} {response.text[:500]}"
     return response.json()
 
@@ -246,6 +251,8 @@ def test_the_services_survive_a_ray_head_restart(topo):
             error = e
             time.sleep(5)
     else:
-        raise AssertionError(f"the API did not serve again after the head restart: {error!r}\n{topo.pods.log('joynexus-api')}")
+        raise AssertionError(
+            f"the API did not serve again after the head restart: {error!r}\n{topo.pods.log('joynexus-api')}"
+        )
     assert created.tenant.tenant_id == "topo-after-restart"
     topo.timeline.mark("API serves again; tenants and services intact")

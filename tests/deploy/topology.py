@@ -106,7 +106,9 @@ class Topology:
         self._start_process("s3", [str(moto), "-H", gw, "-p", str(S3_PORT)])
         self.trust_store = host.trust_store(self.base / "ssl-certs", cert)  # the image's + the stand-ins' CA
         self.s3 = self._s3_client()
-        self._wait(lambda: self.s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION}), "S3")
+        self._wait(
+            lambda: self.s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION}), "S3"
+        )
 
     def _start_process(self, name: str, argv: list[str]) -> None:
         log = open(self.base / f"{name}.log", "ab")
@@ -192,12 +194,13 @@ class Topology:
     def _image_mounts(self) -> list[dict]:
         """The image's paths: /opt/venv (the venv), /opt/joynexus (this checkout, read-only), and the
         checkout over the venv's editable-install path when that is another tree."""
-        mounts = [{"kind": "bind", "source": str(self.hosts_path()), "target": "/etc/hosts", "read_only": True},
-                  {"kind": "bind", "source": str(self.base / "resolv.conf"), "target": "/etc/resolv.conf", "read_only": True},
-                  {"kind": "bind", "source": str(self.trust_store), "target": str(host.SYSTEM_CA.parent), "read_only": True},
-                  {"kind": "bind", "source": str(VENV), "target": "/opt/venv", "read_only": True},
-                  *self._interpreter_mounts(),
-                  {"kind": "bind", "source": str(REPO), "target": "/opt/joynexus", "read_only": True}]  # fmt: skip
+
+        def ro(source: Path | str, target: Path | str) -> dict:
+            return {"kind": "bind", "source": str(source), "target": str(target), "read_only": True}
+
+        mounts = [ro(self.hosts_path(), "/etc/hosts"), ro(self.base / "resolv.conf", "/etc/resolv.conf"),
+                  ro(self.trust_store, host.SYSTEM_CA.parent), ro(VENV, "/opt/venv"), *self._interpreter_mounts(),
+                  ro(REPO, "/opt/joynexus")]  # fmt: skip
         installed = VENV.parent
         if installed.resolve() != REPO.resolve() and (installed / "joynexus").is_dir():
             (REPO / VENV.name).mkdir(exist_ok=True)  # the mount point of the venv inside the checkout

@@ -170,12 +170,36 @@ def start_postgres(base: Path, listen: str, cert: Path, key: Path, password: str
         conf.write(f"listen_addresses = '{listen}'\nport = 5432\nunix_socket_directories = '{base}'\n"
                    f"ssl = on\nssl_cert_file = '{base / 'server.crt'}'\nssl_key_file = '{base / 'server.key'}'\n"
                    "max_connections = 300\nshared_buffers = 64MB\nfsync = off\n")  # fmt: skip
-    sh("runuser", "-u", "postgres", "--", str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(base / "log"), "-w", "start")
+    sh(
+        "runuser",
+        "-u",
+        "postgres",
+        "--",
+        str(PG_BIN / "pg_ctl"),
+        "-D",
+        str(data),
+        "-l",
+        str(base / "log"),
+        "-w",
+        "start",
+    )
     return data
 
 
 def stop_postgres(data: Path) -> None:
-    sh("runuser", "-u", "postgres", "--", str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop", check=False)
+    sh(
+        "runuser",
+        "-u",
+        "postgres",
+        "--",
+        str(PG_BIN / "pg_ctl"),
+        "-D",
+        str(data),
+        "-m",
+        "immediate",
+        "stop",
+        check=False,
+    )
 
 
 def psql(base: Path, sql: str, db: str = "postgres") -> str:
@@ -235,14 +259,18 @@ class Pods:
         for volume in plan.volumes:
             if volume["kind"] == "memory":
                 size = volume["size"] or "64m"
-                mounts.append({"kind": "tmpfs", "target": volume["target"], "options": f"size={size.replace('i', '')},mode=1777"})
+                mounts.append(
+                    {"kind": "tmpfs", "target": volume["target"], "options": f"size={size.replace('i', '')},mode=1777"}
+                )
                 continue
             source = shared if volume["kind"] == "pvc" else self.base / "volumes" / plan.name / volume["name"]
             source.mkdir(parents=True, exist_ok=True)
             if volume["kind"] != "pvc":
                 os.chown(source, plan.uid, plan.groups[-1])
                 source.chmod(0o2777)  # emptyDir: world-writable, fsGroup-owned
-            mounts.append({"kind": "bind", "source": str(source), "target": volume["target"], "read_only": volume["read_only"]})
+            mounts.append(
+                {"kind": "bind", "source": str(source), "target": volume["target"], "read_only": volume["read_only"]}
+            )
         for m in mounts:
             if not Path(m["target"]).exists():
                 Path(m["target"]).mkdir(parents=True)  # a path the image has: an empty mount point here
@@ -296,7 +324,9 @@ class Pods:
                 if sum(1 for c in exits if c != 0) > self.plans[pod].backoff_limit:
                     raise AssertionError(f"Job {pod} failed {len(exits)} times {exits}:\n{self.log(pod)}")
             time.sleep(1.0)
-        raise AssertionError(f"Job {pod} not complete after {timeout_s:.0f}s (exits {self.exits.get(pod)}):\n{self.log(pod)}")
+        raise AssertionError(
+            f"Job {pod} not complete after {timeout_s:.0f}s (exits {self.exits.get(pod)}):\n{self.log(pod)}"
+        )
 
     def wait_http(self, pod: str, timeout_s: float) -> float:
         """Until the pod's startup/readiness probe (httpGet) answers 2xx/3xx; the seconds it took."""

@@ -86,7 +86,9 @@ def service_link_env(services: dict[str, tuple[str, dict[str, int]]]) -> dict[st
         for port_name, port in ports.items():
             env[f"{prefix}_SERVICE_PORT_{port_name.upper().replace('-', '_')}"] = str(port)
             base = f"{prefix}_PORT_{port}_TCP"
-            env.update({base: f"tcp://{ip}:{port}", f"{base}_PROTO": "tcp", f"{base}_PORT": str(port), f"{base}_ADDR": ip})
+            env.update(
+                {base: f"tcp://{ip}:{port}", f"{base}_PROTO": "tcp", f"{base}_PORT": str(port), f"{base}_ADDR": ip}
+            )
     return env
 
 
@@ -140,7 +142,9 @@ def _probe(container: dict) -> dict | None:
     return None
 
 
-def plan_container(name: str, workload: str, pod_spec: dict, container: dict, env: dict[str, str], workdir: str) -> PodPlan:
+def plan_container(
+    name: str, workload: str, pod_spec: dict, container: dict, env: dict[str, str], workdir: str
+) -> PodPlan:
     pod_sc, sc = pod_spec.get("securityContext", {}), container.get("securityContext", {})
     uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
     gid = sc.get("runAsGroup", pod_sc.get("runAsGroup", uid))
