@@ -103,16 +103,18 @@ class Topology:
                                       "--tls-auth-clients", "no", "--requirepass", self.redis_password,
                                       "--save", "", "--appendonly", "no", "--dir", str(self.base)])  # fmt: skip
         moto = VENV / "bin" / "moto_server"
-        self._start_process("s3", [str(moto), "-H", gw, "-p", str(S3_PORT)])
+        # the pods' endpoint is a name (as S3's is): moto reads a Host it does not know as a bucket
+        s3_env = {**os.environ, "MOTO_S3_CUSTOM_ENDPOINTS": f"http://{S3_HOST}:{S3_PORT}"}
+        self._start_process("s3", [str(moto), "-H", gw, "-p", str(S3_PORT)], s3_env)
         self.trust_store = host.trust_store(self.base / "ssl-certs", cert)  # the image's + the stand-ins' CA
         self.s3 = self._s3_client()
         self._wait(
             lambda: self.s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION}), "S3"
         )
 
-    def _start_process(self, name: str, argv: list[str]) -> None:
+    def _start_process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.base / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.closers.append(lambda: (proc.kill(), proc.wait(timeout=30)))
 
     def _s3_client(self):

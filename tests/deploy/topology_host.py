@@ -234,7 +234,7 @@ class Pods:
             with self._lock:
                 for pod, proc in list(self.procs.items()):
                     code = proc.poll()
-                    if code is None or pod in pending:
+                    if code is None or pod in pending or pod in self.succeeded:
                         continue
                     self.cgroups.kill(pod)
                     plan = self.plans[pod]
