@@ -161,23 +161,39 @@ def test_a_lifecycle_flow_run_by_the_prefect_worker_completes(topo):
     topo.timeline.mark("Prefect worker ready")
     spec = _dataset_spec(topo, "topo-flow")
     deployment = _prefect(topo, "GET", "/deployments/name/tenant-lifecycle/on-demand")
-    run = _prefect(topo, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-                   {"parameters": {"spec": spec, "jobs": 1, "train_timeout_s": 900.0}})  # fmt: skip
-    deadline, state = time.monotonic() + 1200, None
-    while time.monotonic() < deadline:
-        state = _prefect(topo, "GET", f"/flow_runs/{run['id']}")["state"]
-        if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+    failures = []
+    for _attempt in range(2):  # a second run only after a Ray Client start failure (see below)
+        run_id, state, tail = _run_flow(topo, deployment["id"], spec)
+        if state["type"] == "COMPLETED":
             break
-        time.sleep(5)
-    logs = _prefect(topo, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 50})
-    tail = "\n".join(entry["message"][:400] for entry in logs[-20:])
-    assert state and state["type"] == "COMPLETED", (
-        f"flow run {run['id']}: {state}\n{tail}\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
+        failures.append(f"flow run {run_id}: {state['message']}\n{tail}")
+        # On this 2-core host shared with other work (load average 30-50), the head's Ray Client
+        # proxy has seen a SpecificServer exit at start once; anything else fails at once.
+        if "Starting Ray client server failed" not in state["message"]:
+            break
+    assert state["type"] == "COMPLETED", (
+        "\n\n".join(failures) + f"\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
     )
+    if failures:
+        print(f"[topology] the flow completed on a second run; the first: {failures[0][:2000]}")
     artifacts = _prefect(topo, "POST", "/artifacts/filter", {"artifacts": {"key": {"any_": ["lifecycle-topo-flow"]}}})
     assert artifacts, "the flow left no lifecycle artifact"
     topo.flow_summary = artifacts[0]["data"]
-    topo.timeline.mark(f"flow run {run['name']} Completed")
+    topo.timeline.mark(f"flow run {run_id} Completed")
+
+
+def _run_flow(t, deployment_id: str, spec: dict) -> tuple[str, dict, str]:
+    run = _prefect(t, "POST", f"/deployments/{deployment_id}/create_flow_run",
+                   {"parameters": {"spec": spec, "jobs": 1, "train_timeout_s": 900.0}})  # fmt: skip
+    deadline, state = time.monotonic() + 1200, {"type": "PENDING", "message": "not finished in 1200s"}
+    while time.monotonic() < deadline:
+        state = _prefect(t, "GET", f"/flow_runs/{run['id']}")["state"]
+        if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        time.sleep(5)
+    logs = _prefect(t, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 50})
+    tail = "\n".join(entry["message"][:400] for entry in logs[-20:])
+    return run["id"], state, tail
 
 
 def _mlflow(t, path: str, body: dict | None = None) -> dict:
