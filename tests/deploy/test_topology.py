@@ -1,0 +1,275 @@
+"""The deployment as its manifests say, run (slow; root; `kubectl` for kustomize): every Deployment /
+Job container's own command, args and env, exec'd without a shell as uid 10001 in a memory cgroup
+with its container's limit, each pod in a network namespace of its own (its own address; the Service
+names in its /etc/hosts) and a mount namespace with its volumes and a read-only root; the RayCluster
+as KubeRay starts it (`ray start` from rayStartParams, GCS fault tolerance in Redis) with one worker
+declaring the GPU group's resources. Against PostgreSQL with SSL only, Redis with TLS and AUTH, and
+moto's S3 (tests/deploy/topology.py). Then: a tenant created through the API, a lifecycle flow run
+by the Prefect worker to Completed, its MLflow run and S3 objects, and the Ray head killed and
+restarted with the services and their state intact.
+
+    .venv/bin/python -m pytest -m slow tests/deploy/test_topology.py -s
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import sft_spec, write_dataset_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+HEAD, WORKER = "joynexus-head", "joynexus-gpu-workers-worker"
+
+
+def _require_host() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the topology test makes namespaces and cgroups: run it as root")
+    if shutil.which("kubectl") is None or shutil.which("ip") is None or shutil.which("redis-server") is None:
+        pytest.skip("needs kubectl (kustomize), iproute2 and redis-server")
+
+
+class Timeline:
+    def __init__(self):
+        self.start = time.monotonic()
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, what: str) -> None:
+        self.marks.append((what, time.monotonic() - self.start))
+        print(f"[topology {self.marks[-1][1]:7.1f}s] {what}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory):
+    _require_host()
+    from tests.deploy.topology import Topology
+
+    base = Path("/var/tmp") / f"joynexus-topology-{os.getpid()}"  # not under /tmp: the pods mount their own
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    topology = Topology(base)
+    topology.timeline = Timeline()
+    try:
+        topology.up_cloud()
+        topology.plan()
+        topology.timeline.mark("cloud stand-ins up, manifests rendered")
+        _bring_up(topology)
+        yield topology
+    finally:
+        _report(topology)
+        topology.close()
+        if os.environ.get("JOYNEXUS_TOPOLOGY_KEEP") != "1":
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _bring_up(t) -> None:
+    """`kubectl apply -k`: every pod at once (the Prefect worker and its register Job: in the flow
+    test), each readiness as its probe says, the services Job to completion."""
+    pods, mark = t.pods, t.timeline.mark
+    for pod in (HEAD, WORKER, "joynexus-services", "joynexus-api", "joynexus-mlflow", "joynexus-prefect"):
+        t.start(pod)
+    _wait_ray_ready(t, HEAD)
+    mark("Ray head ready")
+    _wait_ray_ready(t, WORKER)
+    mark("Ray GPU worker ready")
+    for pod in ("joynexus-mlflow", "joynexus-prefect"):
+        pods.wait_http(pod, 900)
+        mark(f"{pod} ready")
+    pods.wait_job("joynexus-services", 1500)
+    mark("services Job completed")
+    pods.wait_http("joynexus-api", 900)
+    mark("joynexus-api ready")
+
+
+def _wait_ray_ready(t, pod: str, timeout_s: float = 600) -> None:
+    """KubeRay's readiness probe: the raylet's health through the dashboard agent, and on the
+    head the GCS's through the dashboard."""
+    import urllib.request
+
+    urls = [f"http://{t.pods.ips[pod]}:52365/api/local_raylet_healthz"]
+    if pod == HEAD:
+        urls.append(f"http://{t.pods.ips[pod]}:8265/api/gcs_healthz")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if all(b"success" in urllib.request.urlopen(url, timeout=2).read() for url in urls):
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{pod}: not ready in {timeout_s}s (exits {t.pods.exits.get(pod)}):\n{t.pods.log(pod)}")
+
+
+def _report(t) -> None:
+    if not hasattr(t, "cgroups"):
+        return
+    wall, peak = time.monotonic() - t.timeline.start, t.cgroups.peak() / 2**30
+    print(f"\n[topology] wall time {wall:.1f}s; peak memory of all pods together {peak:.2f} GiB")
+    for pod in getattr(t, "plans", {}):
+        if pod in t.pods.plans:
+            print(f"[topology]   {pod}: peak {t.cgroups.peak(pod) / 2**30:.2f} GiB of "
+                  f"{t.plans[pod].memory_limit / 2**30:.0f} GiB, OOM kills {t.cgroups.oom_kills(pod)}, "
+                  f"exits {t.pods.exits.get(pod, [])}")  # fmt: skip
+
+
+def _client(t, api_key: str):
+    from joynexus.client import JoyNexusClient
+
+    return JoyNexusClient(f"http://{t.pods.ips['joynexus-api']}:8765", api_key, timeout_s=300)
+
+
+def _dataset_spec(t, tenant: str) -> dict:
+    """An SFT spec whose dataset lies on the shared volume (/mnt/shared in the Ray pods)."""
+    host_root = t.shared / "datasets" / tenant
+    spec = sft_spec(tenant, host_root, jobs=2, samples_per_job=8, microbatch_size=8)
+    write_dataset_for(spec, episodes=2, length=8)
+    for path in [host_root.parent, *host_root.rglob("*"), host_root]:
+        os.chown(path, 10001, 10001)
+    spec["dataset"]["root"] = f"/mnt/shared/datasets/{tenant}"
+    return spec
+
+
+def test_a_tenant_created_through_the_api(topo):
+    with _client(topo, topo.admin_key) as admin:
+        created = admin.create_tenant(_dataset_spec(topo, "topo-api"))
+        tenants = {t.tenant_id for t in admin.tenants()}
+    assert created.tenant.tenant_id in tenants
+    topo.api_tenant = created
+    topo.timeline.mark(f"tenant {created.tenant.tenant_id} created through the API")
+
+
+def _prefect(t, method: str, path: str, body: dict | None = None) -> dict | list:
+    import httpx
+
+    url = f"http://{t.pods.ips['joynexus-prefect']}:4200/api{path}"
+    response = httpx.request(method, url, json=body, timeout=60)
+    assert response.status_code < 400, f"{method} {path}: {response.status_code} {response.text[:500]}"
+    return response.json()
+
+
+def test_a_lifecycle_flow_run_by_the_prefect_worker_completes(topo):
+    topo.start("joynexus-prefect-register")  # once the server answers, as the Job's retries would wait
+    topo.pods.wait_job("joynexus-prefect-register", 600)
+    topo.timeline.mark("Prefect register Job completed")
+    topo.start("joynexus-prefect-worker")
+    topo.pods.wait_http("joynexus-prefect-worker", 600)
+    topo.timeline.mark("Prefect worker ready")
+    spec = _dataset_spec(topo, "topo-flow")
+    deployment = _prefect(topo, "GET", "/deployments/name/tenant-lifecycle/on-demand")
+    failures = []
+    for _attempt in range(2):  # a second run only after a Ray Client start failure (see below)
+        run_id, state, tail = _run_flow(topo, deployment["id"], spec)
+        if state["type"] == "COMPLETED":
+            break
+        failures.append(f"flow run {run_id}: {state['message']}\n{tail}")
+        # On this 2-core host shared with other work (load average 30-50), the head's Ray Client
+        # proxy has seen a SpecificServer exit at start once; anything else fails at once.
+        if "Starting Ray client server failed" not in state["message"]:
+            break
+    assert state["type"] == "COMPLETED", (
+        "\n\n".join(failures) + f"\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
+    )
+    if failures:
+        print(f"[topology] the flow completed on a second run; the first: {failures[0][:2000]}")
+    artifacts = _prefect(topo, "POST", "/artifacts/filter", {"artifacts": {"key": {"any_": ["lifecycle-topo-flow"]}}})
+    assert artifacts, "the flow left no lifecycle artifact"
+    topo.flow_summary = artifacts[0]["data"]
+    topo.timeline.mark(f"flow run {run_id} Completed")
+
+
+def _run_flow(t, deployment_id: str, spec: dict) -> tuple[str, dict, str]:
+    run = _prefect(t, "POST", f"/deployments/{deployment_id}/create_flow_run",
+                   {"parameters": {"spec": spec, "jobs": 1, "train_timeout_s": 900.0}})  # fmt: skip
+    deadline, state = time.monotonic() + 1200, {"type": "PENDING", "message": "not finished in 1200s"}
+    while time.monotonic() < deadline:
+        state = _prefect(t, "GET", f"/flow_runs/{run['id']}")["state"]
+        if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        time.sleep(5)
+    logs = _prefect(t, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 50})
+    tail = "\n".join(entry["message"][:400] for entry in logs[-20:])
+    return run["id"], state, tail
+
+
+def _mlflow(t, path: str, body: dict | None = None) -> dict:
+    import httpx
+
+    url = f"http://{t.pods.ips['joynexus-mlflow']}:5000/api/2.0/mlflow{path}"
+    # the Host the in-cluster clients send (--allowed-hosts); an IP Host would be refused
+    headers = {"Host": "joynexus-mlflow:5000"}
+    response = (
+        httpx.post(url, json=body, headers=headers, timeout=60)
+        if body is not None
+        else httpx.get(url, headers=headers, timeout=60)
+    )
+    assert response.status_code == 200, f"{path}: {response.status_code} {response.text[:500]}"
+    return response.json()
+
+
+def test_the_flow_s_mlflow_run_and_s3_objects_are_there(topo):
+    import re
+
+    from tests.deploy.topology import BUCKET
+
+    summary = getattr(topo, "flow_summary", None)
+    if summary is None:
+        pytest.skip("the flow did not complete")
+    run_id = re.search(r"MLflow run `([0-9a-f]+)`", summary).group(1)
+    run = _mlflow(topo, f"/runs/get?run_id={run_id}")["run"]
+    assert run["info"]["status"] == "FINISHED", run["info"]
+    # the experiment's location is the bucket itself (the Master writes there with its own role)
+    assert run["info"]["artifact_uri"].startswith(f"s3://{BUCKET}/mlflow/"), run["info"]["artifact_uri"]
+    models = _mlflow(topo, "/registered-models/search?max_results=100")["registered_models"]
+    assert any("topo-flow" in m["name"] for m in models), [m["name"] for m in models]
+    keys = [o["Key"] for page in topo.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+            for o in page.get("Contents", [])]  # fmt: skip
+    artifacts = [k for k in keys if k.startswith("mlflow/") and run_id in k]
+    checkpoints = [k for k in keys if "topo-flow" in k and not k.startswith("mlflow/")]
+    assert artifacts, f"no MLflow artifact of run {run_id} in s3://{BUCKET}/mlflow: {keys[:20]}"
+    assert checkpoints, f"no checkpoint of tenant topo-flow in s3://{BUCKET}: {keys[:20]}"
+    topo.timeline.mark(f"MLflow run {run_id}: {len(artifacts)} artifacts; {len(checkpoints)} checkpoint objects in S3")
+
+
+def _actors(t) -> dict[str, tuple[str, int]]:
+    """Named ALIVE actors -> (actor id, pid), from the head's dashboard (GCS state)."""
+    import httpx
+
+    url = f"http://{t.pods.ips[HEAD]}:8265/api/v0/actors?limit=1000&detail=true"
+    rows = httpx.get(url, timeout=60).json()["data"]["result"]["result"]
+    return {r["name"]: (r["actor_id"], r["pid"]) for r in rows if r.get("name") and r["state"] == "ALIVE"}
+
+
+def test_the_services_survive_a_ray_head_restart(topo):
+    before = _actors(topo)
+    assert any("master" in name.lower() for name in before), before
+    with _client(topo, topo.admin_key) as admin:
+        tenants_before = {t.tenant_id for t in admin.tenants()}
+    topo.pods.recreate(HEAD)  # KubeRay makes a new head pod: new /tmp, same GCS state in Redis
+    topo.timeline.mark("Ray head killed and recreated")
+    _wait_ray_ready(topo, HEAD)
+    topo.timeline.mark("Ray head ready again")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and _actors(topo) != before:
+        time.sleep(3)
+    assert _actors(topo) == before  # the same actors (ids and processes): nothing was recreated
+    deadline, error = time.monotonic() + 300, None
+    while time.monotonic() < deadline:  # the API's Ray Client connection comes back
+        try:
+            with _client(topo, topo.admin_key) as admin:
+                assert {t.tenant_id for t in admin.tenants()} == tenants_before
+                created = admin.create_tenant(_dataset_spec(topo, "topo-after-restart"))
+            break
+        except Exception as e:  # noqa: BLE001 - retried until the deadline
+            error = e
+            time.sleep(5)
+    else:
+        raise AssertionError(
+            f"the API did not serve again after the head restart: {error!r}\n{topo.pods.log('joynexus-api')}"
+        )
+    assert created.tenant.tenant_id == "topo-after-restart"
+    topo.timeline.mark("API serves again; tenants and services intact")

@@ -1,0 +1,56 @@
+"""What the topology test (test_topology.py, slow) would run, checked without running it: every pod of
+the rendered manifests has a command, resolves each env reference, runs as a non-root uid with a
+memory limit, and no variable the kubelet adds on its own (Service links) overrides a JoyNexus
+setting."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.deploy.render import REPO, rendered
+from tests.deploy.topology_pods import HEAD_SVC, plan_pods, service_link_env
+
+SECRETS = {
+    "joynexus-secrets": {k: "x" for k in ("JOYNEXUS_DATABASE_URL", "MLFLOW_BACKEND_STORE_URI",
+                                          "PREFECT_API_DATABASE_CONNECTION_URL", "JOYNEXUS_ADMIN_KEY")},
+    "joynexus-ray-gcs": {"password": "x"},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plans():
+    docs = rendered()
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"] + [HEAD_SVC]
+    return plan_pods(docs, SECRETS, REPO / "Dockerfile", {name: "10.0.0.1" for name in services}, {})
+
+
+def _settings_read() -> set[str]:
+    """Every JOYNEXUS_* name the package reads from its environment."""
+    names = set()
+    for path in (REPO / "joynexus").rglob("*.py"):
+        names |= set(re.findall(r"[\"'](JOYNEXUS_[A-Z0-9_]+)[\"']", path.read_text()))
+    return names
+
+
+def test_every_pod_has_a_command_a_non_root_user_and_a_memory_limit(plans):
+    names = {p.name for p in plans}
+    assert {"joynexus-head", "joynexus-gpu-workers-worker", "joynexus-api", "joynexus-services"} <= names
+    for plan in plans:
+        assert plan.argv and plan.uid == 10001 and plan.memory_limit > 0, plan.name
+    head = next(p for p in plans if p.name == "joynexus-head")
+    assert head.argv[:3] == ["ray", "start", "--head"] and "RAY_REDIS_ADDRESS" in head.env  # GCS fault tolerance
+    worker = next(p for p in plans if p.name == "joynexus-gpu-workers-worker")
+    assert "--num-gpus=1" in worker.argv and worker.env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
+
+
+def test_no_variable_the_kubelet_adds_is_a_joynexus_setting(plans):
+    # enableServiceLinks (default true) adds <SERVICE>_PORT=tcp://... for every Service of the
+    # namespace: joynexus-prefect / joynexus-mlflow would set JOYNEXUS_PREFECT_PORT /
+    # JOYNEXUS_MLFLOW_PORT, which joynexus.settings reads as integers.
+    links = set(service_link_env({"joynexus-prefect": ("10.0.0.1", {"http": 4200})}))
+    assert "JOYNEXUS_PREFECT_PORT" in links & _settings_read()  # the hazard is real
+    for plan in plans:
+        clash = {k for k in plan.env if k.endswith(("_PORT", "_SERVICE_HOST")) and k in _settings_read()}
+        assert not clash, f"{plan.name}: the kubelet's Service links set {sorted(clash)} (enableServiceLinks: false)"
