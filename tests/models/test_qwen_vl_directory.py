@@ -87,9 +87,7 @@ def test_prompt_patches_and_features_equal_the_stock_processor_and_transformers_
         content = [{"type": "image"}] * cameras + [{"type": "text", "text": INSTRUCTION}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}")  # the directory's own template
-        stock = processor(
-            text=[text], images=[Image.fromarray(a) for a in arrays] or None, return_tensors="pt"
-        )
+        stock = processor(text=[text], images=[Image.fromarray(a) for a in arrays] or None, return_tensors="pt")
         ids, positions = loaded._prompt(cameras, INSTRUCTION)
         assert list(ids) == stock["input_ids"][0].tolist()
         images = [[torch.from_numpy(a).permute(2, 0, 1).float() / 255 for a in arrays]]

@@ -12,7 +12,9 @@ with no JoyNexus metadata. Everything the hot path needs comes from those files:
 * the instruction prompt from the chat template (`ChatTemplatePrompt`), rendered per request shape;
 * the model id from ``JOYNEXUS_BACKBONE_ID``, else the config's ``_name_or_path``, else the path.
 
-Every refusal names the file or field that is missing or unsupported.
+Every refusal names the file or field that is missing or unsupported. What every family reads the same
+way (files present, config, image processor config, serving id, chat template) is `read_plain_directory`;
+`qwen_vl_directory` reads Qwen3-VL directories with it.
 """
 
 from __future__ import annotations
