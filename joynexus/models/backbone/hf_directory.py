@@ -12,7 +12,9 @@ with no JoyNexus metadata. Everything the hot path needs comes from those files:
 * the instruction prompt from the chat template (`ChatTemplatePrompt`), rendered per request shape;
 * the model id from ``JOYNEXUS_BACKBONE_ID``, else the config's ``_name_or_path``, else the path.
 
-Every refusal names the file or field that is missing or unsupported.
+Every refusal names the file or field that is missing or unsupported. What every family reads the same
+way (files present, config, image processor config, serving id, chat template) is `read_plain_directory`;
+`qwen_vl_directory` reads Qwen3-VL directories with it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from joynexus.models.placement import DevicePlacement
 if TYPE_CHECKING:
     from joynexus.models.backbone.idefics3 import ResidentBackbone
 
-__all__ = ["ChatTemplatePrompt", "HFDirectory", "load_hf_directory", "read_chat_template"]
+__all__ = [
+    "ChatTemplatePrompt",
+    "HFDirectory",
+    "PlainDirectory",
+    "load_hf_directory",
+    "normalization",
+    "read_chat_template",
+    "read_plain_directory",
+]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -62,6 +72,13 @@ def _longest_edge(pre: dict[str, Any], key: str, where: Path) -> int | None:
     return edge
 
 
+def normalization(pre: dict[str, Any], where: Path) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """The image processor's (mean, std); identity when it does not normalize."""
+    if not pre.get("do_normalize", True):
+        return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    return _triple(pre, "image_mean", where), _triple(pre, "image_std", where)
+
+
 def _triple(pre: dict[str, Any], key: str, where: Path) -> tuple[float, float, float]:
     value = pre.get(key)
     if value is None:
@@ -77,12 +94,14 @@ class ChatTemplatePrompt:
     """The instruction prompt of a checkpoint, rendered from its own chat template.
 
     One user turn holding the sample's images then its instruction, with the generation prompt
-    (what the HF processor's ``apply_chat_template`` makes); each ``<image>`` of the rendered text
-    becomes the image block the Idefics3 processor expands it to without image splitting."""
+    (what the HF processor's ``apply_chat_template`` makes); each ``image_token`` of the rendered text
+    (``<image>`` in Idefics3, ``<|image_pad|>`` in Qwen-VL) becomes the image block the family's
+    processor expands it to (Idefics3 without image splitting; Qwen-VL at the fixed side)."""
 
-    def __init__(self, template: str, source: str) -> None:
+    def __init__(self, template: str, source: str, image_token: str = IMAGE_TOKEN) -> None:
         self.template = template
         self.source = source  # where it was read: named in errors
+        self.image_token = image_token
 
     @staticmethod
     def messages(num_images: int, instruction: str) -> list[dict[str, Any]]:
@@ -104,9 +123,10 @@ class ChatTemplatePrompt:
                 text = self.render(tokenizer, n, _SENTINEL)
             except Exception as error:  # a jinja error of the checkpoint's own template
                 raise ValueError(f"chat template ({self.source}) does not render {n} image(s): {error}") from None
-            if text.count(IMAGE_TOKEN) != n or text.count(_SENTINEL) != 1:
+            images = text.count(self.image_token)
+            if images != n or text.count(_SENTINEL) != 1:
                 raise ValueError(
-                    f"chat template ({self.source}) renders {text.count(IMAGE_TOKEN)} {IMAGE_TOKEN!r} token(s) "
+                    f"chat template ({self.source}) renders {images} {self.image_token!r} token(s) "
                     f"for {n} image(s) and the instruction {text.count(_SENTINEL)} time(s); expected {n} and 1"
                 )
 
@@ -124,24 +144,24 @@ class ChatTemplatePrompt:
             instruction = tokenizer.decode(instruction_ids[:max_instruction_tokens])
         # The rendered text carries the template's own special tokens (e.g. <|im_start|>) literally.
         rendered = tokenizer(self.render(tokenizer, num_images, instruction), add_special_tokens=False)["input_ids"]
-        image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        image_id = tokenizer.convert_tokens_to_ids(self.image_token)
         out: list[int] = []
         for token in rendered:
             out.extend(image_block if token == image_id else (token,))
         return tuple(out)
 
 
-def read_chat_template(root: Path) -> ChatTemplatePrompt:
+def read_chat_template(root: Path, image_token: str = IMAGE_TOKEN) -> ChatTemplatePrompt:
     """The chat template a checkpoint directory holds, wherever transformers put it."""
     for name in CHAT_TEMPLATE_SOURCES:
         path = root / name
         if not path.is_file():
             continue
         if name.endswith(".jinja"):
-            return ChatTemplatePrompt(path.read_text(), str(path))
+            return ChatTemplatePrompt(path.read_text(), str(path), image_token)
         template = _read_json(path).get("chat_template")
         if isinstance(template, str) and template.strip():
-            return ChatTemplatePrompt(template, str(path))
+            return ChatTemplatePrompt(template, str(path), image_token)
     raise FileNotFoundError(
         f"backbone checkpoint {root}: chat template missing (the instruction prompt comes from it); "
         f"looked in {list(CHAT_TEMPLATE_SOURCES)}"
@@ -149,8 +169,69 @@ def read_chat_template(root: Path) -> ChatTemplatePrompt:
 
 
 @dataclass(frozen=True)
+class PlainDirectory:
+    """What every family reads the same way from a plain HF checkpoint directory (no weights loaded):
+    its config, image processor config, serving id and chat template."""
+
+    root: Path
+    config: dict[str, Any]
+    model_type: str
+    model_id: str
+    preprocessor: dict[str, Any]
+    preprocessor_path: Path
+    prompt: ChatTemplatePrompt
+
+
+def read_plain_directory(
+    path: str | Path,
+    *,
+    model_types: Sequence[str],
+    model_id: str | None = None,
+    preprocessor_use: str,
+    image_token: str = IMAGE_TOKEN,
+) -> PlainDirectory:
+    """Check the directory's files (config, weights and every shard, tokenizer, image processor config,
+    chat template); refusals name what is missing. ``preprocessor_use`` says in an error what the
+    family reads from the image processor config."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"backbone checkpoint directory {str(root)!r} does not exist")
+    if not root.is_dir():
+        raise ValueError(f"backbone checkpoint path {str(root)!r} is not a directory")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"backbone checkpoint {root}: config.json missing (the model config)")
+    config = _read_json(root / "config.json")
+    model_type = config.get("model_type")
+    if model_type not in model_types:
+        raise ValueError(
+            f"{root / 'config.json'}: model_type {model_type!r} is not supported by this backbone family; "
+            f"supported: {list(model_types)}"
+        )
+    _check_weights(root)
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"backbone checkpoint {root}: tokenizer missing (expected {' or '.join(TOKENIZER_FILES)})"
+        )
+    pre_path = root / PREPROCESSOR_FILE
+    if not pre_path.is_file():
+        raise FileNotFoundError(f"backbone checkpoint {root}: {PREPROCESSOR_FILE} missing ({preprocessor_use})")
+    name_or_path = config.get("_name_or_path")
+    resolved_id = model_id or (name_or_path if isinstance(name_or_path, str) and name_or_path else None)
+    return PlainDirectory(
+        root=root,
+        config=config,
+        model_type=str(model_type),
+        model_id=resolved_id or str(root.resolve()),
+        preprocessor=_read_json(pre_path),
+        preprocessor_path=pre_path,
+        prompt=read_chat_template(root, image_token),
+    )
+
+
+@dataclass(frozen=True)
 class HFDirectory:
-    """What a plain HF checkpoint directory says about serving it (read without loading weights)."""
+    """What a plain Idefics3 / SmolVLM checkpoint directory says about serving it (read without
+    loading weights)."""
 
     root: Path
     model_type: str
@@ -164,32 +245,13 @@ class HFDirectory:
     @classmethod
     def read(cls, path: str | Path, *, model_types: Sequence[str], model_id: str | None = None) -> HFDirectory:
         """Check the directory's files and read its serving settings; refusals name what is missing."""
-        root = Path(path).expanduser()
-        if not root.exists():
-            raise FileNotFoundError(f"backbone checkpoint directory {str(root)!r} does not exist")
-        if not root.is_dir():
-            raise ValueError(f"backbone checkpoint path {str(root)!r} is not a directory")
-        if not (root / "config.json").is_file():
-            raise FileNotFoundError(f"backbone checkpoint {root}: config.json missing (the model config)")
-        config = _read_json(root / "config.json")
-        model_type = config.get("model_type")
-        if model_type not in model_types:
-            raise ValueError(
-                f"{root / 'config.json'}: model_type {model_type!r} is not supported by this backbone family; "
-                f"supported: {list(model_types)}"
-            )
-        _check_weights(root)
-        if not any((root / name).is_file() for name in TOKENIZER_FILES):
-            raise FileNotFoundError(
-                f"backbone checkpoint {root}: tokenizer missing (expected {' or '.join(TOKENIZER_FILES)})"
-            )
-        pre_path = root / PREPROCESSOR_FILE
-        if not pre_path.is_file():
-            raise FileNotFoundError(
-                f"backbone checkpoint {root}: {PREPROCESSOR_FILE} missing (the image size, mean/std and "
-                "do_image_splitting come from it)"
-            )
-        pre = _read_json(pre_path)
+        plain = read_plain_directory(
+            path,
+            model_types=model_types,
+            model_id=model_id,
+            preprocessor_use="the image size, mean/std and do_image_splitting come from it",
+        )
+        root, pre, pre_path = plain.root, plain.preprocessor, plain.preprocessor_path
         # Absent means the Idefics3 image processor's default, which is to split.
         if pre.get("do_image_splitting", True):
             state = "true" if "do_image_splitting" in pre else "absent (the image processor's default: true)"
@@ -201,24 +263,19 @@ class HFDirectory:
         image_size = _longest_edge(pre, "max_image_size", pre_path)
         if image_size is None:
             raise ValueError(f"{pre_path}: field max_image_size missing (the tile side images are resized to)")
-        if pre.get("do_normalize", True):
-            mean, std = _triple(pre, "image_mean", pre_path), _triple(pre, "image_std", pre_path)
-        else:
-            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+        mean, std = normalization(pre, pre_path)
         image_seq_len = None
         if (root / "processor_config.json").is_file():
             image_seq_len = _read_json(root / "processor_config.json").get("image_seq_len")
-        name_or_path = config.get("_name_or_path")
-        resolved_id = model_id or (name_or_path if isinstance(name_or_path, str) and name_or_path else None)
         return cls(
             root=root,
-            model_type=str(model_type),
-            model_id=resolved_id or str(root.resolve()),
+            model_type=plain.model_type,
+            model_id=plain.model_id,
             image_size=image_size,
             image_mean=mean,
             image_std=std,
             image_seq_len=int(image_seq_len) if isinstance(image_seq_len, int) else None,
-            prompt=read_chat_template(root),
+            prompt=plain.prompt,
         )
 
 

@@ -28,6 +28,7 @@ the decoder (``language_model``), whose Linear layers carry the same names as Ll
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -62,6 +63,8 @@ from joynexus.models.backbone.common import (
     causal_padding_mask,
     validate_encode_inputs,
 )
+from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, read_chat_template
+from joynexus.models.backbone.qwen_vl_directory import load_qwen_vl_directory
 from joynexus.models.backbone.tiny import _TOKENIZER_CORPUS
 from joynexus.models.placement import DevicePlacement
 
@@ -98,7 +101,9 @@ CHAT_TEMPLATE = (
 # Qwen3-VL's processor normalizes with mean = std = 0.5 (preprocessor_config.json of the release).
 QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
 QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
-DEFAULT_IMAGE_SIZE = 224  # a checkpoint without our metadata: 14x14 patches, 49 image tokens per camera
+# The side a checkpoint without our metadata is served at when its processor's pixel range allows it
+# (`qwen_vl_directory.fixed_image_side`): at patch 16, 14x14 patches and 49 image tokens per camera.
+DEFAULT_IMAGE_SIZE = 224
 
 
 @dataclass(frozen=True)
@@ -278,6 +283,11 @@ class QwenVLBackbone(TenantAdapterHost):
     model_types: ClassVar[tuple[str, ...]] = SUPPORTED_MODEL_TYPES
     lora_targets: ClassVar[tuple[str, ...]] = QWEN3_DECODER_LINEARS
     presets: ClassVar[dict[str, QwenVLSpec]] = QWEN_VL_PRESETS
+    # What a plain HF checkpoint directory is read with (`qwen_vl_directory`).
+    image_token: ClassVar[str] = IMAGE_TOKEN
+    vision_start_token: ClassVar[str] = VISION_START_TOKEN
+    vision_end_token: ClassVar[str] = VISION_END_TOKEN
+    default_image_size: ClassVar[int] = DEFAULT_IMAGE_SIZE
 
     instances_created: ClassVar[int] = 0
     _instances_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -295,6 +305,7 @@ class QwenVLBackbone(TenantAdapterHost):
         max_instruction_tokens: int = 64,
         spec: QwenVLSpec | None = None,
         placement: DevicePlacement | None = None,
+        chat_prompt: ChatTemplatePrompt | None = None,
     ) -> None:
         config = model.config
         vision = config.vision_config
@@ -320,6 +331,9 @@ class QwenVLBackbone(TenantAdapterHost):
         self.grid = self.image_size // self.patch_size
         self.image_seq_len = (self.grid // self.merge_size) ** 2
         self.image_token_id = int(config.image_token_id)
+        # A plain HF checkpoint's prompt comes from its chat template (`qwen_vl_directory`); None: the
+        # built-in Qwen-VL chat prompt of `_prompt_uncached`.
+        self.chat_prompt = chat_prompt
         self._prepare_prompt_pieces(tokenizer, config)
         # Bounded LRU per instance (a decorated method would pin ``self`` in a global cache).
         self._prompt = functools.lru_cache(maxsize=4096)(self._prompt_uncached)
@@ -339,20 +353,19 @@ class QwenVLBackbone(TenantAdapterHost):
 
     def _prepare_prompt_pieces(self, tokenizer: PreTrainedTokenizerBase, config: Qwen3VLConfig) -> None:
         """Check the tokenizer's special tokens against the model config; keep the prompt's fixed pieces as ids."""
-        expected = {
-            IMAGE_TOKEN: config.image_token_id,
-            VISION_START_TOKEN: config.vision_start_token_id,
-            VISION_END_TOKEN: config.vision_end_token_id,
-        }
+        expected = {IMAGE_TOKEN: "image_token_id", VISION_START_TOKEN: "vision_start_token_id"}
+        expected[VISION_END_TOKEN] = "vision_end_token_id"
         ids: dict[str, int] = {}
         for token in (*expected, IM_START_TOKEN, IM_END_TOKEN):
             token_id = tokenizer.convert_tokens_to_ids(token)
             if token_id is None or token_id == tokenizer.unk_token_id:
                 raise ValueError(f"tokenizer of backbone {self.model_id!r} has no special token {token!r}")
             ids[token] = int(token_id)
-        for token, config_id in expected.items():
-            if ids[token] != config_id:
-                raise ValueError(f"tokenizer id {ids[token]} of {token!r} != model config id {config_id}")
+        for token, field in expected.items():
+            if ids[token] != getattr(config, field):
+                raise ValueError(
+                    f"tokenizer id {ids[token]} of {token!r} != the model config's {field} {getattr(config, field)}"
+                )
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else ids[IM_END_TOKEN]
         # <|im_start|>user\n{<|vision_start|><|image_pad|>*n<|vision_end|> per camera}{instruction}<|im_end|>\n
@@ -398,12 +411,16 @@ class QwenVLBackbone(TenantAdapterHost):
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, placement: DevicePlacement | None = None) -> QwenVLBackbone:
-        """Load a local Qwen3-VL checkpoint directory (ours, or a ``Qwen3VLForConditionalGeneration``
-        one, whose language-model head is dropped). Offline only, in the placement's dtype."""
+    def from_pretrained(
+        cls, path: str | Path, placement: DevicePlacement | None = None, *, model_id: str | None = None
+    ) -> QwenVLBackbone:
+        """Load a local Qwen3-VL checkpoint directory: ours (with JoyNexus metadata), or a plain one as
+        transformers writes it (`qwen_vl_directory`: every serving setting from its own files); a
+        ``Qwen3VLForConditionalGeneration`` one's language-model head is dropped. Offline only, in
+        the placement's dtype. ``model_id``: serve it under this id instead of the directory's own."""
         root = Path(path).expanduser()
-        if not root.is_dir():
-            raise FileNotFoundError(f"backbone checkpoint directory {str(root)!r} does not exist")
+        if not (root / METADATA_FILE).is_file():
+            return load_qwen_vl_directory(cls, root, placement, model_id=model_id)
         for required, what in (("config.json", "the model config"), ("tokenizer_config.json", "the tokenizer")):
             if not (root / required).is_file():
                 raise FileNotFoundError(f"backbone checkpoint {str(root)!r} has no {required} ({what})")
@@ -421,14 +438,12 @@ class QwenVLBackbone(TenantAdapterHost):
             model = Qwen3VLModel.from_pretrained(root, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
         tokenizer.padding_side = "right"
-        meta: dict[str, Any] = {}
-        if (root / METADATA_FILE).is_file():
-            meta = json.loads((root / METADATA_FILE).read_text())
-            if meta.get("format_version") != METADATA_FORMAT_VERSION:
-                raise ValueError(
-                    f"{root / METADATA_FILE}: unsupported format_version {meta.get('format_version')!r} "
-                    f"(this code reads {METADATA_FORMAT_VERSION})"
-                )
+        meta: dict[str, Any] = json.loads((root / METADATA_FILE).read_text())
+        if meta.get("format_version") != METADATA_FORMAT_VERSION:
+            raise ValueError(
+                f"{root / METADATA_FILE}: unsupported format_version {meta.get('format_version')!r} "
+                f"(this code reads {METADATA_FORMAT_VERSION})"
+            )
         image_mean, image_std = QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD
         if (root / "preprocessor_config.json").is_file():
             pre = json.loads((root / "preprocessor_config.json").read_text())
@@ -439,7 +454,7 @@ class QwenVLBackbone(TenantAdapterHost):
         return cls(
             model,
             tokenizer,
-            model_id=meta.get("model_id", str(root.resolve())),
+            model_id=model_id or meta.get("model_id", str(root.resolve())),
             image_size=meta.get("image_size", DEFAULT_IMAGE_SIZE),
             max_images=meta.get("max_images", 3),
             image_mean=meta.get("image_mean", image_mean),
@@ -447,6 +462,7 @@ class QwenVLBackbone(TenantAdapterHost):
             max_instruction_tokens=meta.get("max_instruction_tokens", 64),
             spec=spec,
             placement=placement,
+            chat_prompt=read_chat_template(root, IMAGE_TOKEN) if meta.get("chat_template_prompt") else None,
         )
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -454,8 +470,10 @@ class QwenVLBackbone(TenantAdapterHost):
         root = Path(path).expanduser()
         root.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(root, state_dict=self.base_state_dict(), safe_serialization=True)
-        self.tokenizer.chat_template = CHAT_TEMPLATE
-        self.tokenizer.save_pretrained(root)
+        # A checkpoint's own prompt travels with it (read back by from_pretrained); the tokenizer is a copy.
+        tokenizer = copy.copy(self.tokenizer)
+        tokenizer.chat_template = self.chat_prompt.template if self.chat_prompt is not None else CHAT_TEMPLATE
+        tokenizer.save_pretrained(root)
         # The stock image processor at this backbone's fixed side (min = max pixels: one resolution).
         pixels = self.image_size * self.image_size
         Qwen2VLImageProcessor(
@@ -475,6 +493,7 @@ class QwenVLBackbone(TenantAdapterHost):
             "image_std": list(self.image_std),
             "max_instruction_tokens": self.max_instruction_tokens,
             "spec": dataclasses.asdict(self.spec) if self.spec is not None else None,
+            "chat_template_prompt": self.chat_prompt is not None,
         }
         (root / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
@@ -489,8 +508,12 @@ class QwenVLBackbone(TenantAdapterHost):
         """The prompt's ids and its (3, L) multimodal RoPE positions, as ``get_rope_index`` lays them
         out: text advances all three axes together; an image block holds (t, h, w) = start + (0, row,
         col) over its merged grid, and the text after it resumes at the block's largest position + 1."""
-        text = self._text_ids(instruction)[: self.max_instruction_tokens]
-        ids = self._prefix_ids + self._image_block_ids * num_images + text + self._suffix_ids
+        if self.chat_prompt is not None:
+            pads = [self.image_token_id] * self.image_seq_len
+            ids = list(self.chat_prompt.ids(self.tokenizer, num_images, instruction, pads, self.max_instruction_tokens))
+        else:
+            text = self._text_ids(instruction)[: self.max_instruction_tokens]
+            ids = self._prefix_ids + self._image_block_ids * num_images + text + self._suffix_ids
         side = self.grid // self.merge_size
         rows = torch.arange(side).repeat_interleave(side)
         cols = torch.arange(side).repeat(side)
