@@ -201,14 +201,19 @@ def throughput_table(presets, kinds, tenants, batches, repeats, tmp: Path) -> li
     return rows
 
 
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
 def decode_all(service: InferenceModelService, reqs, features) -> None:
     """Every request's own tenant decode over precomputed shared features, one at a time."""
     row = 0
     with torch.inference_mode():
         for name, obs in reqs:
-            state = torch.stack([torch.as_tensor(o.state) for o in obs])
+            module = service._resolve(name, None).module
+            state = torch.stack([torch.as_tensor(o.state) for o in obs]).to(_device_of(module))  # as the service does
             rows = features.select(slice(row, row + len(obs))).trimmed()
-            service._resolve(name, None).module.predict(rows, state)
+            module.predict(rows, state)
             row += len(obs)
 
 
@@ -219,7 +224,7 @@ def decode_batched(service: InferenceModelService, reqs, features) -> None:
     for name, obs in reqs:
         modules.append(service._resolve(name, None).module)
         rows.append(list(range(row, row + len(obs))))
-        states.append(torch.stack([torch.as_tensor(o.state) for o in obs]))
+        states.append(torch.stack([torch.as_tensor(o.state) for o in obs]).to(_device_of(modules[-1])))
         row += len(obs)
     with torch.inference_mode():
         for members in module_batching.group_by_architecture(modules):

@@ -226,7 +226,7 @@ def peer(
     heads = [service._resolve(name, None).module for name in names]
     prepared = [
         ([[torch.as_tensor(img) for img in o.images] for o in obs], [o.instruction for o in obs],
-         torch.stack([torch.as_tensor(o.state) for o in obs]))
+         torch.stack([torch.as_tensor(o.state) for o in obs]).to(device))  # as the service does
         for _, obs in reqs
     ]  # fmt: skip
 
