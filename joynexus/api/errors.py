@@ -152,7 +152,8 @@ def install_exception_handlers(app: FastAPI) -> None:
         if follower is not None:  # look the roles up again (a new deployment, a replaced actor)
             follower.check_now()
         retry = getattr(error, "retry_after_s", RETRY_AFTER_S)
-        return error_response(ServiceUnavailable(f"{role} is restarting; retry shortly", retry_after_s=retry))
+        message = getattr(error, "client_message", None) or f"{role} is restarting; retry shortly"
+        return error_response(ServiceUnavailable(message, retry_after_s=retry))
 
     for unavailable in role_unavailable_errors():
         app.add_exception_handler(unavailable, _role_away)
