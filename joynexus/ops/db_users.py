@@ -92,7 +92,8 @@ def take_over_objects(conn, app: Credential) -> int:
     role = sql.Identifier(app.username)
     relations = conn.execute(
         "SELECT c.relname FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace "
-        "AND c.relkind IN ('r', 'p', 'v', 'm', 'S') AND c.relowner = (SELECT oid FROM pg_roles WHERE rolname = current_user)"
+        "AND c.relkind IN ('r', 'p', 'v', 'm', 'S') "
+        "AND c.relowner = (SELECT oid FROM pg_roles WHERE rolname = current_user)"
     ).fetchall()
     for (name,) in relations:
         conn.execute(sql.SQL("ALTER TABLE public.{} OWNER TO {}").format(sql.Identifier(name), role))
@@ -132,7 +133,7 @@ def run(folder: Path, *, sslmode: str = "require", maintenance_db: str = "postgr
     host, port = first.host, first.port or 5432
     done = []
     with connect_as(master, host, port, maintenance_db, sslmode) as conn:
-        for name, app in apps.items():
+        for app in apps.values():
             ensure_app_user(conn, app)
     for name, app in apps.items():
         with connect_as(master, host, port, str(app.dbname), sslmode) as conn:

@@ -58,7 +58,7 @@ def deployment(tmp_path):
         write(folder / name, username=user, password=f"pw-{name}-{tag}", dbname=database, host="127.0.0.1", port="5432")
     yield folder, master, apps
     with admin() as conn:
-        for user, database in apps.values():
+        for _user, database in apps.values():
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         for user, _ in apps.values():
             conn.execute(f'DROP ROLE IF EXISTS "{user}"')
