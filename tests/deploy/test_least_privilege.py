@@ -139,7 +139,8 @@ def test_mlflow_runs_basic_auth_and_every_mlflow_client_has_the_login(tmp_path, 
     assert "exec mlflow server --app-name basic-auth" in script
     env = {e["name"]: e for e in mlflow["env"]}
     for name, key in (("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_USERNAME"),
-                      ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_PASSWORD")):  # fmt: skip
+                      ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_PASSWORD"),
+                      ("MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_FLASK_SERVER_SECRET_KEY")):  # fmt: skip
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "joynexus-mlflow-auth", "key": key}
     assert env["MLFLOW_AUTH_CONFIG_PATH"]["value"].startswith("/tmp/")  # the writable emptyDir
     # the config the container writes, parsed by MLflow's own reader

@@ -16,6 +16,7 @@ import pytest
 from joynexus.ops import db_users
 
 psycopg = pytest.importorskip("psycopg")
+pytestmark = pytest.mark.postgres
 ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres", "autocommit": True}
 
 

@@ -151,6 +151,12 @@ data "aws_secretsmanager_random_password" "mlflow_auth" {
   exclude_punctuation = true
 }
 
+# The Flask secret key of MLflow's auth app (CSRF tokens; one value for all its workers and replicas).
+data "aws_secretsmanager_random_password" "mlflow_flask_key" {
+  password_length     = 64
+  exclude_punctuation = true
+}
+
 resource "aws_secretsmanager_secret" "mlflow_auth" {
   #checkov:skip=CKV2_AWS_57:MLflow keeps the admin password in its own user store once created; it is rotated by the documented procedure (docs/deployment.md: MLflow's update-password API, then a new value here, which the External Secrets Operator syncs to the clients), not by a Lambda
   name                    = "${var.cluster_name}/mlflow-auth"
@@ -162,8 +168,9 @@ resource "aws_secretsmanager_secret" "mlflow_auth" {
 resource "aws_secretsmanager_secret_version" "mlflow_auth" {
   secret_id = aws_secretsmanager_secret.mlflow_auth.id
   secret_string = jsonencode({
-    username = "joynexus"
-    password = data.aws_secretsmanager_random_password.mlflow_auth.random_password
+    username         = "joynexus"
+    password         = data.aws_secretsmanager_random_password.mlflow_auth.random_password
+    flask_secret_key = data.aws_secretsmanager_random_password.mlflow_flask_key.random_password
   })
   lifecycle {
     ignore_changes = [secret_string]
