@@ -352,6 +352,35 @@ class RoleUnavailable(RuntimeError):
         return (type(self), (self.role, self.reason, self.retry_after_s))
 
 
+SERVICES_CREATOR = (
+    "`joynexus up` creates them (on Kubernetes: the Job joynexus-services, deployments/ray/services-job.yaml; "
+    "`kubectl -n joynexus get job joynexus-services`)"
+)
+
+
+class ServicesNotRunning(RoleUnavailable):
+    """A deployment's named service actors are not running at its Ray address. Clients never create
+    them (they would live only as long as the client): they wait, then raise this (503 in the API,
+    whose message names what creates them)."""
+
+    @property
+    def client_message(self) -> str:
+        return str(self)
+
+
+def running_actor(name: str, namespace: str | None, role: str) -> Any:
+    """A deployment's named actor, looked up (Ray initialized): a client never creates one (it would
+    live only as long as the client); absent, `ServicesNotRunning` names what creates it."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ServicesNotRunning(
+            role, f"{name} is not running (namespace {namespace}); clients do not create it: {SERVICES_CREATOR}", 10.0
+        ) from None
+
+
 def role_unavailable_errors() -> tuple[type[BaseException], ...]:
     """The exception classes that mean a role is away (`role_unavailable`), for handlers by class."""
     try:

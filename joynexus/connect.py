@@ -8,7 +8,10 @@ Service, Training Queue) for the lower-layer primitives. Nothing here starts or 
 
 - Ray mode: a Ray address is known (``JOYNEXUS_RAY_ADDRESS``, or `joynexus up`'s record in the data
   dir), or the caller asks for Ray (the main job starts a local one). The named actors are used as
-  they run; missing ones are created (detached only when asked, as `joynexus up` does).
+  they run. Only their supervised creator makes missing ones: `joynexus up` (``detached=True``; on
+  Kubernetes the Job `joynexus-services`), or a process that started its own local Ray. A client of
+  a deployment's address waits for them and then raises `ServicesNotRunning` (a `RoleUnavailable`:
+  the API answers 503) naming what creates them; it never creates them tied to its own lifetime.
 - In-process mode: no address and not asked for Ray: the services and the Master Service are local
   objects of this process (tests, `joynexus serve --services in-process`, flows run without a
   deployment).
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from joynexus.actors import service_handle
+from joynexus.actors import SERVICES_CREATOR, ServicesNotRunning, service_handle
 from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
@@ -38,6 +41,8 @@ if TYPE_CHECKING:  # imported where used: a client of a running deployment needs
 
 Mode = Literal["auto", "ray", "in-process"]
 FINAL_STATES = ("completed", "failed", "cancelled")
+SERVICE_ACTOR_NAMES = ("joynexus.training_queue", "joynexus.training_service", "joynexus.inference_service",
+                       "joynexus.environment_service", "joynexus.master")  # fmt: skip
 
 
 @dataclass
@@ -56,6 +61,9 @@ class Cluster:
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _checkpoints: CheckpointStore | None = field(default=None, repr=False)
     _store: ControlPlaneStore | None = field(default=None, repr=False)
+    # Whether this process is the services' creator (`joynexus up`, or its own local Ray): only then
+    # may it create shared actors (the futures call queue) that are missing.
+    creates_services: bool = False
 
     @property
     def checkpoints(self) -> CheckpointStore:
@@ -134,13 +142,24 @@ def in_process(settings: Settings | None = None, *, options: MasterOptions | Non
 
 
 def ray_cluster(
-    settings: Settings, *, detached: bool = False, options: MasterOptions | None = None, timeout_s: float = 600.0
+    settings: Settings,
+    *,
+    detached: bool = False,
+    options: MasterOptions | None = None,
+    timeout_s: float = 600.0,
+    wait_s: float | None = None,
 ) -> Cluster:
-    """Connect to (or start) Ray and use the deployment's named actors, creating missing ones."""
+    """Connect to (or start) Ray and use the deployment's named actors. Missing ones are created only
+    by their creator: `detached=True` (`joynexus up`, the services Job) or a process that starts its
+    own local Ray (no address). A client of an address waits up to `wait_s` (default `timeout_s`) for
+    them, then raises `ServicesNotRunning`."""
     import ray
 
+    creator = detached or not settings.ray_address
     with _create_lock:
-        running = _running_actors(settings) if settings.ray_address and options is None else None
+        running = None
+        if settings.ray_address and (options is None or not creator):
+            running = _running_actors(settings, wait_s=0.0 if creator else (timeout_s if wait_s is None else wait_s))
         if running is not None:  # a deployment's actors, found by name: nothing to build, ship or import
             queue, training, inference, environment, master_actor = running
         else:
@@ -160,25 +179,39 @@ def ray_cluster(
         environment=service_handle(cast("type[EnvironmentService]", object), environment),
         queue=service_handle(cast("type[TrainingQueue]", object), queue),
         mode="ray",
+        creates_services=creator,
     )
 
 
-def _running_actors(settings: Settings) -> tuple[Any, Any, Any, Any, Any] | None:
+def _running_actors(settings: Settings, *, wait_s: float = 0.0) -> tuple[Any, Any, Any, Any, Any] | None:
     """(queue, training, inference, environment, master) actor handles of a running deployment at
-    `settings.ray_address`, looked up by name; None unless all five are there (then they are created)."""
+    `settings.ray_address`, looked up by name. With `wait_s` = 0: None unless all five are there (the
+    creator then creates them); else polled that long, then `ServicesNotRunning` naming the missing."""
     import ray
 
     from joynexus.actors import init_ray
 
     init_ray(settings.ray_address)
-    found = []
-    for name in ("joynexus.training_queue", "joynexus.training_service", "joynexus.inference_service",
-                 "joynexus.environment_service", "joynexus.master"):  # fmt: skip
-        try:
-            found.append(ray.get_actor(name, namespace=settings.ray_namespace))
-        except ValueError:
+    deadline = time.monotonic() + wait_s
+    while True:
+        found, missing = [], []
+        for name in SERVICE_ACTOR_NAMES:
+            try:
+                found.append(ray.get_actor(name, namespace=settings.ray_namespace))
+            except ValueError:
+                missing.append(name)
+        if not missing:
+            return tuple(found)  # type: ignore[return-value]
+        if wait_s <= 0:
             return None
-    return tuple(found)  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            raise ServicesNotRunning(
+                "the resident services",
+                f"{', '.join(missing)} not running at {settings.ray_address} (namespace {settings.ray_namespace}) "
+                f"after {wait_s:g} s; clients do not create them: {SERVICES_CREATOR}",
+                retry_after_s=10.0,
+            )
+        time.sleep(min(2.0, max(0.05, deadline - time.monotonic())))
 
 
 _create_lock = threading.Lock()

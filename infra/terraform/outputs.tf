@@ -47,3 +47,8 @@ output "gcs_redis_secret_arn" {
   description = "Secrets Manager secret with the GCS Redis AUTH token (Secret joynexus-ray-gcs)."
   value       = module.eks_gpu.gcs_redis_secret_arn
 }
+
+output "tenant_artifacts_role_arn" {
+  description = "Role a process running one tenant's code assumes with the session tag joynexus-tenant=<id>: that tenant's S3 prefixes only."
+  value       = module.eks_gpu.tenant_artifacts_role_arn
+}

@@ -133,9 +133,8 @@ def role_away(error: BaseException, follower: Any = None) -> ServiceUnavailable:
     if follower is not None:
         follower.check_now()
     role = getattr(error, "role", None) or "a service"
-    return ServiceUnavailable(
-        f"{role} is restarting; retry shortly", retry_after_s=getattr(error, "retry_after_s", RETRY_AFTER_S)
-    )
+    message = getattr(error, "client_message", None) or f"{role} is restarting; retry shortly"
+    return ServiceUnavailable(message, retry_after_s=getattr(error, "retry_after_s", RETRY_AFTER_S))
 
 
 def install_exception_handlers(app: FastAPI) -> None:

@@ -194,8 +194,6 @@ _SETTINGS_ENV = {
     "backbone_path": "JOYNEXUS_BACKBONE_PATH",
     "backbone_image_size": "JOYNEXUS_BACKBONE_IMAGE_SIZE",
     "backbone_feature_layers": "JOYNEXUS_BACKBONE_FEATURE_LAYERS",
-
-
     "backbone_id": "JOYNEXUS_BACKBONE_ID",
     "ray_namespace": "JOYNEXUS_RAY_NAMESPACE",
     "torch_threads": "JOYNEXUS_TORCH_THREADS",
@@ -399,9 +397,18 @@ def _create_services() -> None:
     """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
     import ray
 
+    from joynexus.actors import handle_of
     from joynexus.connect import ray_cluster  # here, not at the top: status and down never need torch
+    from joynexus.services.call_futures import call_futures_actor
 
     cluster = ray_cluster(Settings(), detached=True)  # the services and the ONE Master Service
+    # The lower layer's call queue every API replica shares: made here too, never by an API client.
+    call_futures_actor(
+        handle_of(cluster.training).target,
+        handle_of(cluster.inference).target,
+        database_url=cluster.settings.resolved_database_url(),
+        namespace=cluster.settings.ray_namespace,
+    )
     cluster.inference.stats()  # waits until its backbone is loaded
     ray.shutdown()
 
@@ -473,8 +480,8 @@ def remove_service_actors(namespace: str) -> list[str]:
     import ray
 
     removed = []
-    # The lower layer's call queue (`services.call_futures`, detached, created by the first API
-    # server that needs it) goes after the Master and before the services its calls reach.
+    # The lower layer's call queue (`services.call_futures`, detached, created with the services by
+    # `up`) goes after the Master and before the services its calls reach.
     for name in (*SERVICE_ACTORS[:1], "joynexus.call_futures", *SERVICE_ACTORS[1:]):
         try:
             handle = ray.get_actor(name, namespace=namespace)

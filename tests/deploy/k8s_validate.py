@@ -1,8 +1,9 @@
 """Validate rendered manifests (YAML on stdin) against the Kubernetes OpenAPI schemas of
-kubernetes-validate (strict: unknown fields are errors) and the vendored KubeRay RayCluster schema
-(schemas/); the Kubernetes types nested in a RayCluster (marked x-k8s-type there) are validated
-against the Kubernetes schemas too. Prints a JSON list of errors. Run by tests/deploy/test_schemas.py
-with whichever interpreter has kubernetes_validate (the project's or .venv-tools')."""
+kubernetes-validate (strict: unknown fields are errors) and the vendored KubeRay RayCluster and
+External Secrets Operator (v2.9.0: ExternalSecret, SecretStore) schemas (schemas/); the Kubernetes
+types nested in a RayCluster (marked x-k8s-type there) are validated against the Kubernetes schemas
+too. Prints a JSON list of errors. Run by tests/deploy/test_schemas.py with whichever interpreter has
+kubernetes_validate (the project's or .venv-tools')."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
-CRDS = {("ray.io/v1", "RayCluster"): "raycluster-ray-v1.json"}
+CRDS = {
+    ("ray.io/v1", "RayCluster"): "raycluster-ray-v1.json",
+    ("external-secrets.io/v1", "ExternalSecret"): "externalsecret-external-secrets-v1.json",
+    ("external-secrets.io/v1", "SecretStore"): "secretstore-external-secrets-v1.json",
+}
 
 
 def _k8s_definition_validator(version: str, type_name: str) -> jsonschema.Validator:

@@ -108,12 +108,19 @@ def test_every_pod_is_restricted_has_limits_probes_and_runs_the_image():
                 assert "/tmp" in mounts, label  # read-only root: everything writes to /tmp
 
 
-def test_tenant_code_pods_get_no_secret_and_no_api_token():
+def test_tenant_code_pods_get_no_database_login_and_no_api_token():
+    """The Ray pods (tenant code) get one Secret only: MLflow's login, which the Master needs to log runs
+    (docs/deployment.md says what that exposes); no database login, never the master."""
     cluster = resources()[("RayCluster", "joynexus")]
     for label, pod in pod_specs(cluster):
         for container in pod["containers"]:
             assert not any("secretRef" in e for e in container.get("envFrom", [])), label
-            assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in container.get("env", [])), label
+            secrets = {
+                e["valueFrom"]["secretKeyRef"]["name"]
+                for e in container.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})
+            }
+            assert secrets == {"joynexus-mlflow-auth"}, label
         assert not any("secret" in v for v in pod.get("volumes", [])), label
         shared = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == "shared"]
         assert shared and all(m.get("readOnly") for m in shared), label
@@ -339,6 +346,7 @@ def test_every_aws_client_pod_has_a_region():
     with_roles = set(re.findall(r'service_account = "([\w-]+)" \}', iam)) - {
         "ebs-csi-controller-sa",
         "efs-csi-controller-sa",
+        "external-secrets",  # the operator's AWS calls take the SecretStore's region (checked below)
     }
     assert {"joynexus-ray", "joynexus-api", "joynexus-mlflow", "cluster-autoscaler"} <= with_roles
     checked = set()
@@ -355,6 +363,8 @@ def test_every_aws_client_pod_has_a_region():
                     assert "AWS_REGION" in _env_names(container, configmaps), f"{label}/{container['name']}"
                 checked.add(pod["serviceAccountName"])
     assert checked == with_roles  # every role's pods were found and checked
+    stores = [d for d in rendered(DEPLOYMENTS) if d["kind"] == "SecretStore"]
+    assert stores and all(s["spec"]["provider"]["aws"]["region"] for s in stores)
     bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
     assert 'AWS_REGION: "${REGION}"' in bootstrap  # the ConfigMap patch
     assert "/name: AWS_REGION/{n;s#value: us-east-1#value: ${REGION}#}" in bootstrap  # the autoscaler's env
@@ -376,7 +386,9 @@ def test_the_ray_head_survives_a_restart_gcs_fault_tolerance_and_disruption_budg
                     "transit_encryption_enabled = true", "at_rest_encryption_enabled = true"):  # fmt: skip
         assert setting in module, setting
     bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
-    assert "tf gcs_redis_address" in bootstrap and "create secret generic joynexus-ray-gcs" in bootstrap
+    assert "tf gcs_redis_address" in bootstrap  # the token: the ExternalSecret joynexus-ray-gcs
+    synced = res[("ExternalSecret", "joynexus-ray-gcs")]["spec"]
+    assert synced["target"]["name"] == "joynexus-ray-gcs" and synced["data"][0]["secretKey"] == "password"
     assert 'spec: {gcsFaultToleranceOptions: {redisAddress: "${GCS_REDIS}"}}' in bootstrap
     budgets = {name: doc["spec"] for (kind, name), doc in res.items() if kind == "PodDisruptionBudget"}
     assert budgets["joynexus-api"]["minAvailable"] == 1 and res[("Deployment", "joynexus-api")]["spec"]["replicas"] > 1
@@ -404,9 +416,7 @@ def _peak_rss_bytes(code: str) -> int:
     # the pod's environment, not what earlier tests of this process set (Prefect settings load more)
     prefixes = ("PREFECT_", "JOYNEXUS_", "RAY_", "MLFLOW_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return int(done.stdout.split()[-1]) * 1024
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from joynexus.actors import handle_of, service_handle
+from joynexus.actors import handle_of, running_actor, service_handle
 from joynexus.api.errors import ApiError, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.inference import InferenceOperations, predict_result
@@ -26,7 +26,13 @@ from joynexus.data.normalization import SIMULATOR_BOUNDS_SOURCE, Normalizer
 from joynexus.protocol import sampling_schemas as ss
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
-from joynexus.services.call_futures import CallFutures, FutureRefused, UnknownFuture, call_futures_actor
+from joynexus.services.call_futures import (
+    CALL_FUTURES_ACTOR_NAME,
+    CallFutures,
+    FutureRefused,
+    UnknownFuture,
+    call_futures_actor,
+)
 from joynexus.services.training.service import TrainingModelService
 
 # The field a service error of each call is reported under (as the blocking routes do).
@@ -102,12 +108,15 @@ class FutureOperations(GatewayBase):
                 training, inference = handle_of(self.cluster.training), handle_of(self.cluster.inference)
                 if training.is_remote:
                     settings = self.cluster.settings
-                    actor = call_futures_actor(
-                        training.target,
-                        inference.target,
-                        database_url=settings.resolved_database_url(),
-                        namespace=settings.ray_namespace,
-                    )
+                    if self.cluster.creates_services:
+                        actor = call_futures_actor(
+                            training.target,
+                            inference.target,
+                            database_url=settings.resolved_database_url(),
+                            namespace=settings.ray_namespace,
+                        )
+                    else:  # a client of a deployment: the services' creator made it (`joynexus up`)
+                        actor = running_actor(CALL_FUTURES_ACTOR_NAME, settings.ray_namespace, "the futures call queue")
                     futures = service_handle(CallFutures, actor)
                 else:
                     futures = CallFutures(self.cluster.training, self.cluster.inference, meter=self.meter)

@@ -1,7 +1,10 @@
-# RDS PostgreSQL: one instance, three databases (joynexus: the control plane, mlflow, prefect),
-# created by infra/scripts/bootstrap-cluster. The master password is generated and rotated by RDS
-# in Secrets Manager (manage_master_user_password), encrypted with this module's key; the bootstrap
-# script reads it to build the Kubernetes Secret `joynexus-secrets`. Reachable only from the nodes.
+# RDS PostgreSQL: one instance, three databases (joynexus: the control plane, mlflow, prefect), each
+# owned by its own application role (least privilege: login and its own database only). The master
+# password is generated and rotated by RDS in Secrets Manager (manage_master_user_password),
+# encrypted with this module's key; only the Job joynexus-db-users uses it (joynexus/ops/db_users.py
+# creates the app roles and databases). The app credentials are secrets of their own below. The
+# External Secrets Operator (role external-secrets in iam.tf) keeps all of them in sync as
+# Kubernetes Secrets (deployments/secrets/). Reachable only from the nodes.
 resource "aws_db_subnet_group" "this" {
   name       = "${var.cluster_name}-db"
   subnet_ids = aws_subnet.private[*].id
@@ -97,4 +100,79 @@ resource "aws_iam_role" "rds_monitoring" {
 resource "aws_iam_role_policy_attachment" "rds_monitoring" {
   role       = aws_iam_role.rds_monitoring.name
   policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/service-role/AmazonRDSEnhancedMonitoringRole"
+}
+
+# -- per-application users ------------------------------------------------------------------------
+locals {
+  # app => its PostgreSQL role and database (the control plane keeps RDS's db_name "joynexus").
+  db_apps = {
+    control-plane = { username = "joynexus_app", dbname = "joynexus" }
+    mlflow        = { username = "mlflow", dbname = "mlflow" }
+    prefect       = { username = "prefect", dbname = "prefect" }
+  }
+}
+
+# The aws provider's own generator (no random provider). It yields a new value at every plan, so the
+# secret keeps the first one (ignore_changes); a rotation puts a new value (docs/deployment.md).
+data "aws_secretsmanager_random_password" "db_app" {
+  for_each            = local.db_apps
+  password_length     = 40
+  exclude_punctuation = true
+}
+
+resource "aws_secretsmanager_secret" "db_app" {
+  #checkov:skip=CKV2_AWS_57:the app passwords are rotated by the documented procedure (docs/deployment.md: put a new value, the External Secrets Operator syncs it, the Job joynexus-db-users sets it on the role, the app restarts); RDS rotates the master, which only that Job uses
+  for_each                = local.db_apps
+  name                    = "${var.cluster_name}/db/${each.key}"
+  description             = "PostgreSQL login of ${each.key} (role ${each.value.username}, database ${each.value.dbname})"
+  kms_key_id              = aws_kms_key.this.arn
+  recovery_window_in_days = 7
+}
+
+resource "aws_secretsmanager_secret_version" "db_app" {
+  for_each  = local.db_apps
+  secret_id = aws_secretsmanager_secret.db_app[each.key].id
+  secret_string = jsonencode({
+    username = each.value.username
+    password = data.aws_secretsmanager_random_password.db_app[each.key].random_password
+    dbname   = each.value.dbname
+    host     = aws_db_instance.this.address
+    port     = tostring(aws_db_instance.this.port)
+  })
+  lifecycle {
+    ignore_changes = [secret_string]
+  }
+}
+
+# The MLflow server runs its basic-auth app (deployments/mlflow/mlflow.yaml); this is its admin login,
+# the one JoyNexus's MLflow clients use (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD).
+data "aws_secretsmanager_random_password" "mlflow_auth" {
+  password_length     = 40
+  exclude_punctuation = true
+}
+
+# The Flask secret key of MLflow's auth app (CSRF tokens; one value for all its workers and replicas).
+data "aws_secretsmanager_random_password" "mlflow_flask_key" {
+  password_length     = 64
+  exclude_punctuation = true
+}
+
+resource "aws_secretsmanager_secret" "mlflow_auth" {
+  #checkov:skip=CKV2_AWS_57:MLflow keeps the admin password in its own user store once created; it is rotated by the documented procedure (docs/deployment.md: MLflow's update-password API, then a new value here, which the External Secrets Operator syncs to the clients), not by a Lambda
+  name                    = "${var.cluster_name}/mlflow-auth"
+  description             = "MLflow basic-auth admin login of the JoyNexus MLflow clients"
+  kms_key_id              = aws_kms_key.this.arn
+  recovery_window_in_days = 7
+}
+
+resource "aws_secretsmanager_secret_version" "mlflow_auth" {
+  secret_id = aws_secretsmanager_secret.mlflow_auth.id
+  secret_string = jsonencode({
+    username         = "joynexus"
+    password         = data.aws_secretsmanager_random_password.mlflow_auth.random_password
+    flask_secret_key = data.aws_secretsmanager_random_password.mlflow_flask_key.random_password
+  })
+  lifecycle {
+    ignore_changes = [secret_string]
+  }
 }

@@ -66,9 +66,10 @@ locals {
   # role key => (namespace, service account). Bound by aws_eks_pod_identity_association (or, for the
   # CSI drivers, by their add-on's pod_identity_association).
   pod_roles = {
-    ray                = { namespace = var.namespace, service_account = "joynexus-ray" }    # checkpoints (Training Model Service), MLflow artifacts (Master)
-    mlflow             = { namespace = var.namespace, service_account = "joynexus-mlflow" } # MLflow artifact proxy
-    api                = { namespace = var.namespace, service_account = "joynexus-api" }    # reads checkpoints (export, manifests)
+    ray                = { namespace = var.namespace, service_account = "joynexus-ray" }          # checkpoints (Training Model Service), MLflow artifacts (Master)
+    mlflow             = { namespace = var.namespace, service_account = "joynexus-mlflow" }       # MLflow artifact proxy
+    api                = { namespace = var.namespace, service_account = "joynexus-api" }          # reads checkpoints (export, manifests)
+    external-secrets   = { namespace = "external-secrets", service_account = "external-secrets" } # reads the secrets below into Kubernetes Secrets
     cluster-autoscaler = { namespace = "kube-system", service_account = "cluster-autoscaler" }
     ebs-csi            = { namespace = "kube-system", service_account = "ebs-csi-controller-sa" }
     efs-csi            = { namespace = "kube-system", service_account = "efs-csi-controller-sa" }
@@ -89,14 +90,99 @@ resource "aws_eks_pod_identity_association" "pod" {
   role_arn        = aws_iam_role.pod[each.key].arn
 }
 
-data "aws_iam_policy_document" "artifacts_rw" {
+locals {
+  # Each pod role reaches only the prefixes its processes use (joynexus/settings.py: checkpoints/ and
+  # mlflow/ under the bucket; tenants' datasets under datasets/), not the whole bucket.
+  artifact_access = {
+    ray    = { write = ["checkpoints", "mlflow"], read = ["datasets"] } # Training Model Service, Master
+    mlflow = { write = ["mlflow"], read = [] }                          # MLflow's artifact proxy
+    api    = { write = [], read = ["checkpoints"] }                     # exports, manifests
+  }
+}
+
+data "aws_iam_policy_document" "artifacts" {
+  for_each = local.artifact_access
   statement {
     actions   = ["s3:ListBucket"]
     resources = [aws_s3_bucket.artifacts.arn]
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = [for prefix in concat(each.value.write, each.value.read) : "${prefix}/*"]
+    }
   }
   statement {
-    actions   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
-    resources = ["${aws_s3_bucket.artifacts.arn}/*"]
+    actions   = ["s3:GetObject"]
+    resources = [for prefix in concat(each.value.write, each.value.read) : "${aws_s3_bucket.artifacts.arn}/${prefix}/*"]
+  }
+  dynamic "statement" {
+    for_each = length(each.value.write) > 0 ? [1] : []
+    content {
+      actions   = ["s3:PutObject", "s3:DeleteObject"]
+      resources = [for prefix in each.value.write : "${aws_s3_bucket.artifacts.arn}/${prefix}/*"]
+    }
+  }
+  statement {
+    actions   = length(each.value.write) > 0 ? ["kms:Decrypt", "kms:GenerateDataKey"] : ["kms:Decrypt"]
+    resources = [aws_kms_key.this.arn]
+  }
+}
+
+resource "aws_iam_role_policy" "artifacts" {
+  for_each = local.artifact_access
+  name     = "${var.cluster_name}-artifacts-${each.key}"
+  role     = aws_iam_role.pod[each.key].id
+  policy   = data.aws_iam_policy_document.artifacts[each.key].json
+}
+
+# -- per-tenant S3 prefixes ------------------------------------------------------------------------
+# A process that runs ONE tenant's code gets credentials for that tenant's prefixes only: the ray
+# role assumes tenant-artifacts with the session tag joynexus-tenant=<tenant id>, and the policy
+# below resolves ${aws:PrincipalTag/joynexus-tenant} to that id, so another tenant's objects are
+# out of reach of those credentials. (Tenant code that runs inside the shared services' processes
+# shares their credentials; docs/deployment.md says what this does and does not isolate.)
+data "aws_iam_policy_document" "tenant_artifacts_assume" {
+  statement {
+    actions = ["sts:AssumeRole", "sts:TagSession"]
+    principals {
+      type        = "AWS"
+      identifiers = [aws_iam_role.pod["ray"].arn]
+    }
+    condition { # the session must name its tenant, and may set no other tag
+      test     = "StringLike"
+      variable = "aws:RequestTag/joynexus-tenant"
+      values   = ["?*"]
+    }
+    condition {
+      test     = "ForAllValues:StringEquals"
+      variable = "aws:TagKeys"
+      values   = ["joynexus-tenant"]
+    }
+  }
+}
+
+resource "aws_iam_role" "tenant_artifacts" {
+  name                 = "${var.cluster_name}-tenant-artifacts"
+  assume_role_policy   = data.aws_iam_policy_document.tenant_artifacts_assume.json
+  max_session_duration = 3600
+}
+
+data "aws_iam_policy_document" "tenant_artifacts" {
+  statement {
+    actions   = ["s3:ListBucket"]
+    resources = [aws_s3_bucket.artifacts.arn]
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = ["checkpoints/$${aws:PrincipalTag/joynexus-tenant}/*", "datasets/$${aws:PrincipalTag/joynexus-tenant}/*"]
+    }
+  }
+  statement {
+    actions = ["s3:GetObject", "s3:PutObject"]
+    resources = [
+      "${aws_s3_bucket.artifacts.arn}/checkpoints/$${aws:PrincipalTag/joynexus-tenant}/*",
+      "${aws_s3_bucket.artifacts.arn}/datasets/$${aws:PrincipalTag/joynexus-tenant}/*",
+    ]
   }
   statement {
     actions   = ["kms:Decrypt", "kms:GenerateDataKey"]
@@ -104,26 +190,23 @@ data "aws_iam_policy_document" "artifacts_rw" {
   }
 }
 
-data "aws_iam_policy_document" "artifacts_ro" {
+resource "aws_iam_role_policy" "tenant_artifacts" {
+  name   = "${var.cluster_name}-tenant-artifacts"
+  role   = aws_iam_role.tenant_artifacts.id
+  policy = data.aws_iam_policy_document.tenant_artifacts.json
+}
+
+data "aws_iam_policy_document" "ray_assume_tenant" {
   statement {
-    actions   = ["s3:ListBucket"]
-    resources = [aws_s3_bucket.artifacts.arn]
-  }
-  statement {
-    actions   = ["s3:GetObject"]
-    resources = ["${aws_s3_bucket.artifacts.arn}/*"]
-  }
-  statement {
-    actions   = ["kms:Decrypt"]
-    resources = [aws_kms_key.this.arn]
+    actions   = ["sts:AssumeRole", "sts:TagSession"]
+    resources = [aws_iam_role.tenant_artifacts.arn]
   }
 }
 
-resource "aws_iam_role_policy" "artifacts" {
-  for_each = { ray = "rw", mlflow = "rw", api = "ro" }
-  name     = "${var.cluster_name}-artifacts-${each.value}"
-  role     = aws_iam_role.pod[each.key].id
-  policy   = each.value == "rw" ? data.aws_iam_policy_document.artifacts_rw.json : data.aws_iam_policy_document.artifacts_ro.json
+resource "aws_iam_role_policy" "ray_assume_tenant" {
+  name   = "${var.cluster_name}-ray-assume-tenant"
+  role   = aws_iam_role.pod["ray"].id
+  policy = data.aws_iam_policy_document.ray_assume_tenant.json
 }
 
 resource "aws_iam_role_policy_attachment" "csi" {
@@ -182,4 +265,32 @@ resource "aws_iam_role_policy" "ebs_kms" {
   name   = "${var.cluster_name}-ebs-kms"
   role   = aws_iam_role.pod["ebs-csi"].id
   policy = data.aws_iam_policy_document.ebs_kms.json
+}
+
+# External Secrets Operator (installed by bootstrap-cluster): reads exactly the secrets the
+# deployment syncs (deployments/secrets/): the RDS-managed master secret, the per-app database
+# logins, the GCS Redis token and the MLflow login. Nothing else in Secrets Manager.
+data "aws_iam_policy_document" "external_secrets" {
+  statement {
+    actions = ["secretsmanager:GetSecretValue", "secretsmanager:DescribeSecret"]
+    resources = concat(
+      [aws_db_instance.this.master_user_secret[0].secret_arn, aws_secretsmanager_secret.gcs.arn, aws_secretsmanager_secret.mlflow_auth.arn],
+      [for s in aws_secretsmanager_secret.db_app : s.arn],
+    )
+  }
+  statement {
+    actions   = ["kms:Decrypt"]
+    resources = [aws_kms_key.this.arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["secretsmanager.${data.aws_region.current.name}.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role_policy" "external_secrets" {
+  name   = "${var.cluster_name}-external-secrets"
+  role   = aws_iam_role.pod["external-secrets"].id
+  policy = data.aws_iam_policy_document.external_secrets.json
 }

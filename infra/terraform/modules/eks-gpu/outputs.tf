@@ -47,3 +47,13 @@ output "gcs_redis_secret_arn" {
   description = "Secrets Manager secret with the GCS Redis AUTH token."
   value       = aws_secretsmanager_secret.gcs.arn
 }
+
+output "tenant_artifacts_role_arn" {
+  description = "Role a per-tenant process assumes with the session tag joynexus-tenant=<id> (its own S3 prefixes only)."
+  value       = aws_iam_role.tenant_artifacts.arn
+}
+
+output "external_secrets_role_arn" {
+  description = "Pod Identity role of the External Secrets Operator (service account external-secrets/external-secrets)."
+  value       = aws_iam_role.pod["external-secrets"].arn
+}

@@ -51,6 +51,26 @@ run "defaults_plan_in_a_fresh_account" {
     condition     = aws_cloudtrail.artifacts.enable_log_file_validation
     error_message = "the artifact bucket's data events are recorded"
   }
+  assert {
+    condition     = toset(keys(aws_secretsmanager_secret.db_app)) == toset(["control-plane", "mlflow", "prefect"])
+    error_message = "each app has its own database login in Secrets Manager"
+  }
+  assert {
+    condition     = toset([for s in aws_secretsmanager_secret.db_app : s.name]) == toset(["joynexus/db/control-plane", "joynexus/db/mlflow", "joynexus/db/prefect"])
+    error_message = "the app secrets have the names deployments/secrets/external-secrets.yaml reads"
+  }
+  assert {
+    condition     = aws_secretsmanager_secret.mlflow_auth.name == "joynexus/mlflow-auth" && aws_secretsmanager_secret.gcs.name == "joynexus/ray-gcs-redis"
+    error_message = "the MLflow login and the GCS token have the names the ExternalSecrets read"
+  }
+  assert {
+    condition     = aws_eks_pod_identity_association.pod["external-secrets"].namespace == "external-secrets" && aws_eks_pod_identity_association.pod["external-secrets"].service_account == "external-secrets"
+    error_message = "the External Secrets Operator's service account gets its Secrets Manager role"
+  }
+  assert {
+    condition     = !contains(keys(aws_eks_pod_identity_association.pod), "tenant-artifacts") && aws_iam_role.tenant_artifacts.max_session_duration == 3600
+    error_message = "the per-tenant artifacts role is assumed by session, never bound to a pod"
+  }
 }
 
 run "an_account_that_has_the_service_linked_role_does_not_create_it_again" {
