@@ -10,20 +10,26 @@ import re
 import pytest
 
 from tests.deploy.render import REPO, rendered
-from tests.deploy.topology_pods import HEAD_SVC, plan_pods, service_link_env
+from tests.deploy.topology_pods import HEAD_SVC, external_secrets, plan_pods, service_link_env
 
-SECRETS = {
-    "joynexus-secrets": {k: "x" for k in ("JOYNEXUS_DATABASE_URL", "MLFLOW_BACKEND_STORE_URI",
-                                          "PREFECT_API_DATABASE_CONNECTION_URL", "JOYNEXUS_ADMIN_KEY")},
-    "joynexus-ray-gcs": {"password": "x"},
-}  # fmt: skip
+
+def remote_value(key: str) -> dict[str, str] | str:
+    """Secrets Manager, as the ExternalSecrets read it: a login object per app, strings elsewhere."""
+    if key.endswith("ray-gcs-redis"):
+        return "x"
+    return {"username": "u", "password": "p%w", "dbname": "d", "host": "db", "port": "5432", "flask_secret_key": "k"}
+
+
+def secrets_of(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """The Secrets the operator makes, plus joynexus-secrets (the admin key bootstrap-cluster writes)."""
+    return {**external_secrets(docs, remote_value), "joynexus-secrets": {"JOYNEXUS_ADMIN_KEY": "x"}}
 
 
 @pytest.fixture(scope="module")
 def plans():
     docs = rendered()
     services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"] + [HEAD_SVC]
-    return plan_pods(docs, SECRETS, REPO / "Dockerfile", {name: "10.0.0.1" for name in services}, {})
+    return plan_pods(docs, secrets_of(docs), REPO / "Dockerfile", {name: "10.0.0.1" for name in services}, {})
 
 
 def _settings_read() -> set[str]:
@@ -54,3 +60,16 @@ def test_no_variable_the_kubelet_adds_is_a_joynexus_setting(plans):
     for plan in plans:
         clash = {k for k in plan.env if k.endswith(("_PORT", "_SERVICE_HOST")) and k in _settings_read()}
         assert not clash, f"{plan.name}: the kubelet's Service links set {sorted(clash)} (enableServiceLinks: false)"
+
+
+def test_the_operator_s_secrets_carry_each_app_s_own_login_url_encoded(plans):
+    docs = rendered()
+    made = secrets_of(docs)
+    url = made["joynexus-db-control-plane"]["JOYNEXUS_DATABASE_URL"]
+    assert url == "postgresql+psycopg://u:p%25w@db:5432/d?sslmode=require"  # Go's urlquery of 'p%w'
+    db_users = next(p for p in plans if p.name == "joynexus-db-users")
+    mounted = {v["target"]: v for v in db_users.volumes if v["kind"] == "secret"}
+    assert mounted and all(v["read_only"] and v["files"] for v in mounted.values())
+    for plan in plans:  # no pod but the db-users Job sees the master login
+        if plan.name != "joynexus-db-users":
+            assert not any(v["kind"] == "secret" for v in plan.volumes), plan.name

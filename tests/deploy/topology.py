@@ -16,7 +16,7 @@ import yaml
 
 from tests.deploy import topology_host as host
 from tests.deploy.render import DEPLOYMENTS, REPO
-from tests.deploy.topology_pods import HEAD_SVC, NAMESPACE, PodPlan, plan_pods
+from tests.deploy.topology_pods import HEAD_SVC, NAMESPACE, PodPlan, external_secrets, plan_pods
 
 VENV = Path(sys.prefix)  # the image's /opt/venv
 DB_HOST = "joynexus-db.topology.internal"  # RDS
@@ -77,6 +77,8 @@ class Topology:
         self.password = secrets.token_hex(12)
         self.redis_password = secrets.token_hex(12)
         self.admin_key = "jnx-admin-" + secrets.token_hex(12)
+        logins = ("control-plane", "mlflow", "prefect", "mlflow-auth", "flask")
+        self.app_passwords = {k: secrets.token_hex(12) for k in logins}
         self.s3_key = ("topology", secrets.token_hex(8))
         self.closers: list = []
         self.started = time.monotonic()
@@ -143,18 +145,25 @@ class Topology:
                    for doc in rendered() for _, spec in pod_specs(doc) for c in spec["containers"])  # fmt: skip
 
     # -- the manifests -----------------------------------------------------------------------------
-    def secrets(self) -> dict[str, dict[str, str]]:
-        """What bootstrap-cluster writes: joynexus-secrets (docs/deployment.md) and joynexus-ray-gcs."""
-        base = f"{DB_USER}:{self.password}@{DB_HOST}:5432"
-        return {
-            "joynexus-secrets": {
-                "JOYNEXUS_DATABASE_URL": f"postgresql+psycopg://{base}/joynexus?sslmode=require",
-                "MLFLOW_BACKEND_STORE_URI": f"postgresql+psycopg://{base}/mlflow?sslmode=require",
-                "PREFECT_API_DATABASE_CONNECTION_URL": f"postgresql+asyncpg://{base}/prefect?ssl=require",
-                "JOYNEXUS_ADMIN_KEY": self.admin_key,
-            },
-            "joynexus-ray-gcs": {"password": self.redis_password},
-        }
+    def secrets(self, docs: list[dict]) -> dict[str, dict[str, str]]:
+        """What the External Secrets Operator makes from the rendered ExternalSecrets over this
+        topology's Secrets Manager values (the RDS master login, one login per app, the GCS token,
+        MLflow's auth), plus joynexus-secrets (the admin key bootstrap-cluster writes)."""
+        apps = {"control-plane": "joynexus", "mlflow": "mlflow", "prefect": "prefect"}
+
+        def remote(key: str) -> dict[str, str] | str:
+            if key.startswith("rds!"):
+                return {"username": DB_USER, "password": self.password}
+            if key.endswith("ray-gcs-redis"):
+                return self.redis_password
+            if key.endswith("mlflow-auth"):
+                return {"username": "admin", "password": self.app_passwords["mlflow-auth"],
+                        "flask_secret_key": self.app_passwords["flask"]}  # fmt: skip
+            app = key.rsplit("/db/", 1)[-1]
+            return {"username": f"jnx_{app.replace('-', '_')}", "password": self.app_passwords[app],
+                    "dbname": apps[app], "host": DB_HOST, "port": "5432"}  # fmt: skip
+
+        return {**external_secrets(docs, remote), "joynexus-secrets": {"JOYNEXUS_ADMIN_KEY": self.admin_key}}
 
     def plan(self) -> dict[str, PodPlan]:
         self.docs = render_overlay(self.base)
@@ -176,7 +185,7 @@ class Topology:
         identity = {"AWS_ACCESS_KEY_ID": self.s3_key[0], "AWS_SECRET_ACCESS_KEY": self.s3_key[1],
                     "AWS_ENDPOINT_URL_S3": f"http://{S3_HOST}:{S3_PORT}"}  # fmt: skip
         platform = {role: identity for role in S3_ROLES}
-        plans = plan_pods(self.docs, self.secrets(), REPO / "Dockerfile", service_ips, platform)
+        plans = plan_pods(self.docs, self.secrets(self.docs), REPO / "Dockerfile", service_ips, platform)
         self.plans = {p.name: p for p in plans}
         return self.plans
 

@@ -12,8 +12,12 @@ and the S3 endpoint of that stand-in."""
 from __future__ import annotations
 
 import re
+import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 NAMESPACE = "joynexus"
 HEAD_SVC = "joynexus-head-svc"  # KubeRay: <cluster>-head-svc
@@ -118,20 +122,54 @@ def container_env(container: dict, config_maps: dict, secrets: dict, base: dict[
     return env
 
 
-def _volumes(pod_spec: dict, container: dict) -> list[dict]:
+def _volumes(pod_spec: dict, container: dict, secrets: dict) -> list[dict]:
     by_name = {v["name"]: v for v in pod_spec.get("volumes", [])}
     out = []
     for mount in container.get("volumeMounts", []):
         volume = by_name[mount["name"]]
+        files = None
         if "emptyDir" in volume:
             kind = "memory" if volume["emptyDir"].get("medium") == "Memory" else "emptyDir"
             size = volume["emptyDir"].get("sizeLimit")
         elif "persistentVolumeClaim" in volume:
             kind, size = "pvc", None
+        elif "secret" in volume:  # the kubelet writes each key as a file (or the listed items only)
+            kind, size = "secret", None
+            data = secrets[volume["secret"]["secretName"]]
+            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
+            files = {item["path"]: data[item["key"]] for item in items}
         else:
             raise ValueError(f"volume {mount['name']}: unsupported source {sorted(volume)}")
         out.append({"target": mount["mountPath"], "kind": kind, "name": mount["name"], "size": size,
-                    "read_only": bool(mount.get("readOnly"))})  # fmt: skip
+                    "read_only": bool(mount.get("readOnly")) or kind == "secret", "files": files})  # fmt: skip
+    return out
+
+
+def _template_field(fields: dict[str, str], match: re.Match) -> str:
+    value = str(fields[match.group(1)])
+    return urllib.parse.quote_plus(value) if match.group(2) else value
+
+
+def external_secrets(docs: list[dict], remote: Callable[[str], Any]) -> dict[str, dict[str, str]]:
+    """The Secrets the External Secrets Operator makes from the rendered ExternalSecrets:
+    `remote(key)` is the Secrets Manager value (a JSON object's dict, or a string); `dataFrom.extract`
+    takes every field, `data` one value per `secretKey`, and a template's `{{ .field }}` (and
+    `{{ .field | urlquery }}`, Go's QueryEscape) renders over those fields."""
+    out: dict[str, dict[str, str]] = {}
+    for doc in docs:
+        if doc["kind"] != "ExternalSecret":
+            continue
+        spec = doc["spec"]
+        fields: dict[str, str] = {}
+        for source in spec.get("dataFrom", []):
+            fields.update(remote(source["extract"]["key"]))
+        for item in spec.get("data", []):
+            fields[item["secretKey"]] = remote(item["remoteRef"]["key"])
+        template = spec.get("target", {}).get("template", {}).get("data")
+        if template:
+            render = partial(_template_field, dict(fields))
+            fields = {k: re.sub(r"\{\{\s*\.(\w+)\s*(\|\s*urlquery\s*)?\}\}", render, v) for k, v in template.items()}
+        out[spec["target"]["name"]] = {k: str(v) for k, v in fields.items()}
     return out
 
 
@@ -143,7 +181,8 @@ def _probe(container: dict) -> dict | None:
 
 
 def plan_container(
-    name: str, workload: str, pod_spec: dict, container: dict, env: dict[str, str], workdir: str
+    name: str, workload: str, pod_spec: dict, container: dict, env: dict[str, str], workdir: str,
+    secrets: dict | None = None,
 ) -> PodPlan:
     pod_sc, sc = pod_spec.get("securityContext", {}), container.get("securityContext", {})
     uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
@@ -160,7 +199,7 @@ def plan_container(
         groups=sorted({gid, pod_sc.get("fsGroup", gid)}), memory_limit=quantity_bytes(limit),
         cpu_request=cpu_cores(container.get("resources", {}).get("requests", {}).get("cpu", "0")),
         cwd=container.get("workingDir", workdir), read_only_root=bool(sc.get("readOnlyRootFilesystem")),
-        no_new_privs=sc.get("allowPrivilegeEscalation") is False, volumes=_volumes(pod_spec, container),
+        no_new_privs=sc.get("allowPrivilegeEscalation") is False, volumes=_volumes(pod_spec, container, secrets or {}),
         service_account=pod_spec.get("serviceAccountName", "default"), probe=_probe(container), ports=ports,
     )  # fmt: skip
 
@@ -223,7 +262,7 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
             for container in spec["containers"]:
                 env = {**base, **platform_env.get(spec.get("serviceAccountName", ""), {}), "HOSTNAME": name}
                 env = container_env(container, config_maps, secrets, env)
-                plan = plan_container(name, f"{kind}/{name}", spec, container, env, workdir)
+                plan = plan_container(name, f"{kind}/{name}", spec, container, env, workdir, secrets)
                 plan.restart = spec.get("restartPolicy", "Always")
                 plan.backoff_limit = doc["spec"].get("backoffLimit", 6) if kind == "Job" else 0
                 plans.append(plan)
@@ -243,6 +282,6 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
                     env["REDIS_PASSWORD"] = secrets[ref["name"]][ref["key"]]
                 argv = [a.replace("$REDIS_PASSWORD", env.get("REDIS_PASSWORD", "")) for a in argv]
                 plan = plan_container(pod_name, f"RayCluster/{name}/{'head' if group is None else group['groupName']}",
-                                      spec, {**container, "command": argv}, env, workdir)  # fmt: skip
+                                      spec, {**container, "command": argv}, env, workdir, secrets)  # fmt: skip
                 plans.append(plan)
     return plans
