@@ -42,12 +42,10 @@ from typing import Any, ClassVar
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoTokenizer,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2VLImageProcessor,
     Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
     Qwen3VLModel,
 )
 
@@ -64,7 +62,7 @@ from joynexus.models.backbone.common import (
     validate_encode_inputs,
 )
 from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, read_chat_template
-from joynexus.models.backbone.qwen_vl_directory import load_qwen_vl_directory
+from joynexus.models.backbone.qwen_vl_directory import load_qwen_vl_directory, load_qwen_weights
 from joynexus.models.backbone.tiny import _TOKENIZER_CORPUS
 from joynexus.models.placement import DevicePlacement
 
@@ -431,13 +429,7 @@ class QwenVLBackbone(TenantAdapterHost):
                 f"supported: {list(SUPPORTED_MODEL_TYPES)}"
             )
         placement = placement or DevicePlacement.from_env()
-        kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "dtype": placement.torch_dtype}
-        if "Qwen3VLForConditionalGeneration" in (config.architectures or []):
-            model = Qwen3VLForConditionalGeneration.from_pretrained(root, **kwargs).model
-        else:
-            model = Qwen3VLModel.from_pretrained(root, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
-        tokenizer.padding_side = "right"
+        model, tokenizer = load_qwen_weights(root, config, placement)
         meta: dict[str, Any] = json.loads((root / METADATA_FILE).read_text())
         if meta.get("format_version") != METADATA_FORMAT_VERSION:
             raise ValueError(

@@ -154,6 +154,19 @@ def check_vision_blocks(prompt: ChatTemplatePrompt, tokenizer: Any, block: str, 
             )
 
 
+def load_qwen_weights(root: Path, config: Qwen3VLConfig, placement: DevicePlacement) -> tuple[Qwen3VLModel, Any]:
+    """The model (a ``*ForConditionalGeneration`` checkpoint's LM head dropped) in the placement's
+    dtype and the tokenizer (right padding), offline."""
+    kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "dtype": placement.torch_dtype}
+    if "Qwen3VLForConditionalGeneration" in (config.architectures or []):
+        model = Qwen3VLForConditionalGeneration.from_pretrained(root, **kwargs).model
+    else:
+        model = Qwen3VLModel.from_pretrained(root, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    tokenizer.padding_side = "right"
+    return model, tokenizer
+
+
 def load_qwen_vl_directory(
     family: type[QwenVLBackbone],
     path: str | Path,
@@ -167,14 +180,7 @@ def load_qwen_vl_directory(
     directory = QwenVLDirectory.read(path, family, model_id=model_id)
     root = directory.root
     placement = placement or DevicePlacement.from_env()
-    config = Qwen3VLConfig.from_pretrained(root, local_files_only=True)
-    kwargs: dict[str, Any] = {"config": config, "local_files_only": True, "dtype": placement.torch_dtype}
-    if "Qwen3VLForConditionalGeneration" in (config.architectures or []):
-        model = Qwen3VLForConditionalGeneration.from_pretrained(root, **kwargs).model
-    else:
-        model = Qwen3VLModel.from_pretrained(root, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
-    tokenizer.padding_side = "right"
+    model, tokenizer = load_qwen_weights(root, Qwen3VLConfig.from_pretrained(root, local_files_only=True), placement)
     block = family.vision_start_token + family.image_token + family.vision_end_token
     check_vision_blocks(directory.prompt, tokenizer, block, max_images)
     return family(
