@@ -39,6 +39,9 @@ def test_the_training_queue_is_shared_between_processes(local_ray):
     assert isinstance(TrainingQueue(), TrainingQueue)
 
 
+# Slow (74 s of the default run): the main job's path on Ray is in the default run as
+# tests/master/test_promotion_paths.py::test_main_job_path_on_ray_registers_both_aliases_with_the_heldout_loss.
+@pytest.mark.slow
 def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_ray, tmp_path):
     settings = Settings(data_dir=tmp_path, ray_namespace=f"test-{uuid.uuid4().hex[:8]}", torch_threads=1)
     # ManiSkill camera sessions take ~10 s each to start on a CPU: its tenant runs in the slow test below.

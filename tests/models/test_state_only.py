@@ -94,6 +94,9 @@ def test_state_only_rl_in_pusht_runs_a_workload(dep):
     assert final.version == 1
 
 
+# Slow (21 s): ManiSkill through the services stays in the default run in
+# tests/services/test_environment_service.py and tests/envs/test_adapters.py.
+@pytest.mark.slow
 def test_state_only_rl_in_maniskill_pushcube(dep):
     from joynexus.envs import build_simulator
 
