@@ -171,19 +171,31 @@ class TrainingQueue:
 
     # -- reads ------------------------------------------------------------------------------
     def get_meta(
-        self, partition_id: str, fields: list[str] | tuple[str, ...], batch_size: int, task_name: str = "train"
+        self,
+        partition_id: str,
+        fields: list[str] | tuple[str, ...],
+        batch_size: int,
+        task_name: str = "train",
+        order: list[int] | tuple[int, ...] | None = None,
     ) -> BatchMeta | None:
-        """The next `batch_size` unconsumed samples for `task_name`, or None when exhausted."""
+        """The next `batch_size` unconsumed samples for `task_name`, or None when exhausted.
+        `order` (a permutation of the partition's sample indices) reads it in that order: a PPO
+        epoch's shuffle, so its minibatches mix time steps and environments."""
         part = self._get(partition_id)
         missing = [f for f in fields if f not in part.fields]
         if missing:
             raise TrainingQueueError(f"partition {partition_id!r} has no fields {missing}; has {sorted(part.fields)}")
+        if order is not None and sorted(int(i) for i in order) != list(range(part.num_samples)):
+            raise TrainingQueueError(
+                f"order: expected a permutation of the {part.num_samples} sample indices of {partition_id!r}"
+            )
         start = part.cursors.get(task_name, 0)
         if start >= part.num_samples:
             return None
         stop = min(part.num_samples, start + batch_size)
         part.cursors[task_name] = stop
-        return BatchMeta(partition_id, task_name, tuple(range(start, stop)), tuple(fields))
+        indices = tuple(range(start, stop)) if order is None else tuple(int(i) for i in order[start:stop])
+        return BatchMeta(partition_id, task_name, indices, tuple(fields))
 
     def get_data(self, meta: BatchMeta) -> dict[str, Column]:
         part = self._get(meta.partition_id)

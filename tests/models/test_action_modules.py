@@ -267,6 +267,17 @@ def test_stochastic_oft_head_is_a_gaussian_policy_around_its_prediction() -> Non
     assert module.log_std.grad is not None and module.log_std.grad.abs().sum() > 0
 
 
+def test_an_rl_oft_head_starts_with_its_mean_near_zero_and_an_sft_head_does_not() -> None:
+    features = _random_features(16, 5, 64, seed=3)
+    state = torch.randn(16, STATE) * 3
+    torch.manual_seed(0)
+    rl = build_action_module(_config("oft_mlp", stochastic=True, value_head=True)).predict(features, state)
+    torch.manual_seed(0)
+    sft = build_action_module(_config("oft_mlp")).predict(features, state)
+    # Exploration comes from the Gaussian (std exp(-0.5) = 0.61), not from a random mean per state.
+    assert rl.abs().max() < 0.05 < sft.abs().max()
+
+
 def test_rl_needs_a_kind_with_a_tractable_density() -> None:
     # flow_matching's density is over its noise-injected chain (test_flow_rl); it has no closed-form one.
     with pytest.raises(RuntimeError, match="denoising chain"):

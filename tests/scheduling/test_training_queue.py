@@ -21,6 +21,20 @@ def test_put_get_meta_get_data_in_order_until_exhausted():
     assert q.describe("p")["annotations"] == {"tenant_id": "t1"}
 
 
+def test_get_meta_reads_in_a_given_order_and_refuses_one_that_is_not_a_permutation():
+    q = TrainingQueue()
+    q.put("p", {"x": np.arange(5, dtype=np.float32)})
+    order = [3, 0, 4, 1, 2]
+    metas = []
+    while (meta := q.get_meta("p", ["x"], batch_size=2, task_name="epoch-0", order=order)) is not None:
+        metas.append(meta)
+    assert [m.indices for m in metas] == [(3, 0), (4, 1), (2,)]
+    assert q.get_data(metas[0])["x"].tolist() == [3.0, 0.0]
+    for bad in ([0, 1, 2, 3], [0, 1, 2, 3, 3], [0, 1, 2, 3, 5]):
+        with pytest.raises(TrainingQueueError, match="order: expected a permutation of the 5"):
+            q.get_meta("p", ["x"], batch_size=2, task_name="epoch-1", order=bad)
+
+
 def test_cursors_are_per_task_and_derived_fields_write_back():
     q = TrainingQueue()
     q.put("p", {"reward": np.ones(4, dtype=np.float32)})

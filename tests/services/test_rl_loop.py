@@ -17,7 +17,9 @@ from joynexus.master.loops.advantage_stage import AdvantageStage
 from joynexus.master.loops.rollout import RolloutProducer
 from joynexus.master.workloads.evaluation import evaluate_policy
 from joynexus.master.workloads.manager import WorkloadManager
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY
+from joynexus.services.training.trainer import SlotTrainer
 from joynexus.settings import Settings
 from tests.helpers import TINY_MODEL_ID
 
@@ -78,6 +80,36 @@ def test_rl_job_goes_reserved_advantages_ready_leased_completed(dep):
         assert dep.inference_service.versions("pusher") == [0]  # published by the workload, not the actor
     finally:
         producer.close()
+
+
+def test_each_ppo_epoch_reads_the_rollout_in_a_fresh_order_and_encodes_each_sample_once(dep, monkeypatch):
+    reads: dict[str, list[tuple[int, ...]]] = {}
+    get_meta, encode, encoded = TrainingQueue.get_meta, SlotTrainer.encode, []
+
+    def recording_get_meta(self, partition_id, fields, batch_size, task_name="train", order=None):
+        meta = get_meta(self, partition_id, fields, batch_size, task_name, order)
+        if meta is not None and task_name.startswith("ppo-epoch-"):
+            reads.setdefault(task_name, []).append(meta.indices)
+        return meta
+
+    def counting_encode(self, images, instructions, adapters=None, grad=False):
+        encoded.append(len(instructions))
+        return encode(self, images, instructions, adapters, grad)
+
+    monkeypatch.setattr(TrainingQueue, "get_meta", recording_get_meta)
+    monkeypatch.setattr(SlotTrainer, "encode", counting_encode)
+    dep.creator.create(rl_spec("shuffler"))  # 12 samples, microbatches of 6, two PPO epochs
+    _, producer, stage, actor = parts(dep, "shuffler")
+    try:
+        producer.produce_once()
+        stage.step()
+        assert actor.step().state == COMPLETED
+    finally:
+        producer.close()
+    epochs = [sum(reads[f"ppo-epoch-{e}"], ()) for e in range(2)]
+    assert [sorted(e) for e in epochs] == [list(range(12))] * 2  # every sample once per epoch
+    assert epochs[0] != tuple(range(12)) and epochs[0] != epochs[1]  # shuffled, afresh each epoch
+    assert sum(encoded) == 12  # the frozen backbone: one forward per sample over both epochs
 
 
 def test_a_stale_rl_job_is_dropped_and_its_partition_cleared(dep):

@@ -118,6 +118,11 @@ class OFTMLPActionModule(ActionModule):
             nn.LayerNorm(p.width),
         )
         self.action_out = nn.Linear(p.width, config.action_chunk * config.action_dim)
+        if config.stochastic:
+            # An RL policy starts with its mean near 0 so early actions are the Gaussian's exploration,
+            # not a random per-state bias (CleanRL / ManiSkill PPO: output layer orthogonal, gain 0.01).
+            nn.init.orthogonal_(self.action_out.weight, gain=0.01)
+            nn.init.zeros_(self.action_out.bias)
 
     def forward(self, features: BackboneFeatures, state: torch.Tensor) -> torch.Tensor:
         """Differentiable chunk prediction (B, chunk, action_dim)."""

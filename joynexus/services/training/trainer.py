@@ -11,7 +11,8 @@ training (`grouped`) and the lower-layer primitives (`primitives`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from joynexus.spec import RLSpec
 
 __all__ = [
     "MAX_GRAD_NORM",
+    "FeatureRows",
     "RL_FIELDS",
     "SFT_FIELDS",
     "SlotTrainer",
@@ -262,15 +264,24 @@ class SlotTrainer:
             raise TenantSlotError(f"tenant {slot.config.tenant_id!r} is not an RL tenant; job {job.job_id} is 'rl'")
         losses: list[float] = []
         stats: dict[str, list[float]] = {"clip_fraction": [], "approx_kl": [], "value_loss": [], "entropy": []}
-        features_cache: dict[tuple[int, ...], BackboneFeatures] = {}
+        features_cache = FeatureRows()
         module = slot.module
         samples = 0
         # A flow head's density is over its recorded denoising chain, which the partition then carries.
         record = module.rl_record_field
         fields = RL_FIELDS if record in RL_FIELDS else (*RL_FIELDS, record)
+        # Each epoch reads the partition in a fresh order (PPO's minibatch shuffle): in rollout order
+        # a minibatch is a few consecutive time steps, so its normalized advantages and its gradient
+        # are those of one stretch of the episode, the same stretches in the same order every epoch.
+        # Seeded by the job: a re-run of the job shuffles the same way.
+        sample_count = int(queue.describe(job.partition_id)["num_samples"])
+        shuffle = np.random.default_rng([slot.config.seed % 2**32, zlib.crc32(job.job_id.encode())])
         for epoch in range(rl.ppo_epochs):
+            order = shuffle.permutation(sample_count).tolist()
             while True:
-                meta = queue.get_meta(job.partition_id, fields, slot.config.microbatch_size, f"ppo-epoch-{epoch}")
+                meta = queue.get_meta(
+                    job.partition_id, fields, slot.config.microbatch_size, f"ppo-epoch-{epoch}", order=order
+                )
                 if meta is None:
                     break
                 data = queue.get_data(meta)
@@ -280,9 +291,7 @@ class SlotTrainer:
                     # The features depend on the adapter, which every step changes: no reuse.
                     features = self.encode_slot(slot, batch)
                 else:
-                    if meta.indices not in features_cache:
-                        features_cache[meta.indices] = self.encode(batch.images, batch.instructions)
-                    features = features_cache[meta.indices]
+                    features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
                 objective = _PpoObjective(module, rl, features, batch, data, self.device)
                 step_started = time.perf_counter()
                 losses.append(self.update(slot, features, batch, compute_loss=objective))
@@ -298,6 +307,25 @@ class SlotTrainer:
                     samples += meta.size
         summary = {f"rl/{k}": float(np.mean(v)) for k, v in stats.items() if v}
         return losses, samples, {"rl_stats": summary}
+
+
+class FeatureRows:
+    """Backbone features kept per sample index for one PPO update: the backbone is frozen, so a
+    sample's features never change between epochs; each is encoded once, and a shuffled minibatch is
+    gathered from the rows (right-padded to its longest, as `BackboneFeatures.concat` does)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, BackboneFeatures] = {}
+
+    def get(self, indices: Sequence[int], encode: Callable[[], BackboneFeatures]) -> BackboneFeatures:
+        """The features of `indices`; `encode()` (the minibatch's own forward, in that order) runs
+        when any of them is new."""
+        if any(i not in self._rows for i in indices):
+            features = encode()
+            for row, index in enumerate(indices):
+                self._rows[index] = features.select([row])
+            return features
+        return BackboneFeatures.concat([self._rows[i] for i in indices])
 
 
 class _PpoObjective:
