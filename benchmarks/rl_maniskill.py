@@ -2,7 +2,7 @@
 interval) vs environment steps, wall time and CPU time, per seed.
 
   .venv/bin/python benchmarks/rl_maniskill.py [--task PushCube-v1] [--seeds 0 1 2] [--rounds 6]
-      [--jobs-per-round 10] [--eval-episodes 16] [--head oft_mlp|flow_matching] [--csv PATH]
+      [--jobs-per-round 10] [--eval-episodes 16] [--head oft_mlp|flow_matching] [--csv PATH] [--together]
 
 Each seed is one tenant on an in-process deployment (the Master's WorkloadManager, Training Queue,
 Training / Inference Model Services, Environment Service workers): every round submits an RL
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=16)
     parser.add_argument("--head", default="oft_mlp", choices=["oft_mlp", "flow_matching"])
     parser.add_argument("--csv", type=Path, default=None, help="append one row per round here")
+    parser.add_argument("--together", action="store_true", help="all seeds as tenants of one deployment at once")
     defaults = cube_defaults()
     for name, value in defaults.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -124,43 +125,63 @@ def main() -> None:
         env_service.reset_timeout_s, env_service.step_timeout_s = 1800.0, 600.0
         manager = WorkloadManager(dep).start()
         try:
-            for seed in args.seeds:
-                name = f"ms-{args.task.lower().replace('-', '')}-s{seed}"
-                spec = cube_spec(name, args.task, state_dim, action_dim, seed=seed, head=args.head, **knobs)
-                tenant = dep.creator.create(spec).tenant_id
-                started, cpu0, jobs = time.perf_counter(), cpu_seconds(), 0
-                print(f"seed {seed}: round  jobs  env_steps  wall_s  cpu_s  success [95% CI]  mean_return")
-                for round_ in range(args.rounds + 1):
-                    if round_:
-                        status = manager.wait(manager.submit(tenant, jobs=args.jobs_per_round).workload_id, 36000)
-                        if status.state != "completed":
-                            raise RuntimeError(f"workload {status.state}: {status.error}")
-                        jobs += args.jobs_per_round
-                    ev = manager.wait(manager.evaluate(tenant, episodes=args.eval_episodes).workload_id, 36000)
-                    r = ev.result or {}
-                    row = {
-                        "task": args.task, "seed": seed, "round": round_, "jobs": jobs,
-                        "env_steps": jobs * args.envs * args.horizon, "wall_s": round(time.perf_counter() - started),
-                        "cpu_s": round(cpu_seconds() - cpu0), "success_rate": r.get("success_rate"),
-                        "success_ci_low": r.get("success_ci_low"), "success_ci_high": r.get("success_ci_high"),
-                        "mean_return": r.get("mean_return"), "episodes": args.eval_episodes,
-                    }  # fmt: skip
-                    rows.append(row)
-                    print(f"seed {seed}: {round_:5d} {jobs:5d} {row['env_steps']:10d} {row['wall_s']:7d} "
-                          f"{row['cpu_s']:6d}  {r.get('success_rate', float('nan')):5.0%} "
-                          f"[{r.get('success_ci_low', 0):.0%}-{r.get('success_ci_high', 1):.0%}]  "
-                          f"{r.get('mean_return', float('nan')):8.3f}", flush=True)  # fmt: skip
-                    if args.csv is not None:
-                        new = not args.csv.exists()
-                        args.csv.parent.mkdir(parents=True, exist_ok=True)
-                        with args.csv.open("a", newline="") as fh:
-                            writer = csv.DictWriter(fh, fieldnames=list(row))
-                            if new:
-                                writer.writeheader()
-                            writer.writerow(row)
+            # --together: every seed is a tenant of the one deployment at once (the service's
+            # multi-tenant case; wall and CPU are then the group's, shared by its tenants).
+            groups = [args.seeds] if args.together else [[seed] for seed in args.seeds]
+            for seeds in groups:
+                rows += run_group(manager, dep, args, knobs, seeds, state_dim, action_dim)
         finally:
             manager.stop()
             dep.shutdown()
+
+
+def run_group(
+    manager: WorkloadManager, dep: Deployment, args: argparse.Namespace, knobs: dict[str, Any], seeds: list[int],
+    state_dim: int, action_dim: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Rounds of training + evaluation for one tenant per seed in `seeds`, all at once; a row per
+    tenant and round (printed, and appended to --csv)."""
+    tenants = {}
+    for seed in seeds:
+        name = f"ms-{args.task.lower().replace('-', '')}-s{seed}"
+        spec = cube_spec(name, args.task, state_dim, action_dim, seed=seed, head=args.head, **knobs)
+        tenants[seed] = dep.creator.create(spec).tenant_id
+    started, cpu0, jobs, rows = time.perf_counter(), cpu_seconds(), 0, []
+    print(f"seeds {seeds} (tenants at once: {len(seeds)}): seed round  jobs  env_steps  wall_s  cpu_s  "
+          "success [95% CI]  mean_return")  # fmt: skip
+    for round_ in range(args.rounds + 1):
+        if round_:
+            submitted = [manager.submit(t, jobs=args.jobs_per_round).workload_id for t in tenants.values()]
+            for status in manager.wait_all(submitted, 36000):
+                if status.state != "completed":
+                    raise RuntimeError(f"workload of {status.tenant_id} {status.state}: {status.error}")
+            jobs += args.jobs_per_round
+        evaluations = [manager.evaluate(t, episodes=args.eval_episodes).workload_id for t in tenants.values()]
+        results = {s.tenant_id: s.result or {} for s in manager.wait_all(evaluations, 36000)}
+        wall, cpu = round(time.perf_counter() - started), round(cpu_seconds() - cpu0)
+        for seed, tenant in tenants.items():
+            r = results[tenant]
+            row = {
+                "task": args.task, "seed": seed, "round": round_, "jobs": jobs,
+                "env_steps": jobs * args.envs * args.horizon, "wall_s": wall, "cpu_s": cpu,
+                "tenants_at_once": len(tenants), "success_rate": r.get("success_rate"),
+                "success_ci_low": r.get("success_ci_low"), "success_ci_high": r.get("success_ci_high"),
+                "mean_return": r.get("mean_return"), "episodes": args.eval_episodes,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"seed {seed}: {round_:5d} {jobs:5d} {row['env_steps']:10d} {wall:7d} {cpu:6d}  "
+                  f"{r.get('success_rate', float('nan')):5.0%} "
+                  f"[{r.get('success_ci_low', 0):.0%}-{r.get('success_ci_high', 1):.0%}]  "
+                  f"{r.get('mean_return', float('nan')):8.3f}", flush=True)  # fmt: skip
+            if args.csv is not None:
+                new = not args.csv.exists()
+                args.csv.parent.mkdir(parents=True, exist_ok=True)
+                with args.csv.open("a", newline="") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=list(row))
+                    if new:
+                        writer.writeheader()
+                    writer.writerow(row)
+    return rows
 
 
 if __name__ == "__main__":

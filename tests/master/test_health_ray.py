@@ -57,6 +57,9 @@ def restarted(cluster: Cluster, role: str, restarts: int) -> dict[str, Any] | No
     return report if entry["restarts"] >= restarts and entry["healthy"] else None
 
 
+# ~50 s with its cluster on a 2-core host: on demand (`-m slow`); the restart matrix
+# (tests/cluster/restart_matrix.py) and the chaos soak cover the same in-place restarts at length.
+@pytest.mark.slow
 def test_killed_services_restart_in_place_and_workloads_complete(cluster: Cluster, tmp_path):
     spec = sft_spec("alpha", tmp_path / "alpha", jobs=None, samples_per_job=8, microbatch_size=8, max_in_flight=1)
     write_dataset_for(spec, episodes=2, length=8, seed=0)
