@@ -195,7 +195,12 @@ def _client_session_lost(address: str | None) -> bool:
         return False
     from ray.util.client import ray as client
 
-    return not client.is_connected()
+    worker = client.get_context().client_worker
+    if worker is None or not worker.is_connected():
+        return True
+    # A data channel that gave up reconnecting (the new head's proxy no longer knows the session) shuts
+    # down alone: the worker still says connected while every call raises ConnectionError (Ray 2.60).
+    return bool(getattr(getattr(worker, "data_client", None), "_in_shutdown", False))
 
 
 def _end_session() -> None:

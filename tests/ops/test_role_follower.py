@@ -98,3 +98,57 @@ def test_the_client_port_is_the_one_checked_for_a_ray_client_address():
         port = server.getsockname()[1]
         assert role_follower._port_open(f"ray://127.0.0.1:{port}")
     assert not role_follower._port_open(f"ray://127.0.0.1:{port}")
+
+
+class ClientWorker:
+    def __init__(self, connected: bool = True, data_channel_ended: bool = False):
+        self.connected, self.data_client = connected, SimpleNamespace(_in_shutdown=data_channel_ended)
+
+    def is_connected(self) -> bool:
+        return self.connected
+
+
+@pytest.mark.parametrize(
+    ("worker", "lost"),
+    [
+        (ClientWorker(), False),
+        (None, True),  # disconnected
+        (ClientWorker(connected=False), True),  # "Ray Client is not connected"
+        # the data channel gave up reconnecting ("Attempted to reconnect a session that has already
+        # been cleaned up"): the worker still says connected, every call raises ConnectionError
+        (ClientWorker(data_channel_ended=True), True),
+    ],
+)
+def test_an_ended_client_session_is_seen_however_ray_client_left_it(monkeypatch, worker, lost):
+    from ray.util.client import ray as client
+
+    monkeypatch.setattr(client, "get_context", lambda: SimpleNamespace(client_worker=worker))
+    assert role_follower._client_session_lost("ray://joynexus-head-svc:10001") is lost
+    assert role_follower._client_session_lost("127.0.0.1:6379") is False  # a Ray node's own session
+
+
+def test_a_heartbeat_through_ray_client_goes_without_a_concurrency_group(monkeypatch):
+    """Ray Client's `.options` refuses `concurrency_group` (the API's /v1/health said the Master
+    "does not answer: ValueError: Invalid option keyword"); a cluster driver still uses the group."""
+    from joynexus import actors
+
+    class Method:
+        def __init__(self, client: bool):
+            self.client, self.groups = client, []
+
+        def options(self, **options):
+            if self.client:
+                raise ValueError(f"Invalid option keyword: '{next(iter(options))}'")
+            self.groups.append(options["concurrency_group"])
+            return self
+
+        def remote(self):
+            return "beat"
+
+    monkeypatch.setattr(actors, "_is_actor_handle", lambda target: True)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    for client in (True, False):
+        target = SimpleNamespace(heartbeat=Method(client))
+        monkeypatch.setattr(actors, "_is_client_actor_handle", lambda t, client=client: client)
+        assert actors.ServiceHandle(target).probe("heartbeat", timeout_s=1) == "beat"
+        assert target.heartbeat.groups == ([] if client else [actors.HEALTH_GROUP])
