@@ -16,7 +16,14 @@ import yaml
 
 from tests.deploy import topology_host as host
 from tests.deploy.render import DEPLOYMENTS, REPO
-from tests.deploy.topology_pods import HEAD_SVC, NAMESPACE, PodPlan, external_secrets, plan_pods
+from tests.deploy.topology_pods import (
+    HEAD_SVC,
+    NAMESPACE,
+    PodPlan,
+    bootstrap_config_maps,
+    external_secrets,
+    plan_pods,
+)
 
 VENV = Path(sys.prefix)  # the image's /opt/venv
 DB_HOST = "joynexus-db.topology.internal"  # RDS
@@ -94,6 +101,7 @@ class Topology:
         certs = self.base / "certs"
         certs.mkdir()
         cert, key = host.self_signed(certs, [DB_HOST, GCS_HOST])
+        self.ca_cert = cert  # the stand-ins' CA (self-signed): RDS's CA bundle here
         self.pg = self.base / "pg"
         self.pgdata = host.start_postgres(self.pg, gw, cert, key, secrets.token_hex(8))
         self.closers.append(lambda: host.stop_postgres(self.pgdata))
@@ -167,7 +175,7 @@ class Topology:
         return {**external_secrets(docs, remote), "joynexus-secrets": {"JOYNEXUS_ADMIN_KEY": self.admin_key}}
 
     def plan(self) -> dict[str, PodPlan]:
-        self.docs = render_overlay(self.base)
+        self.docs = render_overlay(self.base) + bootstrap_config_maps(self.ca_cert.read_text())
         for d in self.docs:
             d["metadata"].setdefault("uid", f"topology-{self.run}")  # the API server's uid (KubeRay: GCS namespace)
         self.pods = host.Pods(self.base, self.network, self.cgroups, self._image_mounts())
