@@ -117,7 +117,7 @@ def _report(t) -> None:
     for pod in getattr(t, "plans", {}):
         if pod in t.pods.plans:
             print(f"[topology]   {pod}: peak {t.cgroups.peak(pod) / 2**30:.2f} GiB of "
-                  f"{t.plans[pod].memory_limit / 2**30:.0f} GiB, OOM kills {t.cgroups.oom_kills(pod)}, "
+                  f"{t.plans[pod].memory_limit / 2**30:.1f} GiB, OOM kills {t.cgroups.oom_kills(pod)}, "
                   f"exits {t.pods.exits.get(pod, [])}")  # fmt: skip
 
 
