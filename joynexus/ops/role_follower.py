@@ -169,10 +169,12 @@ class RoleFollower:
         for attr, name in ROLE_ACTORS.items():
             handle = handle_of(getattr(self.cluster, attr))
             actor = ray.get_actor(name, namespace=namespace)
-            if every or _actor_id(actor) != _actor_id(handle.target):
+            changed = _actor_id(actor) != _actor_id(handle.target)
+            if every or changed:
                 handle.retarget(actor)
                 self.relookups += 1
-                log.warning("role %s looked up again: a new actor under its name", name)
+                why = "a new actor under its name" if changed else "the same actor, through the new session"
+                log.warning("role %s looked up again: %s", name, why)
 
     def _record(self) -> DeploymentState | None:
         try:
