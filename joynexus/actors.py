@@ -125,7 +125,9 @@ class ServiceHandle:
 
             if self._gate is not None:
                 self._gate()
-            call = getattr(self._target, method).options(concurrency_group=HEALTH_GROUP)
+            call = getattr(self._target, method)
+            if not _is_client_actor_handle(self._target):  # Ray Client's options take no concurrency group:
+                call = call.options(concurrency_group=HEALTH_GROUP)  # there the default group's threads answer
             return ray.get(call.remote(), timeout=timeout_s)
         target = self._target.target if isinstance(self._target, SerializedService) else self._target
         return getattr(target, method)()
@@ -213,6 +215,12 @@ def _is_actor_handle(target: Any) -> bool:
     # A driver connected through the Ray Client (ray://head:10001, as a pod outside the cluster)
     # holds ClientActorHandles: the same calls, a different class.
     return isinstance(target, ActorHandle | ClientActorHandle)
+
+
+def _is_client_actor_handle(target: Any) -> bool:
+    from ray.util.client.common import ClientActorHandle
+
+    return isinstance(target, ClientActorHandle)
 
 
 @functools.cache

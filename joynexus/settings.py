@@ -20,6 +20,7 @@ ROLES = (
     "inference_router",  # the replica set in front of them (when there is more than one replica)
     "environment_service",  # the single Environment Service, or the pool's front
     "environment_worker",  # each worker of an Environment Service pool
+    "call_futures",  # the lower layer's call queue every API replica shares (services/call_futures.py)
 )
 
 

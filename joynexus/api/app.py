@@ -75,6 +75,8 @@ def create_app(cluster: Cluster, settings: ApiSettings | None = None, *, admin_k
     gateway = ApiGateway(cluster, keys, ledger, limits=settings.limits)
     # Ray mode: the roles are looked up again when one is replaced or a new deployment comes up.
     follower = RoleFollower(cluster) if cluster.mode == "ray" else None
+    if follower is not None:
+        follower.on_reconnect.append(gateway.forget_call_futures)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -1,5 +1,9 @@
 """Per-application PostgreSQL users (issue 29 item 4): the Job `joynexus-db-users`
-(deployments/database/db-users.yaml) runs `python -m joynexus.ops.db_users /var/run/joynexus/db`.
+(deployments/database/db-users.yaml) runs `python -m joynexus.ops.db_users /var/run/joynexus/db
+--ca-bundle /etc/joynexus/rds-ca/global-bundle.pem`: TLS to RDS with its certificate verified against
+the RDS CA bundle (the ConfigMap joynexus-rds-ca, made by infra/scripts/bootstrap-cluster) and its
+name against the endpoint (libpq's verify-full): the master's session and the apps' password verifiers
+cross that connection, so no stand-in server may answer it.
 
 Each application (the control plane, MLflow, Prefect) logs in as its own role, owner of its own
 database only: LOGIN, no superuser, no CREATEDB / CREATEROLE, and PUBLIC's CONNECT on every app
@@ -114,40 +118,64 @@ def scram_verifier(conn, password: str, username: str) -> str:
     return verifier
 
 
-def connect_as(master: Credential, host: str, port: int, dbname: str, sslmode: str = "require"):
+def connect_as(
+    master: Credential, host: str, port: int, dbname: str, sslmode: str = "require", ca_bundle: Path | None = None
+):
+    """A connection as `master`; with `ca_bundle`, TLS with the server's certificate verified
+    against it and its name checked against `host` (libpq's verify-full)."""
     import psycopg
 
+    tls = {"sslmode": "verify-full", "sslrootcert": str(ca_bundle)} if ca_bundle else {"sslmode": sslmode}
     return psycopg.connect(
         host=host, port=port, dbname=dbname, user=master.username, password=master.password,
-        sslmode=sslmode, autocommit=True, connect_timeout=10,
+        autocommit=True, connect_timeout=10, **tls,
     )  # fmt: skip
 
 
-def run(folder: Path, *, sslmode: str = "require", maintenance_db: str = "postgres") -> list[str]:
-    """Every app's user and database from the credentials under `folder`; returns a line per app."""
+def check_ca_bundle(path: Path) -> Path:
+    """The CA bundle the server's certificate is verified against: it must hold a certificate."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        raise ValueError(f"{path}: no CA certificate (the ConfigMap joynexus-rds-ca, the RDS CA bundle)")
+    return path
+
+
+def run(
+    folder: Path, *, sslmode: str = "require", ca_bundle: Path | None = None, maintenance_db: str = "postgres"
+) -> list[str]:
+    """Every app's user and database from the credentials under `folder`; returns a line per app.
+    `ca_bundle`: verify the server (verify-full) instead of `sslmode`."""
     master = read_credential(folder / "master")
     apps = {name: read_credential(folder / name) for name in APPS}
     first = apps[APPS[0]]
     if not first.host:
         raise ValueError(f"{folder / APPS[0] / 'host'}: missing (the database endpoint)")
+    if ca_bundle is not None:
+        check_ca_bundle(ca_bundle)
     host, port = first.host, first.port or 5432
     done = []
-    with connect_as(master, host, port, maintenance_db, sslmode) as conn:
+    with connect_as(master, host, port, maintenance_db, sslmode, ca_bundle) as conn:
         for app in apps.values():
             ensure_app_user(conn, app)
     for name, app in apps.items():
-        with connect_as(master, host, port, str(app.dbname), sslmode) as conn:
+        with connect_as(master, host, port, str(app.dbname), sslmode, ca_bundle) as conn:
             moved = take_over_objects(conn, app)
         done.append(f"{name}: role {app.username} owns database {app.dbname} ({moved} objects taken over)")
     return done
 
 
+USAGE = "usage: python -m joynexus.ops.db_users <folder of mounted credentials> [--ca-bundle <PEM file>]"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m joynexus.ops.db_users <folder of mounted credentials>", file=sys.stderr)
+    """`<folder> [--ca-bundle PEM]`: with a CA bundle (the Job: the RDS bundle), the server's
+    certificate and name are verified (verify-full); without, TLS is only required."""
+    if len(argv) not in (1, 3) or (len(argv) == 3 and argv[1] != "--ca-bundle"):
+        print(USAGE, file=sys.stderr)
         return 2
+    ca_bundle = Path(argv[2]) if len(argv) == 3 else None
     try:
-        for line in run(Path(argv[0])):
+        for line in run(Path(argv[0]), ca_bundle=ca_bundle):
             print(line)
     except ValueError as error:
         print(f"joynexus db-users: {error}", file=sys.stderr)

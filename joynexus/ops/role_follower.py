@@ -12,6 +12,13 @@ the one it connected under, and on a new deployment closes the handles' gate (ca
 role up again by name and retargets the handles in place (every holder follows), then opens the
 gate; otherwise it looks the roles up again by name and retargets any that changed. It never calls
 Ray while the head's port is closed (a call to a dead GCS would block).
+
+A third thing breaks a Ray Client (`ray://`) session alone: the head restarting (KubeRay's new head
+pod with GCS fault tolerance). The detached actors live on, but the session's server process on the
+old head is gone, and with it every handle this process got through it; Ray Client gives up its
+reconnect ("Ray Client is not connected"). The gate then refuses calls (503), and the follower
+connects a new session once the head's client port answers, looks every role up again and retargets
+every handle, and runs the `on_reconnect` callbacks (handles held elsewhere are dropped there).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from joynexus.actors import RoleUnavailable, handle_of, init_ray
@@ -41,6 +49,7 @@ ROLE_ACTORS = {
 # server must outlive a `down` + `up` instead, so it waits as long as that takes (set before Ray starts).
 GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 GCS_RECONNECT_S = "86400"
+CLIENT_SESSION_LOST = "the Ray Client session ended (the Ray head restarted?); reconnecting"
 
 
 def outlive_ray_restarts() -> None:
@@ -51,6 +60,7 @@ def outlive_ray_restarts() -> None:
 class RoleFollower:
     def __init__(self, cluster: Cluster, *, interval_s: float = 1.0, retry_after_s: float = 2.0):
         self.cluster = cluster
+        self.on_reconnect: list[Callable[[], None]] = []  # after every new Ray session
         self.interval_s = interval_s
         self.retry_after_s = retry_after_s
         self._deployment = _deployment_key(self._record())
@@ -88,6 +98,9 @@ class RoleFollower:
         return self._away
 
     def _gate(self) -> None:
+        if self._away is None and _client_session_lost(self._address):
+            self._away = CLIENT_SESSION_LOST
+            self._wake.set()
         reason = self._away
         if reason is not None:
             raise RoleUnavailable("the deployment", reason, self.retry_after_s)
@@ -116,6 +129,11 @@ class RoleFollower:
                 self._reconnect(state.ray_address)
                 self._deployment = key
                 return
+            if _client_session_lost(self._address):
+                self._away = CLIENT_SESSION_LOST
+                if _port_open(self._address):
+                    self._reconnect(self._address)
+                return
             if relookup or self._away is not None:
                 if not _port_open(self._address):
                     self._away = "the Ray cluster does not answer"
@@ -124,32 +142,39 @@ class RoleFollower:
                 self._away = None
 
     def _reconnect(self, address: str) -> None:
+        """A new Ray session at `address` (a new deployment, or a Ray Client session that ended):
+        every role looked up again and every handle retargeted (the old session's handles are void)."""
         import ray
 
-        self._away = "reconnecting to a new deployment"
-        log.warning("a new deployment is up at %s: reconnecting this server's Ray session", address)
+        if self._away != CLIENT_SESSION_LOST:
+            self._away = "reconnecting to a new deployment"
+        log.warning("reconnecting this server's Ray session to %s (%s)", address, self._away)
         time.sleep(0.2)  # calls that passed the gate a moment ago finish or fail first
-        ray.shutdown()
+        _end_session()
         init_ray(address)
         self._address = address
-        self._look_up_roles()
-        # The new Master has reconciled and started (its raw actor: the handles' gate is still closed).
+        self._look_up_roles(every=True)
+        # The Master has reconciled and started (its raw actor: the handles' gate is still closed).
         ray.get(handle_of(self.cluster.master).target.ping.remote(), timeout=600)
+        for callback in self.on_reconnect:
+            callback()
         self.reconnects += 1
         self._away = None
 
-    def _look_up_roles(self) -> None:
-        """Every role by name; retarget each handle whose actor changed."""
+    def _look_up_roles(self, *, every: bool = False) -> None:
+        """Every role by name; retarget each handle whose actor changed (`every`: all of them)."""
         import ray
 
         namespace = self.cluster.settings.ray_namespace
         for attr, name in ROLE_ACTORS.items():
             handle = handle_of(getattr(self.cluster, attr))
             actor = ray.get_actor(name, namespace=namespace)
-            if _actor_id(actor) != _actor_id(handle.target):
+            changed = _actor_id(actor) != _actor_id(handle.target)
+            if every or changed:
                 handle.retarget(actor)
                 self.relookups += 1
-                log.warning("role %s looked up again: a new actor under its name", name)
+                why = "a new actor under its name" if changed else "the same actor, through the new session"
+                log.warning("role %s looked up again: %s", name, why)
 
     def _record(self) -> DeploymentState | None:
         try:
@@ -166,9 +191,38 @@ def _actor_id(actor: Any) -> Any:
     return getattr(actor, "_actor_id", None)
 
 
+def _client_session_lost(address: str | None) -> bool:
+    """Whether this process's Ray Client session (a `ray://` address) has ended."""
+    if not address or not address.startswith("ray://"):
+        return False
+    from ray.util.client import ray as client
+
+    worker = client.get_context().client_worker
+    if worker is None or not worker.is_connected():
+        return True
+    # A data channel that gave up reconnecting (the new head's proxy no longer knows the session) shuts
+    # down alone: the worker still says connected while every call raises ConnectionError (Ray 2.60).
+    return bool(getattr(getattr(worker, "data_client", None), "_in_shutdown", False))
+
+
+def _end_session() -> None:
+    """Leave this process's Ray session; an ended Ray Client session is only disconnected (ray.shutdown
+    would call into it and raise "Ray Client is not connected")."""
+    import ray
+    from ray.util.client import ray as client
+
+    if client.get_context().client_worker is not None:
+        client.disconnect()
+    else:
+        ray.shutdown()
+
+
 def _port_open(address: str | None) -> bool:
-    """Whether the Ray head's port accepts connections (no address: a local Ray of this process)."""
-    if not address or ":" not in address or address.startswith("ray://"):
+    """Whether the Ray head's port (a `ray://` address: its client server's) accepts connections
+    (no address: a local Ray of this process)."""
+    if address and address.startswith("ray://"):
+        address = address[len("ray://") :].split("/", 1)[0]
+    if not address or ":" not in address:
         return True
     host, port = address.rsplit(":", 1)
     try:

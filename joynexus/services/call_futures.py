@@ -327,11 +327,15 @@ def call_futures_actor(training: Any, inference: Any, *, database_url: str, name
     threaded, so collects waiting for results do not hold up submissions."""
     import ray
 
+    from joynexus.actors import role_resources
+
     options: dict[str, Any] = {
         "name": CALL_FUTURES_ACTOR_NAME,
         "get_if_exists": True,
         "lifetime": "detached",
-        "num_cpus": 0,
+        # no CPU of its own by default; a deployment gives it some (deployments/config.yaml), so it is
+        # never placed on a Ray head of num-cpus 0, whose restart would restart it and lose its futures
+        **role_resources("call_futures").ray_options(default_num_cpus=0),
         "max_concurrency": 64,
         # Restarted in place if its process dies: the futures it held are lost (collecting one
         # answers "not found"), new submissions work again at once.

@@ -105,7 +105,7 @@ def test_the_users_job_mounts_what_db_users_reads_and_the_templates_make_each_ap
     res = by_key(rendered())
     job = res[("Job", "joynexus-db-users")]["spec"]["template"]["spec"]
     container = job["containers"][0]
-    folder = container["command"][-1]
+    folder = container["command"][3]  # then --ca-bundle <the RDS CA bundle> (test_topology_plan.py)
     assert container["command"][:3] == ["python", "-m", "joynexus.ops.db_users"]
     volumes = {v["name"]: v["secret"] for v in job["volumes"] if "secret" in v}
     mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"] if m["name"] in volumes}

@@ -134,6 +134,18 @@ def test_tenant_code_pods_get_no_database_login_and_no_api_token():
                 assert not any("secretRef" in e for e in container.get("envFrom", [])), label  # key by key only
 
 
+def test_every_ray_role_asks_for_cpu_so_none_lands_on_the_head():
+    """The head starts with num-cpus 0, which keeps only CPU-asking actors off it; an actor of 0 CPUs
+    may land there, and a head restart (GCS fault tolerance) then restarts it with its state lost:
+    the topology test saw the call queue `joynexus.call_futures` there."""
+    from joynexus.settings import ROLES, parse_role_resources
+
+    config = resources()[("ConfigMap", "joynexus-config")]["data"]
+    asked = parse_role_resources(config["JOYNEXUS_RESOURCES_JSON"])
+    assert set(asked) == set(ROLES), set(ROLES) - set(asked)
+    assert all((spec.num_cpus or 0) > 0 for spec in asked.values()), asked
+
+
 def test_gpu_workers_and_ray_autoscaling():
     cluster = resources()[("RayCluster", "joynexus")]["spec"]
     assert cluster["rayVersion"] == "2.60.0"  # the Ray of pyproject.toml

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.deploy.render import REPO, rendered
-from tests.deploy.topology_pods import HEAD_SVC, external_secrets, plan_pods, service_link_env
+from tests.deploy.topology_pods import HEAD_SVC, bootstrap_config_maps, external_secrets, plan_pods, service_link_env
 
 
 def remote_value(key: str) -> dict[str, str] | str:
@@ -25,9 +25,12 @@ def secrets_of(docs: list[dict]) -> dict[str, dict[str, str]]:
     return {**external_secrets(docs, remote_value), "joynexus-secrets": {"JOYNEXUS_ADMIN_KEY": "x"}}
 
 
+RDS_CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+
+
 @pytest.fixture(scope="module")
 def plans():
-    docs = rendered()
+    docs = rendered() + bootstrap_config_maps(RDS_CA)
     services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"] + [HEAD_SVC]
     return plan_pods(docs, secrets_of(docs), REPO / "Dockerfile", {name: "10.0.0.1" for name in services}, {})
 
@@ -73,3 +76,14 @@ def test_the_operator_s_secrets_carry_each_app_s_own_login_url_encoded(plans):
     for plan in plans:  # no pod but the db-users Job sees the master login
         if plan.name != "joynexus-db-users":
             assert not any(v["kind"] == "secret" for v in plan.volumes), plan.name
+
+
+def test_the_db_users_job_verifies_the_database_against_the_mounted_rds_ca_bundle(plans):
+    db_users = next(p for p in plans if p.name == "joynexus-db-users")
+    assert "--ca-bundle" in db_users.argv, db_users.argv  # verify-full (joynexus/ops/db_users.py main)
+    bundle = db_users.argv[db_users.argv.index("--ca-bundle") + 1]
+    folder, name = bundle.rsplit("/", 1)
+    (volume,) = [v for v in db_users.volumes if v["target"] == folder]
+    assert volume["kind"] == "configMap" and volume["read_only"] and volume["files"] == {name: RDS_CA}
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    assert "create configmap joynexus-rds-ca" in bootstrap and "truststore.pki.rds.amazonaws.com" in bootstrap

@@ -16,7 +16,14 @@ import yaml
 
 from tests.deploy import topology_host as host
 from tests.deploy.render import DEPLOYMENTS, REPO
-from tests.deploy.topology_pods import HEAD_SVC, NAMESPACE, PodPlan, external_secrets, plan_pods
+from tests.deploy.topology_pods import (
+    HEAD_SVC,
+    NAMESPACE,
+    PodPlan,
+    bootstrap_config_maps,
+    external_secrets,
+    plan_pods,
+)
 
 VENV = Path(sys.prefix)  # the image's /opt/venv
 DB_HOST = "joynexus-db.topology.internal"  # RDS
@@ -94,12 +101,14 @@ class Topology:
         certs = self.base / "certs"
         certs.mkdir()
         cert, key = host.self_signed(certs, [DB_HOST, GCS_HOST])
+        self.ca_cert = cert  # the stand-ins' CA (self-signed): RDS's CA bundle here
         self.pg = self.base / "pg"
         self.pgdata = host.start_postgres(self.pg, gw, cert, key, secrets.token_hex(8))
         self.closers.append(lambda: host.stop_postgres(self.pgdata))
-        host.psql(self.pg, f"CREATE ROLE {DB_USER} LOGIN CREATEDB PASSWORD '{self.password}'")
-        for db in ("joynexus", "mlflow", "prefect"):  # RDS's initial db; bootstrap-cluster's createdb step
-            host.psql(self.pg, f"CREATE DATABASE {db} OWNER {DB_USER}")
+        # RDS's master user (CREATEDB, CREATEROLE, no superuser) and its initial database (database.tf's
+        # db_name); the Job joynexus-db-users makes each app's role and the other databases.
+        host.psql(self.pg, f"CREATE ROLE {DB_USER} LOGIN CREATEDB CREATEROLE PASSWORD '{self.password}'")
+        host.psql(self.pg, f"CREATE DATABASE joynexus OWNER {DB_USER}")
         self._start_process("redis", ["redis-server", "--port", "0", "--tls-port", "6379", "--bind", gw,
                                       "--tls-cert-file", str(cert), "--tls-key-file", str(key),
                                       "--tls-auth-clients", "no", "--requirepass", self.redis_password,
@@ -166,7 +175,7 @@ class Topology:
         return {**external_secrets(docs, remote), "joynexus-secrets": {"JOYNEXUS_ADMIN_KEY": self.admin_key}}
 
     def plan(self) -> dict[str, PodPlan]:
-        self.docs = render_overlay(self.base)
+        self.docs = render_overlay(self.base) + bootstrap_config_maps(self.ca_cert.read_text())
         for d in self.docs:
             d["metadata"].setdefault("uid", f"topology-{self.run}")  # the API server's uid (KubeRay: GCS namespace)
         self.pods = host.Pods(self.base, self.network, self.cgroups, self._image_mounts())
@@ -185,7 +194,8 @@ class Topology:
         identity = {"AWS_ACCESS_KEY_ID": self.s3_key[0], "AWS_SECRET_ACCESS_KEY": self.s3_key[1],
                     "AWS_ENDPOINT_URL_S3": f"http://{S3_HOST}:{S3_PORT}"}  # fmt: skip
         platform = {role: identity for role in S3_ROLES}
-        plans = plan_pods(self.docs, self.secrets(self.docs), REPO / "Dockerfile", service_ips, platform)
+        self.secret_data = self.secrets(self.docs)
+        plans = plan_pods(self.docs, self.secret_data, REPO / "Dockerfile", service_ips, platform)
         self.plans = {p.name: p for p in plans}
         return self.plans
 

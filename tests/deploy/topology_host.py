@@ -265,12 +265,12 @@ class Pods:
                 continue
             source = shared if volume["kind"] == "pvc" else self.base / "volumes" / plan.name / volume["name"]
             source.mkdir(parents=True, exist_ok=True)
-            if volume["kind"] == "secret":  # the kubelet's secret volume: one read-only file per key
+            if volume["kind"] in ("secret", "configMap"):  # the kubelet's: one read-only file per key
                 for name, value in volume["files"].items():
                     path = source / name
                     path.write_text(value)
                     os.chown(path, plan.uid, plan.groups[-1])
-                    path.chmod(0o400)
+                    path.chmod(0o400 if volume["kind"] == "secret" else 0o444)
             elif volume["kind"] != "pvc":
                 os.chown(source, plan.uid, plan.groups[-1])
                 source.chmod(0o2777)  # emptyDir: world-writable, fsGroup-owned

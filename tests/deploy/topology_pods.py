@@ -122,7 +122,7 @@ def container_env(container: dict, config_maps: dict, secrets: dict, base: dict[
     return env
 
 
-def _volumes(pod_spec: dict, container: dict, secrets: dict) -> list[dict]:
+def _volumes(pod_spec: dict, container: dict, secrets: dict, config_maps: dict) -> list[dict]:
     by_name = {v["name"]: v for v in pod_spec.get("volumes", [])}
     out = []
     for mount in container.get("volumeMounts", []):
@@ -138,10 +138,16 @@ def _volumes(pod_spec: dict, container: dict, secrets: dict) -> list[dict]:
             data = secrets[volume["secret"]["secretName"]]
             items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
             files = {item["path"]: data[item["key"]] for item in items}
+        elif "configMap" in volume:  # likewise, world-readable
+            kind, size = "configMap", None
+            data = config_maps[volume["configMap"]["name"]]
+            items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
+            files = {item["path"]: data[item["key"]] for item in items}
         else:
             raise ValueError(f"volume {mount['name']}: unsupported source {sorted(volume)}")
+        read_only = bool(mount.get("readOnly")) or kind in ("secret", "configMap")
         out.append({"target": mount["mountPath"], "kind": kind, "name": mount["name"], "size": size,
-                    "read_only": bool(mount.get("readOnly")) or kind == "secret", "files": files})  # fmt: skip
+                    "read_only": read_only, "files": files})  # fmt: skip
     return out
 
 
@@ -173,6 +179,13 @@ def external_secrets(docs: list[dict], remote: Callable[[str], Any]) -> dict[str
     return out
 
 
+def bootstrap_config_maps(rds_ca_pem: str) -> list[dict]:
+    """The ConfigMaps infra/scripts/bootstrap-cluster makes outside the manifests: joynexus-rds-ca,
+    the RDS CA bundle (`rds_ca_pem`) the Job joynexus-db-users verifies the database against."""
+    meta = {"name": "joynexus-rds-ca", "namespace": NAMESPACE}
+    return [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"global-bundle.pem": rds_ca_pem}}]
+
+
 def _probe(container: dict) -> dict | None:
     for key in ("startupProbe", "readinessProbe"):
         if "httpGet" in container.get(key, {}):
@@ -182,7 +195,7 @@ def _probe(container: dict) -> dict | None:
 
 def plan_container(
     name: str, workload: str, pod_spec: dict, container: dict, env: dict[str, str], workdir: str,
-    secrets: dict | None = None,
+    secrets: dict | None = None, config_maps: dict | None = None,
 ) -> PodPlan:
     pod_sc, sc = pod_spec.get("securityContext", {}), container.get("securityContext", {})
     uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
@@ -199,7 +212,8 @@ def plan_container(
         groups=sorted({gid, pod_sc.get("fsGroup", gid)}), memory_limit=quantity_bytes(limit),
         cpu_request=cpu_cores(container.get("resources", {}).get("requests", {}).get("cpu", "0")),
         cwd=container.get("workingDir", workdir), read_only_root=bool(sc.get("readOnlyRootFilesystem")),
-        no_new_privs=sc.get("allowPrivilegeEscalation") is False, volumes=_volumes(pod_spec, container, secrets or {}),
+        no_new_privs=sc.get("allowPrivilegeEscalation") is False,
+        volumes=_volumes(pod_spec, container, secrets or {}, config_maps or {}),
         service_account=pod_spec.get("serviceAccountName", "default"), probe=_probe(container), ports=ports,
     )  # fmt: skip
 
@@ -262,7 +276,7 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
             for container in spec["containers"]:
                 env = {**base, **platform_env.get(spec.get("serviceAccountName", ""), {}), "HOSTNAME": name}
                 env = container_env(container, config_maps, secrets, env)
-                plan = plan_container(name, f"{kind}/{name}", spec, container, env, workdir, secrets)
+                plan = plan_container(name, f"{kind}/{name}", spec, container, env, workdir, secrets, config_maps)
                 plan.restart = spec.get("restartPolicy", "Always")
                 plan.backoff_limit = doc["spec"].get("backoffLimit", 6) if kind == "Job" else 0
                 plans.append(plan)
@@ -282,6 +296,7 @@ def plan_pods(docs: list[dict], secrets: dict, dockerfile: Path, service_ips: di
                     env["REDIS_PASSWORD"] = secrets[ref["name"]][ref["key"]]
                 argv = [a.replace("$REDIS_PASSWORD", env.get("REDIS_PASSWORD", "")) for a in argv]
                 plan = plan_container(pod_name, f"RayCluster/{name}/{'head' if group is None else group['groupName']}",
-                                      spec, {**container, "command": argv}, env, workdir, secrets)  # fmt: skip
+                                      spec, {**container, "command": argv}, env, workdir, secrets,
+                                      config_maps)  # fmt: skip
                 plans.append(plan)
     return plans

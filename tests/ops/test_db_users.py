@@ -121,3 +121,46 @@ def test_a_missing_key_is_refused_by_name_before_anything_is_made(deployment):
     with admin() as conn:
         made = conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", ([u for u, _ in apps.values()],))
         assert made.fetchall() == []
+
+
+def credentials(tmp_path):
+    folder = tmp_path / "db"
+    write(folder / "master", username="master", password="m")
+    for name in db_users.APPS:
+        write(folder / name, username=f"u_{name}", password="p", dbname="d", host="db.internal", port="5432")
+    return folder
+
+
+class Refused(Exception):
+    pass
+
+
+def test_with_the_ca_bundle_the_server_is_verified_against_it_and_its_name(tmp_path, monkeypatch):
+    folder, bundle = credentials(tmp_path), tmp_path / "global-bundle.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    seen = []
+
+    def connect(**kwargs):
+        seen.append(kwargs)
+        raise Refused
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    with pytest.raises(Refused):
+        db_users.run(folder, ca_bundle=bundle)
+    assert seen[0]["sslmode"] == "verify-full" and seen[0]["sslrootcert"] == str(bundle)
+    assert seen[0]["host"] == "db.internal"  # the name verify-full checks the certificate against
+    with pytest.raises(Refused):
+        db_users.run(folder)  # no bundle (a laptop): TLS required, the server not verified
+    assert seen[1]["sslmode"] == "require" and "sslrootcert" not in seen[1]
+
+
+def test_a_missing_or_empty_ca_bundle_is_refused_by_name_before_connecting(tmp_path, monkeypatch, capsys):
+    folder = credentials(tmp_path)
+    monkeypatch.setattr(psycopg, "connect", lambda **kw: pytest.fail("connected without a CA bundle"))
+    missing = tmp_path / "rds-ca" / "global-bundle.pem"
+    assert db_users.main([str(folder), "--ca-bundle", str(missing)]) == 1
+    assert f"{missing}: no CA certificate" in capsys.readouterr().err
+    missing.parent.mkdir()
+    missing.write_text("")  # a ConfigMap key that is empty
+    assert db_users.main([str(folder), "--ca-bundle", str(missing)]) == 1
+    assert db_users.main([str(folder), "--ca-bundel", str(missing)]) == 2  # a misspelt option: usage

@@ -124,6 +124,12 @@ class FutureOperations(GatewayBase):
                 self._call_futures = futures
             return futures
 
+    def forget_call_futures(self) -> None:
+        """Drop the call queue's handle: a new Ray session (the follower reconnected) voids it; the
+        next use looks the actor up again."""
+        with self._lock:
+            self._call_futures = None
+
     def submit_call(self, tenant_id: str, kind: str, request: BaseModel | None) -> ss.FutureInfo:
         """Check `request` as the blocking `kind` call would, then queue it: the future's info."""
         if kind == "forward_backward":
