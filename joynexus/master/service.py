@@ -21,15 +21,15 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from joynexus.actors import handle_of, named_actor
 from joynexus.core.serving_sets import ServingSetStore
 from joynexus.core.tenants import Tenant
 from joynexus.data.sources import resolve_dataset, resolve_dataset_source
 from joynexus.data.uploads import delete_tenant_datasets
 from joynexus.master.deployment import Deployment
-from joynexus.master.health import HealthManager, HealthOptions
+from joynexus.master.errors import TenantUnavailable
+from joynexus.master.health import HealthManager
+from joynexus.master.options import MasterOptions
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
@@ -40,40 +40,6 @@ log = logging.getLogger(__name__)
 
 MASTER_ACTOR = "joynexus.master"
 UNHEALTHY = "unhealthy"
-
-
-class MasterOptions(BaseModel):
-    """Admission and retry limits of the Master Service."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_running_workloads: int = Field(default=8, ge=1)
-    max_failures_per_workload: int = Field(default=3, ge=1)
-    max_concurrent_rollouts: int = Field(default=4, ge=1)
-    max_job_attempts: int = Field(default=3, ge=1, description="re-queues of a job whose lease owner died")
-    default_max_device_seconds: float | None = Field(default=None, ge=0)
-    default_max_queued_workloads: int | None = Field(default=8, ge=0)
-    max_wait_s: float = Field(default=30.0, gt=0, description="longest single wait_workload call")
-    default_max_storage_bytes: int | None = Field(
-        default=None, ge=0, description="checkpoint bytes per tenant; None: no quota"
-    )
-    health: HealthOptions = Field(default_factory=HealthOptions)
-    # Housekeeping (joynexus.master.tenant_lifecycle): checkpoint crash leftovers older than the
-    # grace are swept at start and then this often; unhealthy tenants' slots are retried this often.
-    leftover_sweep_interval_s: float = Field(default=3600.0, gt=0)
-    leftover_grace_s: float = Field(default=3600.0, ge=0)
-    unhealthy_retry_interval_s: float = Field(default=30.0, gt=0)
-
-
-class TenantUnavailable(RuntimeError):
-    """The tenant exists but its backend slot could not be built; the reason says why."""
-
-    def __init__(self, tenant_id: str, reason: str):
-        self.tenant_id, self.reason = tenant_id, reason
-        super().__init__(f"tenant {tenant_id!r} is unhealthy: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.tenant_id, self.reason))
 
 
 class MasterService:
