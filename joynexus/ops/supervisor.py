@@ -426,15 +426,18 @@ def down(
         on_stage(f"nothing recorded in {run_dir(settings) / STATE_FILE}")
         return {}
     ray_process = state.process("ray")
-    if ray_process is None or ray_process.alive():
-        try:
-            removed = _remove_actors(state)
-            on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
-        except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
-            on_stage(f"could not remove the detached actors: {error}")
-    # The actors are gone: Ray's head and the servers stop at once (each may take its grace period).
+    # The servers (Prefect, MLflow) stop while the actors are removed; Ray's head only after them.
+    # Each may take its grace period; all run at once.
     with ThreadPoolExecutor(max_workers=max(1, len(state.processes)), thread_name_prefix="stop") as pool:
-        futures = {process.name: pool.submit(stop_process, process) for process in reversed(state.processes)}
+        futures = {p.name: pool.submit(stop_process, p) for p in reversed(state.processes) if p is not ray_process}
+        if ray_process is None or ray_process.alive():
+            try:
+                removed = _remove_actors(state)
+                on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
+            except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
+                on_stage(f"could not remove the detached actors: {error}")
+        if ray_process is not None:
+            futures = {"ray": pool.submit(stop_process, ray_process), **futures}
     stopped: dict[str, list[int]] = {}
     for name, future in futures.items():
         stopped[name] = future.result()
