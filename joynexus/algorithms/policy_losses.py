@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from joynexus.algorithms.loss_names import OFF_POLICY_LOSSES
 from joynexus.models.action_modules import ActionModule
 from joynexus.models.backbone import BackboneFeatures
 
@@ -37,7 +38,6 @@ __all__ = [
     "ppo_clip_loss",
 ]
 
-OFF_POLICY_LOSSES = ("importance_sampling", "ppo_clip")
 DEFAULT_CLIP_EPS = 0.2
 # loss -> the `loss_config` fields it reads (anything else is refused by name).
 LOSS_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {"importance_sampling": (), "ppo_clip": ("clip_eps",)}

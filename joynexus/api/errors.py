@@ -163,7 +163,7 @@ def install_exception_handlers(app: FastAPI) -> None:
     for unavailable in role_unavailable_errors():
         app.add_exception_handler(unavailable, _role_away)
 
-    from joynexus.services.training.slots import UnknownTenant
+    from joynexus.services.training.errors import UnknownTenant
 
     @app.exception_handler(UnknownTenant)
     async def _slot_away(request: Request, error: Exception) -> JSONResponse:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from joynexus.api.gateway import ApiLimits
 from joynexus.api.rate_limits import RateLimitSettings
 from joynexus.api.streaming import StreamSettings
-from joynexus.master.service import MasterOptions
+from joynexus.master.options import MasterOptions
 
 
 def _master_default(name: str) -> Any:

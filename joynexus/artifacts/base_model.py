@@ -16,9 +16,10 @@ import os
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from joynexus.models.backbone import BackboneSource
-from joynexus.models.placement import DevicePlacement
+if TYPE_CHECKING:  # the API serves the archive; only building a preset's needs the backbone (torch)
+    from joynexus.models.backbone import BackboneSource
 
 __all__ = ["BASE_MODEL_MEDIA_TYPE", "base_model_archive", "extract_base_model"]
 
@@ -38,6 +39,8 @@ def base_model_archive(source: BackboneSource, cache_dir: str | Path) -> Path:
         if source.path is not None:
             folder = Path(source.path).expanduser()
         else:  # a preset: the same weights every service builds from it
+            from joynexus.models.placement import DevicePlacement
+
             folder = Path(tmp) / "backbone"
             source.build(DevicePlacement(device="cpu", autocast=False)).save_pretrained(folder)
         partial = Path(tmp) / "archive.tar"

@@ -8,8 +8,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from joynexus.artifacts.blobs import (
     BlobStore,
@@ -40,6 +39,9 @@ from joynexus.artifacts.codec import (
 )
 from joynexus.artifacts.stores import blob_store_for, checkpoint_blobs
 from joynexus.settings import Settings
+
+if TYPE_CHECKING:  # clients that list versions or read manifests never import torch
+    import torch
 
 # Per-tenant high-water mark of every policy version the Training Model Service has issued
 # (exported, published, returned), checkpointed or not: a restarted service never reuses one.

@@ -13,11 +13,10 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load as _st_load
-from safetensors.torch import save as _st_save
+if TYPE_CHECKING:  # imported where tensors are made or read: manifests and digests need no torch
+    import torch
 
 ACTION_MODULE_FILE = "action_module.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
@@ -146,6 +145,8 @@ class TenantManifest:
 
 
 def _prepare_tensors(state: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if not isinstance(key, str):
@@ -160,6 +161,8 @@ def _prepare_tensors(state: Mapping[str, Any], what: str) -> dict[str, torch.Ten
 
 def _save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     """safetensors bytes that are a function of the tensors and metadata alone (see _canonical_header)."""
+    from safetensors.torch import save as _st_save
+
     return _canonical_header(_st_save(tensors, metadata=metadata))
 
 
@@ -207,6 +210,8 @@ def _load_tensors(data: bytes, what: str) -> tuple[dict[str, torch.Tensor], dict
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict):
         raise PayloadError(f"{what}: safetensors metadata is not an object")
+    from safetensors.torch import load as _st_load
+
     try:
         tensors = _st_load(data)  # validates offsets / dtypes; pure data, no code execution
     except Exception as exc:  # safetensors raises its own SafetensorError
@@ -276,6 +281,8 @@ _TAGS = {_TAG_TENSOR, _TAG_TUPLE, _TAG_ITEMS}
 
 
 def encode_optimizer_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
 
     def tensor_key(path: list[str]) -> str:

@@ -74,18 +74,21 @@ class HealthManager:
         on_restart: Callable[[str, dict[str, Any], dict[str, Any]], str],
         options: HealthOptions | None = None,
         kill: Callable[[str, Any], None] | None = None,
+        on_round: Callable[[], None] | None = None,
     ):
         """`services`: role name -> service (a typed handle or a raw Ray actor / local object);
         `check_roles(stale_after_s)`: the Master's own roles, restarted when dead or silent;
         `on_restart(role, previous_beat, new_beat)`: restore what the role's previous life held,
         returning a one-line account; `kill(role, handle)`: end a hung service so it restarts in
-        place (default: `ray.kill(no_restart=False)` for a Ray actor; an in-process one is only reported)."""
+        place (default: `ray.kill(no_restart=False)` for a Ray actor; an in-process one is only reported);
+        `on_round()`: called after every round (the deployment's Master publishes the report there)."""
         self.options = options or HealthOptions()
         self._handles = {name: handle_of(service) for name, service in services.items()}
         self._services = {name: ServiceHealth(name) for name in services}
         self._check_roles = check_roles
         self._on_restart = on_restart
         self._kill = kill
+        self._on_round = on_round
         self.restart_policy = RestartPolicy(self.options.hung)
         self._watching_since = time.monotonic()
         self._roles: dict[str, dict[str, Any]] = {}
@@ -134,6 +137,11 @@ class HealthManager:
         with self._lock:
             self._roles = roles
             self.rounds += 1
+        if self._on_round is not None:
+            try:
+                self._on_round()
+            except Exception:  # publishing is best effort: `joynexus status` then asks the actors
+                log.warning("publishing the health report failed", exc_info=True)
 
     def _check_service(self, name: str, handle: Any) -> None:
         state = self._services[name]

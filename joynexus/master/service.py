@@ -21,15 +21,16 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from joynexus.actors import handle_of, named_actor
 from joynexus.core.serving_sets import ServingSetStore
 from joynexus.core.tenants import Tenant
 from joynexus.data.sources import resolve_dataset, resolve_dataset_source
 from joynexus.data.uploads import delete_tenant_datasets
 from joynexus.master.deployment import Deployment
-from joynexus.master.health import HealthManager, HealthOptions
+from joynexus.master.errors import TenantUnavailable
+from joynexus.master.health import HealthManager
+from joynexus.master.health_snapshot import health_snapshot_path, write_health_snapshot
+from joynexus.master.options import MasterOptions
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
@@ -39,41 +40,9 @@ from joynexus.spec import DatasetSpec, SpecError, TaskType, WorkloadSpec, parse_
 log = logging.getLogger(__name__)
 
 MASTER_ACTOR = "joynexus.master"
+# The services the Health Manager watches (`health()` roles; their beats go into the published health).
+SERVICE_ROLES = ("training_queue", "training_service", "inference_service", "environment_service")
 UNHEALTHY = "unhealthy"
-
-
-class MasterOptions(BaseModel):
-    """Admission and retry limits of the Master Service."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_running_workloads: int = Field(default=8, ge=1)
-    max_failures_per_workload: int = Field(default=3, ge=1)
-    max_concurrent_rollouts: int = Field(default=4, ge=1)
-    max_job_attempts: int = Field(default=3, ge=1, description="re-queues of a job whose lease owner died")
-    default_max_device_seconds: float | None = Field(default=None, ge=0)
-    default_max_queued_workloads: int | None = Field(default=8, ge=0)
-    max_wait_s: float = Field(default=30.0, gt=0, description="longest single wait_workload call")
-    default_max_storage_bytes: int | None = Field(
-        default=None, ge=0, description="checkpoint bytes per tenant; None: no quota"
-    )
-    health: HealthOptions = Field(default_factory=HealthOptions)
-    # Housekeeping (joynexus.master.tenant_lifecycle): checkpoint crash leftovers older than the
-    # grace are swept at start and then this often; unhealthy tenants' slots are retried this often.
-    leftover_sweep_interval_s: float = Field(default=3600.0, gt=0)
-    leftover_grace_s: float = Field(default=3600.0, ge=0)
-    unhealthy_retry_interval_s: float = Field(default=30.0, gt=0)
-
-
-class TenantUnavailable(RuntimeError):
-    """The tenant exists but its backend slot could not be built; the reason says why."""
-
-    def __init__(self, tenant_id: str, reason: str):
-        self.tenant_id, self.reason = tenant_id, reason
-        super().__init__(f"tenant {tenant_id!r} is unhealthy: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.tenant_id, self.reason))
 
 
 class MasterService:
@@ -84,12 +53,16 @@ class MasterService:
         deployment: Deployment | None = None,
         options: MasterOptions | None = None,
         detached: bool = False,
+        publish_health: bool = False,
     ):
+        """`publish_health`: write the health after every round for `joynexus status` (the detached
+        Master of a deployment; master/health_snapshot.py)."""
         self.options = options or MasterOptions()
         self.deployment = deployment or Deployment.start(settings, detached=detached)
         self.settings = self.deployment.settings
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = time.time()
+        self._published_ping: tuple[float, dict[str, Any]] | None = None
         from joynexus.master.usage import UsageLedger
 
         self.ledger = UsageLedger(
@@ -137,6 +110,7 @@ class MasterService:
             check_roles=self._check_roles,
             on_restart=self._restore_role,
             options=self.options.health,
+            on_round=self._publish_health if publish_health else None,
         ).start()
         self.workloads.on_unavailable = self.health_manager.check_now
         from joynexus.master.evaluation_declarations import EvaluationDeclarations
@@ -189,6 +163,25 @@ class MasterService:
             "detail": f"up {time.time() - self.started_at:.0f} s; {self.workloads.running_count()} workloads running",
         }
         return {"master": master, **self.health_manager.report()}
+
+    def _publish_health(self) -> None:
+        """`health()`, the services' last beats and (every few seconds) `ping()` as the file
+        `joynexus status` reads without a Ray driver (master/health_snapshot.py)."""
+        manager = getattr(self, "health_manager", None)
+        if manager is None:  # the first round runs inside HealthManager.start(), before it is assigned
+            return
+        now = time.monotonic()
+        if self._published_ping is None or now - self._published_ping[0] >= 5.0:  # ping lists the tenants
+            self._published_ping = (now, self.ping())
+        write_health_snapshot(
+            health_snapshot_path(self.settings.data_dir, self.settings.ray_namespace),
+            {
+                "namespace": self.settings.ray_namespace,
+                "ping": self._published_ping[1],
+                "health": self.health(),
+                "beats": {role: manager.last_beat(role) for role in SERVICE_ROLES},
+            },
+        )
 
     def role_beat(self, role: str) -> dict[str, Any]:
         """The last heartbeat of a service role (where it runs: pid, incarnation, what it holds)."""
@@ -546,6 +539,7 @@ def master_service_actor(settings: Settings, *, options: MasterOptions | None = 
         MASTER_ACTOR,
         settings,
         options=options,
+        publish_health=detached,  # the deployment's Master (`joynexus up`): `joynexus status` reads it
         detached=detached,
         namespace=settings.ray_namespace,
         max_concurrency=64,

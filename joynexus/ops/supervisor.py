@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from joynexus.master.health_snapshot import health_snapshot_path
 from joynexus.ops.deployment_state import (
     ENV_FILE,
     STATE_FILE,
@@ -51,6 +52,7 @@ from joynexus.ops.deployment_state import (
     run_dir,
     write_state,
 )
+from joynexus.ops.health_report import master_detail, published_health, replica_summary, role_entries
 from joynexus.ops.ray_ports import RAY_PORT_ROLES, ray_ports
 from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
 
@@ -424,21 +426,25 @@ def down(
         on_stage(f"nothing recorded in {run_dir(settings) / STATE_FILE}")
         return {}
     ray_process = state.process("ray")
-    if ray_process is None or ray_process.alive():
-        try:
-            removed = _remove_actors(state)
-            on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
-        except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
-            on_stage(f"could not remove the detached actors: {error}")
-    # The actors are gone: Ray's head and the servers stop at once (each may take its grace period).
+    # The servers (Prefect, MLflow) stop while the actors are removed; Ray's head only after them.
+    # Each may take its grace period; all run at once.
     with ThreadPoolExecutor(max_workers=max(1, len(state.processes)), thread_name_prefix="stop") as pool:
-        futures = {process.name: pool.submit(stop_process, process) for process in reversed(state.processes)}
+        futures = {p.name: pool.submit(stop_process, p) for p in reversed(state.processes) if p is not ray_process}
+        if ray_process is None or ray_process.alive():
+            try:
+                removed = _remove_actors(state)
+                on_stage(f"removed detached actors: {', '.join(removed) or 'none found'}")
+            except (DeployError, subprocess.TimeoutExpired) as error:  # still stop our processes
+                on_stage(f"could not remove the detached actors: {error}")
+        if ray_process is not None:
+            futures = {"ray": pool.submit(stop_process, ray_process), **futures}
     stopped: dict[str, list[int]] = {}
     for name, future in futures.items():
         stopped[name] = future.result()
         on_stage(f"stopped {name} (pids {stopped[name] or 'already gone'})")
     (run_dir(settings) / STATE_FILE).unlink(missing_ok=True)
     (run_dir(settings) / ENV_FILE).unlink(missing_ok=True)
+    health_snapshot_path(settings.data_dir, state.namespace).unlink(missing_ok=True)
     if ray_process is not None:
         shutil.rmtree(_ray_temp_dir(settings), ignore_errors=True)
     return stopped
@@ -521,8 +527,8 @@ def status(settings: Settings | None = None, *, timeout_s: float = 30.0) -> dict
             host, _, port = ray_address.rpartition(":")
         reachable = port.isdigit() and _port_open(host or HOST, int(port))
         report["ray"]["healthy"] = reachable
-        if reachable:
-            report.update(_actor_health(settings, ray_address, timeout_s))
+        if reachable:  # the Master's published health when fresh (no Ray driver), else ask the actors
+            report.update(published_health(settings) or _actor_health(settings, ray_address, timeout_s))
     mlflow_uri = settings.mlflow_tracking_uri or ""
     healthy = http_ok(f"{mlflow_uri}/health") if mlflow_uri.startswith("http") else bool(mlflow_uri)
     report["mlflow"] = {"healthy": healthy, "where": mlflow_uri or "-", "detail": process_detail("mlflow")}
@@ -564,10 +570,7 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     questions = {
         "joynexus.master": (
             "ping",
-            lambda r: (
-                f"Master Service {r['incarnation']}: {r['tenants']} tenants "
-                f"({len(r['unhealthy_tenants'])} unhealthy), {r['running_workloads']} workloads running"
-            ),
+            master_detail,
         ),
         "joynexus.training_queue": ("partitions", lambda r: f"Training Queue depth: {len(r)} partitions"),
         "joynexus.training_service": ("tenants", lambda r: f"{len(r)} tenant slots"),
@@ -575,7 +578,7 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
             "stats",
             lambda r: (
                 f"Inference Queue depth: {r['queue_depth']} requests; {len(r['tenants'])} tenants served"
-                + _replica_summary(r.get("replicas"))
+                + replica_summary(r.get("replicas"))
             ),
         ),
         "joynexus.environment_service": ("sessions", None),
@@ -610,16 +613,6 @@ def _probe_actors(address: str, namespace: str, timeout_s: float) -> dict[str, d
     return report
 
 
-def _replica_summary(replicas: list[dict[str, Any]] | None) -> str:
-    """'; replicas: 2 active, 1 draining' for a replica set's stats (nothing for one service)."""
-    if not replicas:
-        return ""
-    states: dict[str, int] = {}
-    for replica in replicas:
-        states[replica["state"]] = states.get(replica["state"], 0) + 1
-    return "; replicas: " + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
-
-
 def _role_health(master: Any, timeout_s: float) -> dict[str, dict[str, Any]]:
     """The Master's Health Manager's truth per role: heartbeats, incarnations, restarts in place."""
     import ray
@@ -628,16 +621,7 @@ def _role_health(master: Any, timeout_s: float) -> dict[str, dict[str, Any]]:
         roles = ray.get(master.health.remote(), timeout=timeout_s)
     except Exception as error:  # an older Master without a Health Manager, or one that is busy
         return {"roles": {"healthy": False, "where": "joynexus.master", "detail": f"{type(error).__name__}: {error}"}}
-    return {
-        f"role {role}": {
-            "healthy": entry["healthy"],
-            "where": "joynexus.master" if entry.get("incarnation") is None else f"incarnation {entry['incarnation']}",
-            "detail": f"{entry['restarts']} restarts; {entry['detail']}",
-            "restarts": entry["restarts"],
-        }
-        for role, entry in roles.items()
-        if role != "master"
-    }
+    return role_entries(roles)
 
 
 if __name__ == "__main__":

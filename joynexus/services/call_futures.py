@@ -35,12 +35,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from joynexus.actors import actor_class, service_handle
 from joynexus.core.metering import TRAINING, UsageMeter
-from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.training.service import TenantSlotError, TrainingModelService
+from joynexus.services.training.errors import TenantSlotError
+
+if TYPE_CHECKING:  # the API imports this module: it must not import the services (torch)
+    from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.training.service import TrainingModelService
 
 __all__ = [
     "CALL_FUTURES_ACTOR_NAME",
@@ -129,8 +132,8 @@ class CallFutures:
         max_workers: int = 16,
         sweep: bool = True,
     ) -> None:
-        self.training = service_handle(TrainingModelService, training)
-        self.inference = service_handle(InferenceModelService, inference)
+        self.training = service_handle(cast("type[TrainingModelService]", object), training)
+        self.inference = service_handle(cast("type[InferenceModelService]", object), inference)
         self.meter = meter if meter is not None or database_url is None else UsageMeter.from_url(database_url)
         self.limits = limits or FutureLimits()
         self._lock = threading.Lock()

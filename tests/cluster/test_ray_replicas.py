@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from joynexus.ops.supervisor import _replica_summary
+from joynexus.ops.health_report import replica_summary
 from tests.api.conftest import ADMIN_KEY, sample_batch, wire
 from tests.helpers import sft_spec, wait_for, write_dataset_for
 
@@ -249,7 +249,7 @@ def test_ray_replicas_scale_1_3_1_under_load_restart_with_weights_and_autoscale(
     print("replica set after 1 -> 3 -> 1:", {k: stats["replica_set"][k] for k in ("requests", "rerouted_requests")})
     assert stats["replica_set"]["failed_requests"] == 1  # the unknown version above, the caller's error
     assert stats["queue_depth"] == 0 and stats["tenants"] == {"rr-alpha": [0, 1], "rr-beta": [0]}
-    assert _replica_summary(stats["replicas"]) == "; replicas: 1 active"  # `joynexus status`'s line
+    assert replica_summary(stats["replicas"]) == "; replicas: 1 active"  # `joynexus status`'s line
     manual_phase_s = time.monotonic() - started
 
     # -- the autoscaler reacts to the load: out while it lasts, back in once idle -----------------

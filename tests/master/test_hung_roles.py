@@ -178,7 +178,7 @@ def test_a_service_that_stays_hung_is_escalated_once_its_budget_is_spent_and_pau
 
 def test_the_master_refuses_new_work_while_a_role_is_escalated(tmp_path):
     from joynexus.connect import in_process
-    from joynexus.master.workloads.base import AdmissionRefused
+    from joynexus.master.errors import AdmissionRefused
     from joynexus.settings import Settings
     from tests.helpers import sft_spec, write_dataset_for
 

@@ -33,7 +33,6 @@ from joynexus.services.call_futures import (
     UnknownFuture,
     call_futures_actor,
 )
-from joynexus.services.training.service import TrainingModelService
 
 # The field a service error of each call is reported under (as the blocking routes do).
 _ERROR_FIELD = {
@@ -61,7 +60,7 @@ class FutureOperations(GatewayBase):
         arguments = self.sample_arguments(tenant_id, request)
         self.check_admission(tenant_id)
         with service_errors("sample"):
-            result, seconds = timed_call(TrainingModelService.sample, self.cluster.training, tenant_id, **arguments)
+            result, seconds = timed_call("sample", self.cluster.training, tenant_id, **arguments)
         seconds = result.get("seconds", seconds)  # the service's own time, not its queue
         self.meter.record(tenant_id, TRAINING, "sample", device_seconds=seconds)
         return sample_result(self, tenant_id, {**result, "seconds": seconds})
@@ -70,9 +69,7 @@ class FutureOperations(GatewayBase):
         columns = sample_columns(self.tenant(tenant_id), request, self.limits.max_samples_per_request)
         self.check_admission(tenant_id)
         with service_errors("compute_logprobs"):
-            result, seconds = timed_call(
-                TrainingModelService.compute_logprobs, self.cluster.training, tenant_id, columns
-            )
+            result, seconds = timed_call("compute_logprobs", self.cluster.training, tenant_id, columns)
         seconds = result.get("seconds", seconds)
         self.meter.record(tenant_id, TRAINING, "compute_logprobs", device_seconds=seconds)
         return logprobs_result({**result, "seconds": seconds})

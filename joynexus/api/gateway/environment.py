@@ -3,12 +3,16 @@ list, reset, step, close. Another tenant's session id answers like one that does
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from joynexus.api.errors import ServiceUnavailable
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import session_errors
 from joynexus.api.gateway.tensors import float_array, to_wire
 from joynexus.protocol import schemas as s
-from joynexus.services.environment.service import EnvironmentService
+
+if TYPE_CHECKING:  # the service module is the Environment Service's own side (simulators)
+    from joynexus.services.environment.service import EnvironmentService
 
 
 class EnvironmentOperations(GatewayBase):

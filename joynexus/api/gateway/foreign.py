@@ -6,8 +6,7 @@ from __future__ import annotations
 from joynexus.api.errors import ApiError, NotFound, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import invalid_from
-from joynexus.master.service import TenantUnavailable
-from joynexus.master.workloads.manager import AdmissionRefused
+from joynexus.master.errors import AdmissionRefused, TenantUnavailable
 from joynexus.protocol import schemas as s
 
 

@@ -15,10 +15,9 @@ from typing import Any
 from joynexus.api.errors import ApiError, Conflict, InvalidInput, NotFound, QuotaExceeded, ServiceUnavailable
 from joynexus.envs.base import SimulatorUnavailable
 from joynexus.scheduling.inference_queue import InferenceQueueClosed, TenantQueueFull
-from joynexus.services.environment.service import SessionFailed, SessionLimitExceeded, SimulatorError
-from joynexus.services.inference.service import UnknownPolicyVersion
-from joynexus.services.training.service import TenantSlotError
-from joynexus.services.training.slots import UnknownTenant
+from joynexus.services.environment.errors import SessionFailed, SessionLimitExceeded, SimulatorError
+from joynexus.services.inference.errors import UnknownPolicyVersion
+from joynexus.services.training.errors import TenantSlotError, UnknownTenant
 
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.+)$", re.S)
 

@@ -9,7 +9,7 @@ from joynexus.api.errors import ApiError, Conflict, NotFound
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import cause_of, invalid_from
 from joynexus.api.gateway.tenants import tenant_info
-from joynexus.master.service import TenantUnavailable
+from joynexus.master.errors import TenantUnavailable
 from joynexus.master.tenant_creator import TenantExists
 from joynexus.protocol import state_control as sc
 from joynexus.spec import SpecError

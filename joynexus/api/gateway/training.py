@@ -4,35 +4,28 @@ metered in device-seconds like the services meter their own calls."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 from joynexus.actors import SerializedService, handle_of
-from joynexus.algorithms.policy_losses import OFF_POLICY_LOSSES
+from joynexus.algorithms.loss_names import OFF_POLICY_LOSSES
 from joynexus.api.errors import InvalidInput
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import service_errors
 from joynexus.api.gateway.tensors import float_array, sample_columns
 from joynexus.core.metering import TRAINING
 from joynexus.protocol import schemas as s
-from joynexus.services.training.service import TrainingModelService
-
-S = TypeVar("S")
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
-def timed_call(
-    method: Callable[Concatenate[S, P], R], service: S, *args: P.args, **kwargs: P.kwargs
-) -> tuple[R, float]:
-    """Call `method` (the service class's function, e.g. `TrainingModelService.train_batch`) on
-    `service` (its handle): (result, seconds). A local serialized service reports the time the
-    method itself ran (not its wait for the lock); a Ray actor's includes its queue."""
+def timed_call(method: str, service: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """Call the service's method named `method` (e.g. `TrainingModelService.train_batch`: by name, so
+    the API never imports the service module and torch) on `service` (its handle): (result,
+    seconds). A local serialized service reports the time the method itself ran (not its wait for
+    the lock); a Ray actor's includes its queue."""
     handle = handle_of(service)
     if isinstance(handle.target, SerializedService):
-        return handle.target.call_timed(method.__name__, *args, **kwargs)
+        return handle.target.call_timed(method, *args, **kwargs)
     started = time.perf_counter()
-    result = getattr(handle, method.__name__)(*args, **kwargs)
+    result = getattr(handle, method)(*args, **kwargs)
     return result, time.perf_counter() - started
 
 
@@ -42,7 +35,7 @@ class TrainingPrimitives(GatewayBase):
         columns = sample_columns(tenant, batch, self.limits.max_samples_per_request)
         self.check_admission(tenant_id)
         with service_errors("batch"):
-            result, seconds = timed_call(TrainingModelService.train_batch, self.cluster.training, tenant_id, columns)
+            result, seconds = timed_call("train_batch", self.cluster.training, tenant_id, columns)
         samples = len(columns["task"])
         self.meter.record(tenant_id, TRAINING, "train_batch", device_seconds=seconds, samples=samples)
         return s.TrainStepResult(
@@ -81,7 +74,7 @@ class TrainingPrimitives(GatewayBase):
         self.check_admission(tenant_id)
         with service_errors("batch"):
             result, seconds = timed_call(
-                TrainingModelService.forward_backward, self.cluster.training, tenant_id, columns, request.loss,
+                "forward_backward", self.cluster.training, tenant_id, columns, request.loss,
                 loss_config,
             )  # fmt: skip
         seconds = result.get("seconds", seconds)
@@ -99,7 +92,7 @@ class TrainingPrimitives(GatewayBase):
         self.tenant(tenant_id)
         adamw = None if request is None else request.model_dump(exclude_none=True)
         with service_errors("tenant"):
-            result, seconds = timed_call(TrainingModelService.optim_step, self.cluster.training, tenant_id, adamw)
+            result, seconds = timed_call("optim_step", self.cluster.training, tenant_id, adamw)
         seconds = result.get("seconds", seconds)
         self.meter.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
         return s.OptimStepResult(

@@ -8,8 +8,6 @@ import dataclasses
 import json
 from typing import Any
 
-import torch
-
 from joynexus.api.errors import ApiError, InvalidInput, NotFound
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import cause_of, service_errors
@@ -198,6 +196,8 @@ class VersionOperations(GatewayBase):
     @staticmethod
     def _check_payload_finite(module_state: dict[str, Any]) -> None:
         """NaN / Inf weights would serve NaN actions to robots: refuse them by tensor name."""
+        import torch  # here: the tensors exist, torch is loaded; the API starts without it
+
         for name, value in module_state.items():
             if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
                 raise InvalidInput("payload", f"tensor {name!r} holds NaN or infinite values")
@@ -246,6 +246,8 @@ class VersionOperations(GatewayBase):
 
 
 def _same_tensors(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    import torch
+
     return ours.keys() == theirs.keys() and all(
         ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]) for name in ours
     )

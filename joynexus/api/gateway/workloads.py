@@ -11,8 +11,7 @@ from joynexus.api.errors import ApiError, InvalidInput, NotFound, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import invalid_from
 from joynexus.core.tenants import Tenant
-from joynexus.master.service import TenantUnavailable
-from joynexus.master.workloads.manager import AdmissionRefused
+from joynexus.master.errors import AdmissionRefused, TenantUnavailable
 from joynexus.protocol import schemas as s
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 

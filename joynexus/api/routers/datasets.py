@@ -23,7 +23,6 @@ from joynexus.data.uploads import (
     store_uploaded_dataset,
     tenant_datasets,
 )
-from joynexus.data.validation import DatasetExpectation
 from joynexus.protocol import schemas as s
 
 router = APIRouter(prefix="/v1", tags=["upper layer"], responses=ERRORS)
@@ -48,6 +47,8 @@ async def upload_dataset(
     repo_id: Annotated[str, Query(pattern=REPO_ID_PATTERN, description="the dataset's LeRobot repo id")],
 ) -> JSONResponse:
     """Upload a LeRobot dataset (tar, tar.gz or zip body). 201 with its id (the archive's sha256)."""
+    from joynexus.data.validation import DatasetExpectation  # pandas, Great Expectations: not at start
+
     data = await request.body()
     if not data:
         raise InvalidInput("body", "empty: send the dataset archive (tar or zip)")

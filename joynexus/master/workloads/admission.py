@@ -15,10 +15,10 @@ from sqlalchemy import select
 
 from joynexus.core.store import WorkloadRecord
 from joynexus.core.tenants import Tenant
+from joynexus.master.errors import AdmissionRefused
 from joynexus.master.workloads.base import (
     QUEUED,
     WORKLOAD_FAILED,
-    AdmissionRefused,
     WorkloadBase,
     _RunningWorkload,
 )

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from joynexus.actors import role_unavailable
 from joynexus.core.store import WorkloadEventRecord, WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
+from joynexus.master.errors import UnknownWorkload
 from joynexus.master.loops.actor_loop import ActorOutcome
 from joynexus.master.loops.producer import Producer
 from joynexus.master.loops.rollout import NoServingVersion
@@ -40,19 +41,6 @@ WORKLOAD_COMPLETED, WORKLOAD_FAILED, CANCELLED = "completed", "failed", "cancell
 FINAL_WORKLOAD_STATES = frozenset({WORKLOAD_COMPLETED, WORKLOAD_FAILED, CANCELLED})
 
 R = TypeVar("R")
-
-
-class UnknownWorkload(KeyError):
-    def __init__(self, workload_id: str):
-        self.workload_id = workload_id
-        super().__init__(f"no workload {workload_id!r}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.workload_id,))
-
-
-class AdmissionRefused(RuntimeError):
-    """Raised by an admission hook to refuse new work (e.g. a spend cap was reached)."""
 
 
 @dataclass

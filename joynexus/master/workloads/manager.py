@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from joynexus.core.store import WorkloadRecord
+from joynexus.master.errors import AdmissionRefused, UnknownWorkload
 from joynexus.master.workloads.admission import Admission
 from joynexus.master.workloads.base import (
     CANCELLED,
     FINAL_WORKLOAD_STATES,
     RUNNING,
-    AdmissionRefused,
-    UnknownWorkload,
     _RunningWorkload,
 )
 from joynexus.master.workloads.evaluation import Evaluations

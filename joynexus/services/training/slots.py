@@ -21,6 +21,7 @@ from joynexus.core.tenants import TenantBackendConfig
 from joynexus.models.action_modules import ActionModule
 from joynexus.models.adapters import LoraAdapterConfig
 from joynexus.services.residency import tensor_bytes
+from joynexus.services.training.errors import TenantSlotError, UnknownTenant
 from joynexus.services.training.packing import ActiveSlots, PackedTrainingState
 
 __all__ = [
@@ -34,15 +35,6 @@ __all__ = [
     "loss_generator",
     "microbatch_to_tensors",
 ]
-
-
-class TenantSlotError(RuntimeError):
-    pass
-
-
-class UnknownTenant(TenantSlotError, KeyError):
-    def __init__(self, tenant_id: str):
-        super().__init__(f"tenant {tenant_id!r} has no slot in this Training Model Service")
 
 
 class TenantSlot:
