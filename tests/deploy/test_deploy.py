@@ -157,7 +157,8 @@ def test_up_status_down_leaves_no_stray_processes(tmp_path):
             cwd=Path(__file__).resolve().parents[2], env=flow_env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert flow.returncode == 0, flow.stdout[-3000:] + flow.stderr[-3000:]
-        assert "| champion | v1 (moved: no champion yet) |" in flow.stdout
+        # The spec declares no promotion metric (no environment, no validation episodes): the newest moves.
+        assert "| champion | v1 (moved: no promotion metric declared" in flow.stdout
         after = json.loads(joynexus("status", "--json").stdout)
         assert after["joynexus.training_service"]["detail"] == "1 tenant slots"  # trained on the resident actor
 
