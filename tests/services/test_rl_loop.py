@@ -206,6 +206,27 @@ def test_rl_workload_publishes_each_update_and_evaluation_runs_beside_it(dep):
     assert np.isfinite(evaluation.result["mean_return"])
 
 
+def test_stale_drops_do_not_fail_a_workload_they_are_reported_and_the_producer_rolls_out_again(dep):
+    # Three jobs in flight, staleness 0: once one trains, the others' rollouts are a version behind
+    # and are dropped (eq. 1); before, the third drop failed the workload ("3 training jobs failed").
+    spec = rl_spec("eager", staleness=0, jobs=4)
+    spec["scheduling"]["max_in_flight_jobs"] = 3
+    dep.creator.create(spec)
+    manager = WorkloadManager(dep).start()
+    try:
+        workload = manager.submit("eager", jobs=4)
+        status = manager.wait(workload.workload_id, timeout_s=600)
+        events = manager.events(workload.workload_id)
+    finally:
+        manager.stop()
+    assert status.state == "completed", status.error
+    assert status.version == 4
+    kinds = [e["kind"] for e in events]
+    assert "job_failed" not in kinds and kinds.count("rl_update") == 4
+    dropped = [e for e in events if e["kind"] == "job_dropped"]
+    assert dropped and all(e["reason"] == "policy_stale" for e in dropped)
+
+
 def test_a_rollout_opens_its_sessions_at_once_and_closes_them_if_one_fails(dep, monkeypatch):
     """A rollout's sessions start concurrently (each is a simulator process starting up); if one
     cannot open, the ones that did are closed and the rollout fails cleanly."""

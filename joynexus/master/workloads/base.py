@@ -54,6 +54,7 @@ class _RunningWorkload:
     threads: list[threading.Thread] = field(default_factory=list)
     completed_jobs: int = 0
     failed_jobs: int = 0
+    stale_drops: int = 0  # RL jobs dropped by the staleness bound (not failures; bounded on their own)
     optimizer_steps: int = 0
     losses: list[float] = field(default_factory=list)
     version: int = 0

@@ -16,7 +16,7 @@ import threading
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
-from joynexus.master.loops.actor_loop import ActorOutcome
+from joynexus.master.loops.actor_loop import POLICY_STALE, ActorOutcome
 from joynexus.master.loops.producer import Producer
 from joynexus.master.loops.rollout import RolloutProducer
 from joynexus.master.loops.sft_producer import SFTProducer
@@ -28,7 +28,7 @@ from joynexus.master.workloads.base import (
     WorkloadBase,
     _RunningWorkload,
 )
-from joynexus.scheduling.training_scheduler import COMPLETED, TERMINAL_STATES
+from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, TERMINAL_STATES
 from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,11 @@ class TrainingWorkloads(WorkloadBase):
             return  # a job of a cancelled or finished workload
         finish: tuple[str, str | None] | None = None
         trained = outcome.state == COMPLETED and outcome.metrics is not None
+        # A stale drop is the staleness bound at work (paper eq. 1), not a fault: the job's slot is
+        # free again and the producer rolls out from the newer policy. Several tenants at once can
+        # delay a publication past the bound now and then; only a workload whose jobs keep going
+        # stale (more than two drops per job it is to train) fails, naming the settings that cause it.
+        stale = outcome.state == DROPPED and outcome.reason == POLICY_STALE
         with self._lock:
             if trained:
                 first = running.optimizer_steps
@@ -198,6 +203,8 @@ class TrainingWorkloads(WorkloadBase):
                 running.optimizer_steps += len(losses)
                 running.completed_jobs += 1
                 running.version = outcome.metrics["version"]
+            elif stale:
+                running.stale_drops += 1
             else:
                 running.failed_jobs += 1
                 running.failures.append(outcome.reason or outcome.state)
@@ -205,10 +212,13 @@ class TrainingWorkloads(WorkloadBase):
                 finish = (WORKLOAD_COMPLETED, None)
             elif running.failed_jobs >= self.max_failures:
                 finish = (WORKLOAD_FAILED, f"{running.failed_jobs} training jobs failed; last: {running.failures[-1]}")
+            elif running.stale_drops > 2 * running.target_jobs + self.max_failures:
+                finish = (WORKLOAD_FAILED, _too_stale(running.stale_drops, outcome))
         if trained:
             self._record_trained_job(running, outcome, first, losses)
         else:
-            self._emit(workload_id, "job_failed", job_id=outcome.job.job_id, reason=outcome.reason)
+            kind = "job_dropped" if stale else "job_failed"
+            self._emit(workload_id, kind, job_id=outcome.job.job_id, reason=outcome.reason)
         self._persist_progress(running)
         if finish is not None:
             self._finish(workload_id, *finish)
@@ -353,3 +363,12 @@ def _run_params(tenant: Tenant, jobs: int) -> dict[str, object]:
         "max_in_flight_jobs": tenant.spec.scheduling.max_in_flight_jobs,
         "priority": tenant.spec.scheduling.priority,
     }
+
+
+def _too_stale(drops: int, outcome: ActorOutcome) -> str:
+    job = outcome.job
+    return (
+        f"{drops} RL jobs dropped as stale (behavior policy more than scheduling.max_policy_staleness="
+        f"{job.max_policy_staleness} versions behind the learner): raise scheduling.max_policy_staleness "
+        "or lower scheduling.max_in_flight_jobs"
+    )
