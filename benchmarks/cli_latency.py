@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-RAY_BLOCK = 8  # JOYNEXUS_RAY_PORT and the 7 ports above it (joynexus/ops/ray_ports.py)
+RAY_BLOCK = 10  # JOYNEXUS_RAY_PORT and the 9 ports above it (joynexus/ops/ray_ports.py)
 
 
 def free_port() -> int:

@@ -247,7 +247,7 @@ class Settings(BaseModel):
         default_factory=lambda: int(os.environ.get("JOYNEXUS_MLFLOW_PORT", "5000")), ge=1, le=65535
     )
     # The ports Ray's workers bind on ("min-max"), for the Ray head `joynexus up` starts; its own
-    # ports (JOYNEXUS_RAY_PORT and the 7 above it) must lie outside (joynexus/ops/ray_ports.py).
+    # ports (JOYNEXUS_RAY_PORT and the 9 above it) must lie outside (joynexus/ops/ray_ports.py).
     ray_worker_ports: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_WORKER_PORTS", "10002-19999"))
     # Checkpoint retention of the Training Model Service: the last K versions per tenant plus the
     # registered ones survive each save; JOYNEXUS_CHECKPOINT_KEEP_LAST=none keeps every version.

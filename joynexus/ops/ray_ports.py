@@ -2,9 +2,12 @@
 
 Ray listens on more than its GCS port: the node manager, object manager, Ray Client server, dashboard
 agent (gRPC and HTTP), metrics export and runtime-env agent ports default to fixed numbers (10001,
-52365, ...) or random ones, and its workers bind ports in a range (10002-19999 by default). Two
-deployments on one host then collide, and a GCS port inside the worker range fails deep in Ray. Here
-the head's ports are one block, `JOYNEXUS_RAY_PORT` and the 7 above it, the worker range is
+52365, ...) or random ones, the dashboard head and the autoscaler monitor serve their metrics on
+fixed ports (44227, 44217; set only through environment variables), and its workers bind ports in a
+range (10002-19999 by default). Two deployments on one host then collide (the second head's metrics
+servers fail to bind, and a scrape of the fixed port reads the other deployment), and a GCS port
+inside the worker range fails deep in Ray. Here the head's ports are one block, `JOYNEXUS_RAY_PORT`
+and the 9 above it, the worker range is
 `JOYNEXUS_RAY_WORKER_PORTS`, and a block that overlaps the range, another service of the deployment
 or a port in use is refused naming the setting to change.
 """
@@ -28,6 +31,12 @@ RAY_PORT_ROLES = (
     ("metrics-export-port", "metrics export"),
     ("runtime-env-agent-port", "runtime-env agent"),
 )
+# Then the ports Ray's head takes from its environment: JOYNEXUS_RAY_PORT + len(RAY_PORT_ROLES) + index.
+RAY_ENV_PORT_ROLES = (
+    ("DASHBOARD_METRIC_PORT", "dashboard metrics"),
+    ("AUTOSCALER_METRIC_PORT", "autoscaler metrics"),
+)
+BLOCK_SIZE = len(RAY_PORT_ROLES) + len(RAY_ENV_PORT_ROLES)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,12 @@ class RayPorts:
         """`ray start` option -> port."""
         return {option: self.base + i for i, (option, _) in enumerate(RAY_PORT_ROLES)}
 
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment variable -> port, for the `ray start` process (its dashboard head and monitor)."""
+        first = self.base + len(RAY_PORT_ROLES)
+        return {variable: str(first + i) for i, (variable, _) in enumerate(RAY_ENV_PORT_ROLES)}
+
     def argv(self) -> list[str]:
         """The `ray start` options that pin every port."""
         return [f"--{option}={port}" for option, port in self.ports.items()] + [
@@ -53,7 +68,8 @@ class RayPorts:
     def busy(self, host: str) -> list[tuple[str, int]]:
         """(role, port) of the block's ports something on `host` already listens on."""
         taken = []
-        for (_, role), port in zip(RAY_PORT_ROLES, self.ports.values(), strict=True):
+        roles = [role for _, role in (*RAY_PORT_ROLES, *RAY_ENV_PORT_ROLES)]
+        for role, port in zip(roles, range(self.base, self.base + BLOCK_SIZE), strict=True):
             with socket.socket() as sock:
                 sock.settimeout(0.2)
                 if sock.connect_ex((host, port)) == 0:
@@ -72,10 +88,10 @@ def ray_ports(settings: Settings) -> RayPorts:
     if not 1024 <= worker_min <= worker_max <= 65535:
         raise DeployError(f"JOYNEXUS_RAY_WORKER_PORTS: {text!r} must lie within 1024-65535 with min <= max")
     block = RayPorts(settings.ray_port, worker_min, worker_max)
-    first, last = block.base, block.base + len(RAY_PORT_ROLES) - 1
+    first, last = block.base, block.base + BLOCK_SIZE - 1
     if last > 65535:
         raise DeployError(
-            f"JOYNEXUS_RAY_PORT={first}: the Ray head takes it and the {len(RAY_PORT_ROLES) - 1} ports above it "
+            f"JOYNEXUS_RAY_PORT={first}: the Ray head takes it and the {BLOCK_SIZE - 1} ports above it "
             f"({first}-{last}), past 65535; choose a lower port"
         )
     if first <= worker_max and worker_min <= last:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from joynexus.master.health_snapshot import health_snapshot_path
+from joynexus.ops import services_driver
 from joynexus.ops.deployment_state import (
     ENV_FILE,
     STATE_FILE,
@@ -53,7 +54,7 @@ from joynexus.ops.deployment_state import (
     write_state,
 )
 from joynexus.ops.health_report import master_detail, published_health, replica_summary, role_entries
-from joynexus.ops.ray_ports import RAY_PORT_ROLES, ray_ports
+from joynexus.ops.ray_ports import BLOCK_SIZE, ray_ports
 from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
 
 __all__ = [
@@ -230,6 +231,7 @@ def up(
 ) -> DeploymentState:
     """Start what the settings do not point at, then the resident services; record it all.
     Idempotent: if this data dir's deployment is already up, returns its record."""
+    begun = time.monotonic()
     settings = settings or Settings()
     existing = read_state(settings)
     if existing is not None:
@@ -244,16 +246,25 @@ def up(
     _refuse_busy_ports(settings)
     started: list[ManagedProcess] = []
     try:
-        # Slow starters first, in parallel: MLflow and Prefect servers, then the Ray head.
+        # Everything at once: the servers, the Ray head and the driver that creates the services
+        # (it imports the service classes while the head starts; `services_driver`).
         mlflow_uri = settings.mlflow_tracking_uri or _start_mlflow(settings, folder, started, on_stage)
         prefect_url = settings.prefect_api_url or _start_prefect(settings, folder, started, on_stage)
-        ray_address = settings.ray_address or _start_ray_head(settings, folder, started, on_stage, timeout_s)
-
+        ray_address = settings.ray_address or _start_ray_head(settings, folder, started, on_stage)
         processes = {p.name: p for p in started}
-        if "mlflow" in processes:  # before the services: both would otherwise create its schema at once
-            wait_until(lambda: http_ok(f"{mlflow_uri}/health"), processes["mlflow"], "MLflow server", timeout_s)
         on_stage("creating the resident services (detached Ray actors) and loading the backbone")
-        _run_create_services(settings, ray_address, mlflow_uri, timeout_s)
+        services_driver.run_driver(
+            _child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
+            folder,
+            watched=started,
+            ray_logs=_ray_temp_dir(settings) / "session_latest" / "logs" if "ray" in processes else None,
+            wait_gcs=ray_address if "ray" in processes else None,
+            mlflow_health=f"{mlflow_uri}/health" if "mlflow" in processes else None,
+            timeout_s=timeout_s,
+            on_stage=lambda message: on_stage(f"{message}; up +{time.monotonic() - begun:.1f} s"),
+        )
+        if "mlflow" in processes:
+            wait_until(lambda: http_ok(f"{mlflow_uri}/health"), processes["mlflow"], "MLflow server", timeout_s)
         if "prefect" in processes:
             wait_until(lambda: http_ok(f"{prefect_url}/health"), processes["prefect"], "Prefect server", timeout_s)
         for process in started:
@@ -279,22 +290,24 @@ def up(
 def _refuse_busy_ports(settings: Settings) -> None:
     """Fail before starting anything when a port `up` would listen on is taken, or the Ray head's
     ports overlap Ray's worker range or the other services (`ray_ports`)."""
+    block = None
+    if not settings.ray_address:  # the settings themselves first: an overlap is refused even when free
+        _refuse_long_ray_temp_dir(settings)
+        block = ray_ports(settings)
     for given, port, variable in (
         (settings.mlflow_tracking_uri, settings.mlflow_port, "JOYNEXUS_MLFLOW_PORT"),
         (settings.prefect_api_url, settings.prefect_port, "JOYNEXUS_PREFECT_PORT"),
     ):
         if not given and _port_open(HOST, port):
             raise DeployError(f"port {port} on {HOST} is in use (another service?); choose another with {variable}")
-    if not settings.ray_address:
-        _refuse_long_ray_temp_dir(settings)
-        taken = ray_ports(settings).busy(HOST)
-        if taken:
-            listed = ", ".join(f"{port} ({role})" for role, port in taken)
-            raise DeployError(
-                f"JOYNEXUS_RAY_PORT={settings.ray_port}: the Ray head needs ports {settings.ray_port}-"
-                f"{settings.ray_port + len(RAY_PORT_ROLES) - 1}; in use on {HOST}: {listed} (another deployment?); "
-                "choose another JOYNEXUS_RAY_PORT"
-            )
+    taken = block.busy(HOST) if block is not None else []
+    if taken:
+        listed = ", ".join(f"{port} ({role})" for role, port in taken)
+        raise DeployError(
+            f"JOYNEXUS_RAY_PORT={settings.ray_port}: the Ray head needs ports {settings.ray_port}-"
+            f"{settings.ray_port + BLOCK_SIZE - 1}; in use on {HOST}: {listed} (another deployment?); "
+            "choose another JOYNEXUS_RAY_PORT"
+        )
 
 
 # What Ray puts under the head's temp dir: session_<date>_<time>_<microseconds>_<pid up to 7 digits>/
@@ -353,13 +366,10 @@ def _start_prefect(
 
 
 def _start_ray_head(
-    settings: Settings,
-    folder: Path,
-    started: list[ManagedProcess],
-    on_stage: Callable[[str], None],
-    timeout_s: float,
+    settings: Settings, folder: Path, started: list[ManagedProcess], on_stage: Callable[[str], None]
 ) -> str:
-    """Spawn a Ray head (appended to `started`) and wait until its port answers; returns its address."""
+    """Spawn a Ray head (appended to `started`); returns its address. The services driver waits for
+    its GCS port, `up` for the head's leader (`services_driver.run_driver`)."""
     ray_address = f"{HOST}:{settings.ray_port}"
     argv = [
         _executable("ray"), "start", "--head", "--block", *ray_ports(settings).argv(),
@@ -367,52 +377,14 @@ def _start_ray_head(
         "--include-dashboard=false", f"--temp-dir={_ray_temp_dir(settings)}", "--disable-usage-stats",
     ]  # fmt: skip
     # `down` removes the actors before it stops the head: no drain wait on SIGTERM.
-    env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **ray_ports(settings).env)
     started.append(spawn_process("ray", argv, env, folder, url=ray_address))
     on_stage(f"Ray head starting on {ray_address}")
-    host, port = ray_address.rsplit(":", 1)
-    wait_until(lambda: _port_open(host, int(port)), started[-1], "Ray head", timeout_s)
     return ray_address
-
-
-def _run_create_services(settings: Settings, ray_address: str, mlflow_uri: str, timeout_s: float) -> None:
-    """The resident services, created by a short-lived driver so this process keeps no Ray."""
-    try:
-        driver = subprocess.run(
-            [sys.executable, "-m", "joynexus.ops.supervisor", "_create-services"],
-            env=_child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise DeployError(f"creating the resident services took more than {timeout_s:.0f} s") from exc
-    if driver.returncode != 0:
-        raise DeployError(f"creating the resident services failed:\n{driver.stderr[-3000:]}")
 
 
 def _local_artifacts(settings: Settings) -> str:
     return local_artifact_location(settings.data_dir)
-
-
-def _create_services() -> None:
-    """`python -m joynexus.ops.supervisor _create-services`: the driver `up` runs to create the actors."""
-    import ray
-
-    from joynexus.actors import handle_of
-    from joynexus.connect import ray_cluster  # here, not at the top: status and down never need torch
-    from joynexus.services.call_futures import call_futures_actor
-
-    cluster = ray_cluster(Settings(), detached=True)  # the services and the ONE Master Service
-    # The lower layer's call queue every API replica shares: made here too, never by an API client.
-    call_futures_actor(
-        handle_of(cluster.training).target,
-        handle_of(cluster.inference).target,
-        database_url=cluster.settings.resolved_database_url(),
-        namespace=cluster.settings.ray_namespace,
-    )
-    cluster.inference.stats()  # waits until its backbone is loaded
-    ray.shutdown()
 
 
 def down(
@@ -622,10 +594,3 @@ def _role_health(master: Any, timeout_s: float) -> dict[str, dict[str, Any]]:
     except Exception as error:  # an older Master without a Health Manager, or one that is busy
         return {"roles": {"healthy": False, "where": "joynexus.master", "detail": f"{type(error).__name__}: {error}"}}
     return role_entries(roles)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["_create-services"]:
-        _create_services()
-    else:
-        raise SystemExit("usage: joynexus up | down | status (this module's entry point is internal)")

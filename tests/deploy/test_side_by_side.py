@@ -1,6 +1,7 @@
 """Two deployments on one host, different data dirs and port settings, up at once (issue 30): each
-Ray head on its own port block and worker range, its temp dir under RAY_TMPDIR; both healthy, and
-`down` of one leaves the other running."""
+Ray head on its own port block (its metrics servers' ports included: neither head's logs say a port
+was taken) and worker range, its temp dir under RAY_TMPDIR; both healthy, and `down` of one leaves
+the other running."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from pathlib import Path
 import pytest
 
 from joynexus.ops import supervisor as deploy
-from joynexus.ops.ray_ports import RAY_PORT_ROLES
+from joynexus.ops.ray_ports import BLOCK_SIZE
 
 
 def _port_block(taken: set[int]) -> int:
     """A base port whose block is free now and outside every block already handed out."""
     while True:
         base = deploy.free_port()
-        block = set(range(base, base + len(RAY_PORT_ROLES)))
+        block = set(range(base, base + BLOCK_SIZE))
         in_use = any(deploy._port_open("127.0.0.1", port) for port in block)
-        if base + len(RAY_PORT_ROLES) <= 65535 and not block & taken and not in_use:
+        if base + BLOCK_SIZE <= 65535 and not block & taken and not in_use:
             taken |= block
             return base
 
@@ -62,7 +63,11 @@ def test_two_deployments_run_side_by_side(tmp_path):
             report = json.loads(status.stdout)
             assert status.returncode == 0 and all(e["healthy"] for e in report.values()), report
             assert report["ray"]["where"] == f"127.0.0.1:{env['JOYNEXUS_RAY_PORT']}"
-        assert len(list(ray_tmp.glob("joynexus-ray-*"))) == 2  # under RAY_TMPDIR, one each
+        heads = list(ray_tmp.glob("joynexus-ray-*"))
+        assert len(heads) == 2  # under RAY_TMPDIR, one each
+        for head in heads:  # no port of one head taken by the other (Ray logs it and goes on)
+            for log in (head / "session_latest" / "logs").glob("*.log"):
+                assert "Address already in use" not in log.read_text(errors="replace"), log
         down = joynexus(deployments[0], "down")
         assert down.returncode == 0, down.stdout + down.stderr
         still = joynexus(deployments[1], "status", "--json")

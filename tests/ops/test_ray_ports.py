@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from joynexus.ops import supervisor as deploy
-from joynexus.ops.ray_ports import RAY_PORT_ROLES, ray_ports
+from joynexus.ops.ray_ports import BLOCK_SIZE, RAY_PORT_ROLES, ray_ports
 from joynexus.settings import Settings
 
 EXTERNAL = ("JOYNEXUS_RAY_ADDRESS", "JOYNEXUS_MLFLOW_TRACKING_URI", "PREFECT_API_URL")
@@ -24,6 +24,10 @@ def test_the_head_pins_every_port_in_one_block_outside_the_worker_range(tmp_path
                    "runtime-env-agent-port"):  # fmt: skip
         assert sum(a.startswith(f"--{option}=") for a in argv) == 1, option
     assert "--min-worker-port=10002" in argv and "--max-worker-port=19999" in argv
+    # Ray's dashboard head and autoscaler serve metrics on fixed ports (44227, 44217) unless told:
+    # the rest of the block, through the head's environment.
+    assert ports.env == {"DASHBOARD_METRIC_PORT": "6387", "AUTOSCALER_METRIC_PORT": "6388"}
+    assert BLOCK_SIZE == len(RAY_PORT_ROLES) + len(ports.env) == 10
     moved = ray_ports(Settings(data_dir=tmp_path, ray_port=16379, ray_worker_ports="20000-29999"))
     assert moved.ports["port"] == 16379 and "--min-worker-port=20000" in moved.argv()
 
@@ -34,6 +38,7 @@ def test_the_head_pins_every_port_in_one_block_outside_the_worker_range(tmp_path
         ({"ray_port": 16379}, "JOYNEXUS_RAY_PORT=16379"),  # inside Ray's default worker range
         ({"ray_port": 9998}, "JOYNEXUS_RAY_PORT=9998"),  # its block reaches into the range
         ({"ray_port": 65530}, "JOYNEXUS_RAY_PORT=65530"),
+        ({"ray_port": 7000, "prefect_port": 7009}, "JOYNEXUS_PREFECT_PORT=7009"),  # the autoscaler's metrics
         ({"ray_worker_ports": "lots"}, "JOYNEXUS_RAY_WORKER_PORTS"),
         ({"ray_worker_ports": "30000-20000"}, "JOYNEXUS_RAY_WORKER_PORTS"),
         ({"ray_port": 7000, "prefect_port": 7003}, "JOYNEXUS_PREFECT_PORT=7003"),
