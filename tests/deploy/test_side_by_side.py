@@ -17,6 +17,7 @@ import pytest
 
 from joynexus.ops import supervisor as deploy
 from joynexus.ops.ray_ports import BLOCK_SIZE
+from joynexus.settings import Settings
 
 
 def _port_block(taken: set[int]) -> int:
@@ -28,6 +29,23 @@ def _port_block(taken: set[int]) -> int:
         if base + BLOCK_SIZE <= 65535 and not block & taken and not in_use:
             taken |= block
             return base
+
+
+def _head_listening_ports(data_dir: Path) -> set[int]:
+    """The TCP ports the processes of the Ray head `up` recorded for `data_dir` listen on."""
+    import psutil
+
+    state = deploy.read_state(Settings(data_dir=data_dir))
+    assert state is not None and state.process("ray") is not None
+    ports = set()
+    for pid in state.process("ray").session_pids():
+        try:
+            connections = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        ports |= {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+    assert ports, f"no listening ports found for the head of {data_dir}"
+    return ports
 
 
 @pytest.mark.slow
@@ -68,10 +86,17 @@ def test_two_deployments_run_side_by_side(tmp_path):
         for head in heads:  # no port of one head taken by the other (Ray logs it and goes on)
             for log in (head / "session_latest" / "logs").glob("*.log"):
                 assert "Address already in use" not in log.read_text(errors="replace"), log
+        for env in deployments:  # every port a head's processes listen on is its own
+            base, (low, high) = int(env["JOYNEXUS_RAY_PORT"]), map(int, env["JOYNEXUS_RAY_WORKER_PORTS"].split("-"))
+            strays = {
+                p for p in _head_listening_ports(Path(env["JOYNEXUS_DATA_DIR"])) if not base <= p < base + BLOCK_SIZE
+            }
+            assert not {p for p in strays if not low <= p <= high}, (env["JOYNEXUS_DATA_DIR"], sorted(strays))
         down = joynexus(deployments[0], "down")
         assert down.returncode == 0, down.stdout + down.stderr
         still = joynexus(deployments[1], "status", "--json")
         assert still.returncode == 0, still.stdout
+        assert joynexus(deployments[0], "status", "--json").returncode == 1  # the first is down
     finally:
         for env in deployments:
             joynexus(env, "down")

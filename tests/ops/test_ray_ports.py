@@ -91,3 +91,40 @@ def test_up_refuses_a_ray_tmpdir_too_long_for_rays_sockets_naming_the_setting(tm
     assert deploy.read_state(settings) is None and not deep.exists()  # nothing started
     monkeypatch.setenv("RAY_TMPDIR", "/tmp")
     deploy._refuse_long_ray_temp_dir(settings)  # the usual place fits
+
+
+def test_two_deployments_on_one_host_share_no_port_and_no_dir(tmp_path, monkeypatch):
+    """What lets two deployments run side by side (the slow tests/deploy/test_side_by_side.py starts
+    two): every port `up` makes the Ray head, Prefect and MLflow listen on, from the `ray start`
+    options and the head's environment, and every folder it writes, differ between them."""
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp")
+    spawned: dict[str, dict[str, tuple[list[str], dict[str, str]]]] = {}
+
+    def record(name, argv, env, run_dir, url=None):
+        spawned.setdefault(str(run_dir), {})[name] = (argv, env)
+
+    monkeypatch.setattr(deploy, "spawn_process", record)
+    one = Settings(data_dir=tmp_path / "one", ray_port=30000, ray_worker_ports="20000-24999",
+                   prefect_port=31000, mlflow_port=31001)  # fmt: skip
+    two = Settings(data_dir=tmp_path / "two", ray_port=30010, ray_worker_ports="25000-29999",
+                   prefect_port=31002, mlflow_port=31003)  # fmt: skip
+    listens, workers = {}, {}
+    for settings in (one, two):
+        folder = deploy.run_dir(settings)
+        folder.mkdir(parents=True)
+        for start in (deploy._start_ray_head, deploy._start_mlflow, deploy._start_prefect):
+            start(settings, folder, [], lambda message: None)
+        (ray_argv, ray_env), (mlflow_argv, _), (prefect_argv, _) = spawned[str(folder)].values()
+        options = dict(a.removeprefix("--").split("=", 1) for a in ray_argv if a.startswith("--") and "=" in a)
+        ports = {int(v) for k, v in options.items() if (k == "port" or k.endswith("-port")) and "worker" not in k}
+        ports |= {int(ray_env[variable]) for variable in ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")}
+        assert ports == set(range(settings.ray_port, settings.ray_port + BLOCK_SIZE))  # the whole block, no more
+        ports |= {int(argv[argv.index("--port") + 1]) for argv in (mlflow_argv, prefect_argv)}
+        listens[settings.data_dir] = ports
+        workers[settings.data_dir] = set(range(int(options["min-worker-port"]), int(options["max-worker-port"]) + 1))
+        assert options["temp-dir"] == str(deploy._ray_temp_dir(settings))
+    assert not listens[one.data_dir] & listens[two.data_dir]
+    assert not workers[one.data_dir] & workers[two.data_dir]
+    assert not (listens[one.data_dir] | listens[two.data_dir]) & (workers[one.data_dir] | workers[two.data_dir])
+    assert deploy._ray_temp_dir(one) != deploy._ray_temp_dir(two)
+    assert spawned[str(deploy.run_dir(one))]["mlflow"][0] != spawned[str(deploy.run_dir(two))]["mlflow"][0]
