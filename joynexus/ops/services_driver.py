@@ -4,9 +4,9 @@
 driver imports the service classes (torch, transformers) while the head starts, waits for the head's
 GCS port, registers the four execution-plane actors, waits for MLflow (the Master opens its
 experiment when it is built), registers the Master and the futures call queue, then waits until
-every one has been built (the backbones loaded, the Master reconciled): `up` returns a deployment
-that answers. Each phase is a line ``stage: ...`` in the driver's log, ``<data_dir>/run/services.log``,
-which `up` relays with the seconds since it began.
+the Master and the Inference Model Service answer (both backbones loaded, the Master reconciled):
+`up` returns a deployment that answers. Each phase is a line ``stage: ...`` in the driver's log,
+``<data_dir>/run/services.log``, which `up` relays with the seconds since it began.
 
 Meanwhile `up` watches the processes it started: a Ray head that exits (a raylet or GCS server that
 crashed at start: `ray start --block` then stops the rest and exits) or a server that exits fails
@@ -153,19 +153,21 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
         host, port = wait_gcs.rsplit(":", 1)
         _wait(lambda: _answers(host, int(port)), "the Ray head's GCS port", deadline)
     stage("registering the Training Queue, Training, Inference and Environment services")
-    queue, training, inference, environment = create_service_actors(settings, detached=True)
+    _, training, inference, _ = create_service_actors(settings, detached=True)
     if mlflow_health:
         stage("waiting for the MLflow server (the Master opens its experiment)")
         _wait(lambda: _healthy(mlflow_health), "the MLflow server", deadline)
     stage("registering the Master Service and the futures call queue")
     master = master_service_actor(settings, detached=True)
     # The lower layer's call queue every API replica shares: made here too, never by an API client.
-    futures = call_futures_actor(
+    call_futures_actor(
         training, inference, database_url=settings.resolved_database_url(), namespace=settings.ray_namespace
     )
     stage("waiting for the services to be built (backbones loaded) and the Master to reconcile")
-    ready = [master.ping.remote(), inference.stats.remote(), futures.__ray_ready__.remote()]
-    ready += [actor.__ray_ready__.remote() for actor in (queue, training, environment)]
+    # The Master answers once it has assembled the deployment over the Training Model Service's
+    # capabilities (that backbone loaded); the Inference Model Service once its backbone is loaded.
+    # The queue, the environment and the call queue are light: their callers' first call waits.
+    ready = [master.ping.remote(), inference.stats.remote()]
     ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
     stage("every service answers")
     ray.shutdown()
