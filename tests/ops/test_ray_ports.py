@@ -13,6 +13,20 @@ from joynexus.ops.ray_ports import BLOCK_SIZE, RAY_PORT_ROLES, ray_ports
 from joynexus.settings import Settings
 
 EXTERNAL = ("JOYNEXUS_RAY_ADDRESS", "JOYNEXUS_MLFLOW_TRACKING_URI", "PREFECT_API_URL")
+# The settings a test does not give come from these: a shell's values could make a refusal pass.
+PORT_SETTINGS = ("JOYNEXUS_RAY_PORT", "JOYNEXUS_RAY_WORKER_PORTS", "JOYNEXUS_PREFECT_PORT", "JOYNEXUS_MLFLOW_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_starts(monkeypatch):
+    """A refusal that fails to happen must fail the test, not start a real deployment it leaves behind."""
+    for name in PORT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+
+    def refuse(name, *args, **kwargs):
+        raise AssertionError(f"up started {name}: nothing should start here")
+
+    monkeypatch.setattr(deploy, "spawn_process", refuse)
 
 
 def test_the_head_pins_every_port_in_one_block_outside_the_worker_range(tmp_path):
