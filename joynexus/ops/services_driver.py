@@ -140,8 +140,6 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
         print(f"{STAGE}{message} (driver +{time.monotonic() - started:.1f} s)", flush=True)
 
     stage("importing the service classes")
-    import ray
-
     from joynexus.master.deployment import create_service_actors
     from joynexus.master.service import master_service_actor
     from joynexus.services.call_futures import call_futures_actor
@@ -167,10 +165,15 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
     # The Master answers once it has assembled the deployment over the Training Model Service's
     # capabilities (that backbone loaded); the Inference Model Service once its backbone is loaded.
     # The queue, the environment and the call queue are light: their callers' first call waits.
+    import ray
+
     ready = [master.ping.remote(), inference.stats.remote()]
     ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
     stage("every service answers")
-    ray.shutdown()
+    # The actors are detached: nothing of this driver's needs an orderly disconnect, which takes
+    # seconds (`ray.shutdown`); the GCS marks the driver's job finished when its connection drops.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _answers(host: str, port: int) -> bool:
