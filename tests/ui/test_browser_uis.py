@@ -66,16 +66,16 @@ def _run(argv: list[str], env: dict[str, str], log: Path, timeout_s: float = 120
 
 def _ray_port(settings_fields: dict[str, Any]) -> int:
     """A Ray head port whose whole block (it and the 7 above) is free, outside Ray's worker range."""
-    from joynexus.ops.ray_ports import ray_ports
+    from joynexus.ops.ray_ports import BLOCK_SIZE, ray_ports
     from joynexus.ops.supervisor import HOST, free_port
     from joynexus.settings import Settings
 
     for _ in range(20):
         port = free_port()
         settings = Settings(**settings_fields, ray_port=port)
-        if port + 8 <= 65535 and not ray_ports(settings).busy(HOST):
+        if port + BLOCK_SIZE <= 65535 and not ray_ports(settings).busy(HOST):
             return port
-    raise RuntimeError("no free block of 8 ports for the Ray head")
+    raise RuntimeError(f"no free block of {BLOCK_SIZE} ports for the Ray head")
 
 
 class Deployment:
