@@ -65,7 +65,7 @@ def _run(argv: list[str], env: dict[str, str], log: Path, timeout_s: float = 120
 
 
 def _ray_port(settings_fields: dict[str, Any]) -> int:
-    """A Ray head port whose whole block (it and the 7 above) is free, outside Ray's worker range."""
+    """A Ray head port whose whole block (it and the BLOCK_SIZE - 1 above) is free, outside Ray's worker range."""
     from joynexus.ops.ray_ports import BLOCK_SIZE, ray_ports
     from joynexus.ops.supervisor import HOST, free_port
     from joynexus.settings import Settings
