@@ -112,10 +112,13 @@ def main() -> None:
         dep = Deployment.in_process(Settings(data_dir=Path(tmp), torch_threads=1))
         # A simulator's start on a shared, loaded machine can take minutes: allow it (not timed).
         handle_of(dep.environment_service).target.reset_timeout_s = 900
+        handle_of(dep.environment_service).target.startup_timeout_s = 900
         try:
             for label in args.tasks:
                 task = TASKS[label]
-                service = EnvironmentService(max_sessions=64, max_sessions_per_tenant=64, reset_timeout_s=900)
+                service = EnvironmentService(
+                    max_sessions=64, max_sessions_per_tenant=64, reset_timeout_s=900, startup_timeout_s=900
+                )
                 try:
                     one, sim_spec = service_steps_per_s(service, task["sim"], n, 1, args.steps)
                     vec, _ = service_steps_per_s(service, task["sim"], n, n, args.steps)

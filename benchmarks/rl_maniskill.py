@@ -75,7 +75,7 @@ def cube_spec(
 
 
 def probe(task: str) -> tuple[int, int]:
-    service = EnvironmentService(max_sessions=1, reset_timeout_s=1800)
+    service = EnvironmentService(max_sessions=1, reset_timeout_s=1800, startup_timeout_s=1800)
     try:
         sid = service.open_session("probe", "probe", {"simulator": "maniskill", "task": task,
                                                       "control_mode": "pd_ee_delta_pos"})  # fmt: skip
@@ -123,6 +123,7 @@ def main() -> None:
         # On a loaded host a worker importing ManiSkill and building 8 scenes can take minutes.
         env_service = handle_of(dep.environment_service).target
         env_service.reset_timeout_s, env_service.step_timeout_s = 1800.0, 600.0
+        env_service.startup_timeout_s = 1800.0
         manager = WorkloadManager(dep).start()
         try:
             # --together: every seed is a tenant of the one deployment at once (the service's

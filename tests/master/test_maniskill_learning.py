@@ -50,6 +50,7 @@ def manager(tmp_path):
     dep = Deployment.in_process(Settings(data_dir=tmp_path / "data", torch_threads=1))
     # A loaded CI host can take minutes to start a worker that imports ManiSkill and builds its scenes.
     handle_of(dep.environment_service).target.reset_timeout_s = 900.0
+    handle_of(dep.environment_service).target.startup_timeout_s = 900.0
     manager = WorkloadManager(dep).start()
     yield manager
     manager.stop()

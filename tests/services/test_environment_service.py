@@ -199,6 +199,30 @@ def test_hung_worker_times_out_is_reaped_and_batch_step_isolates_it():
         svc.close_all()
 
 
+@register_simulator("test_slow_start")
+class SlowStartAdapter(HangOnStepAdapter):
+    """Builds slowly, like a simulator importing itself and building its scenes on a busy host."""
+
+    def __init__(self, config):
+        time.sleep(2.0)
+        super().__init__(config)
+
+
+def test_a_simulator_startup_gets_its_own_timeout_not_the_resets():
+    svc = EnvironmentService(step_timeout_s=5.0, reset_timeout_s=0.5, startup_timeout_s=120.0)
+    try:  # a spawn, imports and a 2 s build: far past the reset timeout, well within the startup one
+        sid = svc.open_session("tenant-a", "slow", {"simulator": "test_slow_start", "task": "slow"})
+        assert svc.spec("tenant-a", sid)["state_dim"] == 1
+    finally:
+        svc.close_all()
+    quick = EnvironmentService(step_timeout_s=5.0, reset_timeout_s=120.0, startup_timeout_s=0.5)
+    try:
+        with pytest.raises(SessionFailed, match="simulator startup timed out"):
+            quick.open_session("tenant-a", "slow", {"simulator": "test_slow_start", "task": "slow"})
+    finally:
+        quick.close_all()
+
+
 def test_bad_actions_are_rejected_and_the_session_survives(service):
     sid = service.open_session("tenant-a", "r1", PUSHT_STATE)
     with pytest.raises(RuntimeError, match="reset"):

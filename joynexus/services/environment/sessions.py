@@ -92,6 +92,7 @@ class EnvironmentService:
         *,
         step_timeout_s: float = 30.0,
         reset_timeout_s: float = 120.0,
+        startup_timeout_s: float = 600.0,
         max_sessions: int = 16,
         max_sessions_per_tenant: int = 8,
         start_method: str = "spawn",
@@ -109,8 +110,8 @@ class EnvironmentService:
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = time.time()
         service_metrics()  # this process's signals endpoint (JOYNEXUS_METRICS_PORT)
-        if step_timeout_s <= 0 or reset_timeout_s <= 0:
-            raise ValueError("step_timeout_s and reset_timeout_s must be > 0")
+        if step_timeout_s <= 0 or reset_timeout_s <= 0 or startup_timeout_s <= 0:
+            raise ValueError("step_timeout_s, reset_timeout_s and startup_timeout_s must be > 0")
         if max_sessions < 1 or max_sessions_per_tenant < 1:
             raise ValueError("max_sessions and max_sessions_per_tenant must be >= 1")
         for name, limit in (
@@ -125,6 +126,10 @@ class EnvironmentService:
             raise ValueError(f"start_method={start_method!r}: use 'spawn' or 'forkserver'")
         self.step_timeout_s = float(step_timeout_s)
         self.reset_timeout_s = float(reset_timeout_s)
+        # A worker's startup is a process spawn, the simulator's import and its scenes built: 8
+        # ManiSkill scenes in one worker took over 120 s on a 2-core host at load ~10 (the main job's
+        # PushCube evaluations failed so). A worker that hangs at startup is still killed, later.
+        self.startup_timeout_s = float(startup_timeout_s)
         self.max_sessions = int(max_sessions)
         self.max_sessions_per_tenant = int(max_sessions_per_tenant)
         self.image_limits = {
@@ -182,7 +187,7 @@ class EnvironmentService:
             child_conn.close()  # so the worker's death shows up as EOF here
             session.process, session.conn = process, parent_conn
             with session.lock:
-                ready = self._request(session, None, self.reset_timeout_s, "simulator startup")
+                ready = self._request(session, None, self.startup_timeout_s, "simulator startup")
         except BaseException:
             with self._lock:
                 self._sessions.pop(session.session_id, None)
