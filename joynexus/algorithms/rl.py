@@ -1,14 +1,19 @@
 """RL estimators and objectives (paper A.5, A.6): PPO-style GAE (time-limit truncation bootstrapped,
 not treated as termination), GRPO's group-relative estimator over groups of attempts from one
 initial state, and the PPO clipped surrogate with a value loss. Pure functions over tensors / arrays,
-so the advantage stage and the actor share them and tests pin their numbers down."""
+so the advantage stage and the actor share them and tests pin their numbers down. The estimators
+need only numpy: the Master's advantage stage imports this module without torch (the PPO loss
+imports it when it runs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 
@@ -150,6 +155,8 @@ def ppo_loss(
     normalize_advantages: bool = True,
 ) -> PPOLoss:
     """The PPO clipped surrogate (Schulman et al. 2017), plus a value loss when a critic exists."""
+    import torch
+
     adv = advantages
     if normalize_advantages and adv.numel() > 1:
         adv = (adv - adv.mean()) / (adv.std() + 1e-8)

@@ -32,11 +32,18 @@ from urllib.parse import urlparse
 from joynexus.artifacts.blobs import check_key
 from joynexus.artifacts.codec import _FILE_NAME_RE
 
-__all__ = ["ENDPOINT_ENV", "S3BlobStore", "configure_mlflow_s3", "split_s3_uri"]
+__all__ = ["ENDPOINT_ENV", "S3BlobStore", "configure_mlflow_s3", "export_endpoint", "split_s3_uri"]
 
 ENDPOINT_ENV = "JOYNEXUS_S3_ENDPOINT_URL"
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _CONFLICT_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+def export_endpoint(checkpoint_root: str, endpoint_url: str | None) -> None:
+    """An actor opens an s3:// checkpoint root with the endpoint in JOYNEXUS_S3_ENDPOINT_URL: export
+    it before Ray starts, so a local Ray inherits it (a remote cluster's nodes must set it themselves)."""
+    if endpoint_url and checkpoint_root.startswith("s3://"):
+        os.environ.setdefault(ENDPOINT_ENV, endpoint_url)
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:

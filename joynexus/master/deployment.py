@@ -11,29 +11,30 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from joynexus.actors import SerializedService, configure_placement, handle_of, init_ray, service_handle
 from joynexus.artifacts import CheckpointStore
 from joynexus.artifacts.checkpoints import checkpoint_store
+from joynexus.artifacts.s3 import export_endpoint
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.registry import ExperimentTracker
-from joynexus.scheduling.training_queue import TrainingQueue
+from joynexus.scheduling.training_queue import TRAINING_QUEUE_ACTOR_NAME, TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.services.configs import (
-    EnvironmentServiceConfig,
-    InferenceServiceConfig,
-    TrainingQueueConfig,
-    TrainingServiceConfig,
-)
-from joynexus.services.environment.service import EnvironmentService
-from joynexus.services.inference.service import InferenceModelService
-from joynexus.services.training.service import TrainingModelService
 from joynexus.settings import Settings, local_artifact_location
 
+if TYPE_CHECKING:  # the Master imports this module: it must not import the services (torch, transformers)
+    from joynexus.services.environment.service import EnvironmentService
+    from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.training.service import TrainingModelService
+
 log = logging.getLogger(__name__)
+
+# The execution plane's named actors, in the order `create_service_actors` returns them.
+SERVICE_ACTORS = (TRAINING_QUEUE_ACTOR_NAME, "joynexus.training_service", "joynexus.inference_service",
+                  "joynexus.environment_service")  # fmt: skip
 
 
 _RESIDENT_ACTORS: list[Any] = []
@@ -59,18 +60,29 @@ class Deployment:
         with a detached lifetime, so they outlive this driver (`joynexus up`)."""
         settings = settings or Settings()
         queue_actor, service, inference, environment = create_service_actors(settings, detached=detached)
+        # Typed as the service classes (TYPE_CHECKING imports): the handles need only the actors.
         return cls._assemble(
             settings,
             service_handle(TrainingQueue, queue_actor),
-            service_handle(TrainingModelService, service),
-            service_handle(InferenceModelService, inference),
-            service_handle(EnvironmentService, environment),
+            service_handle(cast("type[TrainingModelService]", object), service),
+            service_handle(cast("type[InferenceModelService]", object), inference),
+            service_handle(cast("type[EnvironmentService]", object), environment),
         )
 
     @classmethod
     def in_process(cls, settings: Settings | None = None) -> Deployment:
         """The same deployment with every service a local object in this process (no Ray): for
         tests and for embedding the services in one process."""
+        from joynexus.services.configs import (
+            EnvironmentServiceConfig,
+            InferenceServiceConfig,
+            TrainingQueueConfig,
+            TrainingServiceConfig,
+        )
+        from joynexus.services.environment.service import EnvironmentService
+        from joynexus.services.inference.service import InferenceModelService
+        from joynexus.services.training.service import TrainingModelService
+
         settings = settings or Settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         queue = TrainingQueueConfig().build()
@@ -116,15 +128,29 @@ class Deployment:
 def create_service_actors(settings: Settings, *, detached: bool = False) -> tuple[Any, Any, Any, Any]:
     """Connect to (or start) Ray and get-or-create the named execution-plane actors: Training
     Queue, Training Model Service, Inference Model Service, Environment Service (raw actor handles).
-    Running actors are reused as they are (no backbone reload)."""
+    Running actors are reused as they are (no backbone reload).
+
+    When all four run (the Master of a deployment `joynexus up` made, a Master restarted in place)
+    they are only looked up by name: the service classes, torch and transformers are imported only
+    to create a missing one, so a process that never runs a model stays light."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    training = TrainingServiceConfig.from_settings(settings)
-    training.export_endpoint()  # before Ray starts: a local Ray inherits it
+    # Before Ray starts: a local Ray inherits it.
+    export_endpoint(settings.checkpoint_location, settings.s3_endpoint_url)
     init_ray(settings.ray_address)
+    running = _running_service_actors(settings.ray_namespace)
+    if running is not None:
+        return running
+    from joynexus.services.configs import (
+        EnvironmentServiceConfig,
+        InferenceServiceConfig,
+        TrainingQueueConfig,
+        TrainingServiceConfig,
+    )
+
     configure_placement(settings.resources)  # each role's Ray resources, for the actors made below
     where = {"namespace": settings.ray_namespace, "detached": detached}
     queue = TrainingQueueConfig().actor(**where)
-    service = training.actor(queue, **where)
+    service = TrainingServiceConfig.from_settings(settings).actor(queue, **where)
     inference = InferenceServiceConfig.from_settings(settings).actor(**where)
     environment = EnvironmentServiceConfig.from_settings(settings).actor(**where)
     # A non-detached actor is destroyed once the handle that created it goes away (handles got by
@@ -132,6 +158,21 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
     # process reuses the running services instead of catching them in teardown.
     _RESIDENT_ACTORS.extend((queue, service, inference, environment))
     return queue, service, inference, environment
+
+
+def _running_service_actors(namespace: str | None) -> tuple[Any, Any, Any, Any] | None:
+    """The four execution-plane actors by name (Ray initialized), or None if any is missing. A
+    lookup loads only the actor's stand-in class (`actors.ActorShell`), not the service's module."""
+    import ray
+
+    found = []
+    for name in SERVICE_ACTORS:
+        try:
+            found.append(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            return None
+    queue, training, inference, environment = found
+    return queue, training, inference, environment
 
 
 def _probe(environment: Any) -> Any:

@@ -140,6 +140,10 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
         print(f"{STAGE}{message} (driver +{time.monotonic() - started:.1f} s)", flush=True)
 
     stage("importing the service classes")
+    # The execution plane's classes (torch, transformers): `create_service_actors` needs them to
+    # create the actors (a process that finds them running, as the Master does, never imports
+    # them); imported here so the import overlaps the Ray head's start.
+    import joynexus.services.configs  # noqa: F401
     from joynexus.master.deployment import create_service_actors
     from joynexus.master.service import master_service_actor
     from joynexus.services.call_futures import call_futures_actor

@@ -9,12 +9,11 @@ the configs together.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from joynexus.actors import ActorName, handle_of, named_actor
-from joynexus.artifacts.s3 import ENDPOINT_ENV
+from joynexus.artifacts.s3 import export_endpoint
 from joynexus.artifacts.stores import checkpoint_blobs
 from joynexus.models.backbone import BackboneSource
 from joynexus.models.placement import DevicePlacement
@@ -91,10 +90,8 @@ class TrainingServiceConfig:
         )
 
     def export_endpoint(self) -> None:
-        """An actor opens an s3:// root with the endpoint in JOYNEXUS_S3_ENDPOINT_URL: export it before
-        Ray starts, so a local Ray inherits it (a remote cluster's nodes must set it themselves)."""
-        if self.s3_endpoint_url and self.checkpoint_root.startswith("s3://"):
-            os.environ.setdefault(ENDPOINT_ENV, self.s3_endpoint_url)
+        """Export the s3:// root's endpoint for the actors (`artifacts.s3.export_endpoint`)."""
+        export_endpoint(self.checkpoint_root, self.s3_endpoint_url)
 
     def _options(self) -> dict[str, Any]:
         return {

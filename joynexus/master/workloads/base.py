@@ -28,7 +28,7 @@ from joynexus.master.loops.producer import Producer
 from joynexus.master.loops.rollout import NoServingVersion
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.services.environment.service import SessionLimitExceeded
-from joynexus.services.training.service import UnknownTenant
+from joynexus.services.training.errors import UnknownTenant
 
 if TYPE_CHECKING:
     from joynexus.master.deployment import Deployment
