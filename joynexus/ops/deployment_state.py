@@ -8,8 +8,12 @@ module imports neither of them, so the two do not import each other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +27,12 @@ __all__ = [
     "DeploymentState",
     "ManagedProcess",
     "effective_settings",
+    "http_ok",
+    "port_answers",
     "read_state",
     "run_dir",
     "session_members",
+    "tail",
     "write_state",
 ]
 
@@ -143,3 +150,29 @@ def effective_settings(settings: Settings | None = None) -> Settings:
     if not settings.prefect_api_url:
         update["prefect_api_url"] = state.prefect_api_url
     return settings.model_copy(update=update)
+
+
+# -- probes of what a deployment runs: `up`'s supervisor, its services driver and the API's role
+# follower share them.
+def port_answers(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on (host, port) within half a second."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether `url` answers a GET with a 2xx status."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: str | Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log file, or '(no log)'."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any
 
 from joynexus.actors import RoleUnavailable, handle_of, init_ray
 from joynexus.connect import Cluster
-from joynexus.ops.deployment_state import DeployError, DeploymentState, read_state
+from joynexus.ops.deployment_state import DeployError, DeploymentState, port_answers, read_state
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +224,4 @@ def _port_open(address: str | None) -> bool:
     if not address or ":" not in address:
         return True
     host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=0.5):
-            return True
-    except (OSError, ValueError):
-        return False
+    return port.isdigit() and port_answers(host, int(port))

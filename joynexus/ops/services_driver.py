@@ -18,15 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from joynexus.ops.deployment_state import DeployError, ManagedProcess
+from joynexus.ops.deployment_state import DeployError, ManagedProcess, http_ok, port_answers, tail
 
 DRIVER_LOG = "services.log"
 DRIVER_NICENESS = 10
@@ -61,11 +59,6 @@ def exit_report(process: ManagedProcess, ray_logs: Path | None = None) -> str:
     )
 
 
-def tail(path: str | Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def run_driver(
@@ -153,12 +146,12 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
     if wait_gcs:
         stage(f"waiting for the Ray head's GCS port {wait_gcs}")
         host, port = wait_gcs.rsplit(":", 1)
-        _wait(lambda: _answers(host, int(port)), "the Ray head's GCS port", deadline)
+        _wait(lambda: port_answers(host, int(port)), "the Ray head's GCS port", deadline)
     stage("registering the Training Queue, Training, Inference and Environment services")
     _, training, inference, _ = create_service_actors(settings, detached=True)
     if mlflow_health:
         stage("waiting for the MLflow server (the Master opens its experiment)")
-        _wait(lambda: _healthy(mlflow_health), "the MLflow server", deadline)
+        _wait(lambda: http_ok(mlflow_health), "the MLflow server", deadline)
     stage("registering the Master Service and the futures call queue")
     master = master_service_actor(settings, detached=True)
     # The lower layer's call queue every API replica shares: made here too, never by an API client.
@@ -178,18 +171,6 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
     # seconds (`ray.shutdown`); the GCS marks the driver's job finished when its connection drops.
     sys.stdout.flush()
     os._exit(0)
-
-
-def _answers(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-        return True
-    return False
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url, timeout=2.0) as response:
-        return 200 <= response.status < 300
-    return False
 
 
 def _wait(ready: Callable[[], bool], what: str, deadline: float) -> None:

@@ -33,8 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,10 +47,13 @@ from joynexus.ops.deployment_state import (
     DeploymentState,
     ManagedProcess,
     effective_settings,
+    http_ok,
     read_state,
     run_dir,
     write_state,
 )
+from joynexus.ops.deployment_state import port_answers as _port_open
+from joynexus.ops.deployment_state import tail as _tail
 from joynexus.ops.health_report import master_detail, published_health, replica_summary, role_entries
 from joynexus.ops.ray_ports import BLOCK_SIZE, ray_ports
 from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
@@ -132,18 +133,6 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-def _port_open(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-        return True
-    return False
-
-
-def http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return 200 <= response.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: str, timeout_s: float) -> None:
@@ -158,11 +147,6 @@ def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: 
     raise DeployError(f"{what} was not ready after {timeout_s:.0f} s{where}")
 
 
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _executable(name: str) -> str:
