@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -37,6 +37,7 @@ __all__ = [
     "ChatTemplatePrompt",
     "HFDirectory",
     "PlainDirectory",
+    "backbone_over",
     "load_hf_directory",
     "normalization",
     "read_chat_template",
@@ -296,6 +297,39 @@ def _check_weights(root: Path) -> None:
             )
 
 
+class CheckpointDirectory(Protocol):
+    """What a backbone takes from a checkpoint directory (`HFDirectory`, the Qwen family's own)."""
+
+    model_id: str
+    image_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    prompt: ChatTemplatePrompt
+
+
+def backbone_over(
+    family: type[ResidentBackbone],
+    model: Any,
+    tokenizer: Any,
+    directory: CheckpointDirectory,
+    max_images: int,
+    placement: DevicePlacement,
+) -> ResidentBackbone:
+    """A backbone of `family` over loaded weights, with the id, image geometry and chat prompt the
+    checkpoint directory declares: one construction for every family's directory loader."""
+    return family(
+        model,
+        tokenizer,
+        model_id=directory.model_id,
+        image_size=directory.image_size,
+        max_images=max_images,
+        image_mean=directory.image_mean,
+        image_std=directory.image_std,
+        chat_prompt=directory.prompt,
+        placement=placement,
+    )
+
+
 def load_hf_directory(
     family: type[ResidentBackbone],
     path: str | Path,
@@ -316,17 +350,7 @@ def load_hf_directory(
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     tokenizer.padding_side = "right"
     directory.prompt.check(tokenizer, max_images)
-    backbone = family(
-        model,
-        tokenizer,
-        model_id=directory.model_id,
-        image_size=directory.image_size,
-        max_images=max_images,
-        image_mean=directory.image_mean,
-        image_std=directory.image_std,
-        chat_prompt=directory.prompt,
-        placement=placement,
-    )
+    backbone = backbone_over(family, model, tokenizer, directory, max_images, placement)
     if directory.image_seq_len is not None and directory.image_seq_len != backbone.image_seq_len:
         raise ValueError(
             f"{root / 'processor_config.json'}: image_seq_len {directory.image_seq_len} != the "

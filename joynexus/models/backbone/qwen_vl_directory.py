@@ -32,6 +32,7 @@ from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGene
 from joynexus.models.backbone.hf_directory import (
     DEFAULT_MAX_IMAGES,
     ChatTemplatePrompt,
+    backbone_over,
     normalization,
     read_plain_directory,
 )
@@ -183,14 +184,4 @@ def load_qwen_vl_directory(
     model, tokenizer = load_qwen_weights(root, Qwen3VLConfig.from_pretrained(root, local_files_only=True), placement)
     block = family.vision_start_token + family.image_token + family.vision_end_token
     check_vision_blocks(directory.prompt, tokenizer, block, max_images)
-    return family(
-        model,
-        tokenizer,
-        model_id=directory.model_id,
-        image_size=directory.image_size,
-        max_images=max_images,
-        image_mean=directory.image_mean,
-        image_std=directory.image_std,
-        chat_prompt=directory.prompt,
-        placement=placement,
-    )
+    return backbone_over(family, model, tokenizer, directory, max_images, placement)
