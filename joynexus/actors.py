@@ -29,6 +29,9 @@ ROLE_OF_ACTOR = {
     "joynexus.inference_service": "inference_service",
     "joynexus.environment_service": "environment_service",
 }
+# The execution plane's four service actors (every role but the Master), in the order the deployment
+# builds and returns them: Training Queue, Training / Inference Model Service, Environment Service.
+EXECUTION_PLANE_ACTORS = tuple(name for name, role in ROLE_OF_ACTOR.items() if role != "master")
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from joynexus.actors import SERVICES_CREATOR, ServicesNotRunning, service_handle
+from joynexus.actors import EXECUTION_PLANE_ACTORS, SERVICES_CREATOR, ServicesNotRunning, service_handle
 from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
@@ -41,8 +41,7 @@ if TYPE_CHECKING:  # imported where used: a client of a running deployment needs
 
 Mode = Literal["auto", "ray", "in-process"]
 FINAL_STATES = ("completed", "failed", "cancelled")
-SERVICE_ACTOR_NAMES = ("joynexus.training_queue", "joynexus.training_service", "joynexus.inference_service",
-                       "joynexus.environment_service", "joynexus.master")  # fmt: skip
+SERVICE_ACTOR_NAMES = (*EXECUTION_PLANE_ACTORS, "joynexus.master")  # the order `_running_actors` returns
 
 
 @dataclass

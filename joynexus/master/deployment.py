@@ -13,7 +13,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from joynexus.actors import SerializedService, configure_placement, handle_of, init_ray, service_handle
+from joynexus.actors import (
+    EXECUTION_PLANE_ACTORS,
+    SerializedService,
+    configure_placement,
+    handle_of,
+    init_ray,
+    service_handle,
+)
 from joynexus.artifacts import CheckpointStore
 from joynexus.artifacts.checkpoints import checkpoint_store
 from joynexus.artifacts.s3 import export_endpoint
@@ -21,7 +28,7 @@ from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.registry import ExperimentTracker
-from joynexus.scheduling.training_queue import TRAINING_QUEUE_ACTOR_NAME, TrainingQueue
+from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.settings import Settings, local_artifact_location
 
@@ -33,8 +40,7 @@ if TYPE_CHECKING:  # the Master imports this module: it must not import the serv
 log = logging.getLogger(__name__)
 
 # The execution plane's named actors, in the order `create_service_actors` returns them.
-SERVICE_ACTORS = (TRAINING_QUEUE_ACTOR_NAME, "joynexus.training_service", "joynexus.inference_service",
-                  "joynexus.environment_service")  # fmt: skip
+SERVICE_ACTORS = EXECUTION_PLANE_ACTORS
 
 
 _RESIDENT_ACTORS: list[Any] = []

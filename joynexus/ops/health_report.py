@@ -8,18 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from joynexus.actors import EXECUTION_PLANE_ACTORS, ROLE_OF_ACTOR
 from joynexus.master.health_snapshot import health_snapshot_path, read_health_snapshot
 from joynexus.settings import Settings
 
 __all__ = ["master_detail", "published_health", "replica_summary", "role_entries"]
 
 # The service actors' rows: actor name -> the Health Manager's role that watches it.
-SERVICE_ROLE_OF = {
-    "joynexus.training_queue": "training_queue",
-    "joynexus.training_service": "training_service",
-    "joynexus.inference_service": "inference_service",
-    "joynexus.environment_service": "environment_service",
-}
+SERVICE_ROLE_OF = {name: ROLE_OF_ACTOR[name] for name in EXECUTION_PLANE_ACTORS}
 
 
 def master_detail(ping: dict[str, Any]) -> str:
