@@ -76,12 +76,8 @@ class SpecCompiler:
             raise SpecError([("base_model", f"unknown base model {spec.base_model!r}; this backend serves {known}")])
         obs = spec.observation
         if len(obs.cameras) > caps.max_images:
-            problems.append(
-                (
-                    "observation.cameras",
-                    f"{len(obs.cameras)} cameras, but {caps.model_id} has {caps.max_images} camera slots",
-                )
-            )
+            slots = f"{len(obs.cameras)} cameras, but {caps.model_id} has {caps.max_images} camera slots"
+            problems.append(("observation.cameras", slots))
         for field, value, limit in (
             ("observation.state_dim", obs.state_dim, caps.max_state_dim),
             ("observation.action_dim", obs.action_dim, caps.max_action_dim),
@@ -101,6 +97,7 @@ class SpecCompiler:
                 # RL needs a policy density (PPO ratios) and, for GAE, a critic.
                 stochastic=spec.task is TaskType.RL,
                 value_head=spec.task is TaskType.RL and spec.rl.advantage == "gae",
+                normalize_state=spec.task is TaskType.RL and spec.rl.normalize_state and obs.state_dim > 0,
             )
         except ValidationError as error:
             for item in error.errors():

@@ -50,6 +50,7 @@ architecture run as ONE computation over their parameters stacked along a leadin
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 
 from joynexus.models.action_modules import ActionModule, ActionModuleConfig
+from joynexus.models.action_modules.base import standardize_state
 from joynexus.models.backbone import BackboneFeatures
 from joynexus.models.grouped_kernels import (
     DERIVED,
@@ -121,6 +123,7 @@ def _stack_key(module: ActionModule) -> tuple[Any, ...]:
         cfg.state_dim if cfg.value_head else None,
         cfg.value_head,
         cfg.stochastic,
+        cfg.normalize_state,
         cfg.architecture_fields(),
     )
 
@@ -353,6 +356,15 @@ def _with_derived(kernel: Kernel, cfg: ActionModuleConfig, params: StackedParame
     return {**params, **derived} if derived else params
 
 
+def _normalized(cfg: ActionModuleConfig, params: StackedParameters, inputs: GroupInputs) -> GroupInputs:
+    """`inputs` with each member's state standardized by its own running statistics (configs with
+    `normalize_state`), as `ActionModule.normalized_state` does on the module path."""
+    if not cfg.normalize_state or cfg.state_dim == 0:
+        return inputs
+    mean, var = params["state_mean"].unsqueeze(1), params["state_var"].unsqueeze(1)  # (G, 1, S)
+    return dataclasses.replace(inputs, state=standardize_state(inputs.state, mean, var))
+
+
 # ------------------------------------------------------------------------------ entry points
 def group_predict(
     modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs, noise: torch.Tensor | None = None
@@ -361,6 +373,7 @@ def group_predict(
     steps and dims are garbage (`unpad_actions` keeps each member's own). `noise`: the flow
     expert's x0 per row, drawn by the caller with each module's `draw_noise`, zero-padded."""
     kernel, cfg, dims = _kernel(modules)
+    inputs = _normalized(cfg, params, inputs)
     with torch.no_grad():
         return kernel.predict(_with_derived(kernel, cfg, params), cfg, inputs, noise, dims)
 
@@ -368,6 +381,7 @@ def group_predict(
 def group_policy_mean(modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs) -> torch.Tensor:
     """The Gaussian policy's mean chunk per row (kinds with `supports_rl`): (G, B, chunk, A)."""
     kernel, cfg, _ = _kernel(modules)
+    inputs = _normalized(cfg, params, inputs)
     return kernel.policy_mean(params, cfg, inputs)
 
 
@@ -386,6 +400,7 @@ def group_sample(
     (G, B, *sample_noise_shape) in the group's padded dims: (actions (G, B, chunk, A), log-densities
     (G, B), the recorded chains (G, B, K+1, chunk, A) of a flow head, else None)."""
     kernel, cfg, dims = _kernel(modules)
+    inputs = _normalized(cfg, params, inputs)
     if type(modules[0]).rl_record_field == "chain":
         chains, log_probs = kernel.sample_chain(_with_derived(kernel, cfg, params), cfg, inputs, noise, dims)  # type: ignore[attr-defined]
         return chains[:, :, -1], log_probs, chains
@@ -398,6 +413,7 @@ def group_sample(
 def group_value(modules: Sequence[ActionModule], params: StackedParameters, inputs: GroupInputs) -> torch.Tensor:
     """`ActionModule.value` per row: (G, B)."""
     _, cfg, _ = _kernel(modules)
+    inputs = _normalized(cfg, params, inputs)
     if not cfg.value_head:
         raise RuntimeError(f"kind {cfg.kind!r} was built with value_head=False; it has no value head")
     # The module's own value_net layers, read in order (not its Sequential indices written out).
@@ -429,6 +445,7 @@ def group_loss(
     per member from its own generator by the kernel's `draw_loss_noise`, as `loss` draws it.
     Gradients flow through `params`: stack the members' leaves with grad on to train."""
     kernel, cfg, dims = _kernel(modules)
+    inputs = _normalized(cfg, params, inputs)
     g = len(modules)
     if not (len(actions) == len(action_is_pad) == len(generators) == g):
         raise ValueError(f"actions/action_is_pad/generators: expected {g} entries each (one per member)")

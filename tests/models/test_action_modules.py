@@ -278,6 +278,43 @@ def test_an_rl_oft_head_starts_with_its_mean_near_zero_and_an_sft_head_does_not(
     assert rl.abs().max() < 0.05 < sft.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["oft_mlp", "flow_matching"])
+def test_state_normalization_keeps_running_statistics_and_feeds_the_standardized_state(kind: str) -> None:
+    """`normalize_state`: batches fold into one running mean/variance (equal to the statistics of all
+    of them together), saved with the module; the layers see (state - mean) / std, clipped."""
+    from joynexus.models.action_modules.base import STATE_CLIP
+
+    g = torch.Generator().manual_seed(4)
+    first, second = torch.randn(40, STATE, generator=g) * 3 + 2, torch.randn(24, STATE, generator=g) * 0.5 - 1
+    torch.manual_seed(0)
+    module = build_action_module(_config(kind, value_head=True, normalize_state=True))
+    plain = build_action_module(_config(kind, value_head=True))
+    statistics = ("state_mean", "state_var", "state_count")
+    assert not [name for name, _ in plain.named_parameters() if name.startswith(statistics)]
+    state = torch.randn(3, STATE, generator=g)
+    torch.testing.assert_close(module.normalized_state(state), state)  # nothing seen yet: identity
+    module.observe_states(first)
+    module.observe_states(second)
+    both = torch.cat([first, second]).double()
+    torch.testing.assert_close(module.state_mean.double(), both.mean(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(module.state_var.double(), both.var(0, unbiased=False), atol=1e-5, rtol=1e-5)
+    assert float(module.state_count) == 64
+    std = both.var(0, unbiased=False).sqrt().float()
+    expected = ((state - both.mean(0).float()) / std).clamp(-STATE_CLIP, STATE_CLIP)
+    torch.testing.assert_close(module.normalized_state(state), expected, atol=1e-5, rtol=1e-5)
+    assert module.normalized_state(torch.full((1, STATE), 1e6)).max() == STATE_CLIP
+    # The statistics are not trained and travel in the state dict (checkpoints, publications).
+    assert all(not p.requires_grad for name, p in module.named_parameters() if name.startswith(statistics))
+    copy = build_action_module(_config(kind, value_head=True, normalize_state=True))
+    copy.load_state_dict(module.state_dict())
+    features = _random_features(3, 5, 64, seed=5)
+    torch.testing.assert_close(copy.value(features, state), module.value(features, state))
+    # The head reads the standardized state: shifting the statistics changes what it computes.
+    with torch.no_grad():
+        copy.state_mean.add_(1.0)
+    assert not torch.allclose(copy.value(features, state), module.value(features, state))
+
+
 def test_rl_needs_a_kind_with_a_tractable_density() -> None:
     # flow_matching's density is over its noise-injected chain (test_flow_rl); it has no closed-form one.
     with pytest.raises(RuntimeError, match="denoising chain"):

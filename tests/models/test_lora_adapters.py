@@ -139,7 +139,9 @@ def test_a_mixed_adapter_forward_equals_each_tenants_own_forward(preset):
     for i, key in enumerate(keys):
         alone = backbone.encode(images[i : i + 1], texts[i : i + 1], [key])
         row = mixed.select([i]).trimmed()
-        assert torch.allclose(row.tokens, alone.tokens, rtol=1e-5, atol=1e-5), (i, key)
+        # float32 over several layers: a batch of 6 and a batch of 1 take different matmul kernels,
+        # which round differently (up to 7e-5 on |values| ~3 on some CPUs).
+        assert torch.allclose(row.tokens, alone.tokens, rtol=1e-4, atol=1e-4), (i, key)
         base_row = before.select([i]).trimmed()
         if key is None:  # a sample without an adapter is exactly what it was before adapters existed
             assert torch.equal(row.tokens, base_row.tokens) and torch.equal(row.pooled, base_row.pooled)

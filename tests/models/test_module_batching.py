@@ -75,12 +75,18 @@ COUNTS = [2, 3, 1]  # unequal on purpose: padding rows must never show
 DIMS = {True: [(5, 3, 4), (5, 5, 2), (5, 2, 6)], False: [(5, 3, 4), (2, 5, 2), (7, 2, 6)]}
 
 
-def _group_case(kind: str, value_head: bool = True):
+def _group_case(kind: str, value_head: bool = True, normalize_state: bool = False):
     modules = []
     for seed, (state, action, chunk) in enumerate(DIMS[value_head]):
         torch.manual_seed(seed)
-        cfg = _config(kind, state_dim=state, action_dim=action, action_chunk=chunk, value_head=value_head)
-        modules.append(build_action_module(cfg))
+        cfg = _config(
+            kind, state_dim=state, action_dim=action, action_chunk=chunk, value_head=value_head,
+            normalize_state=normalize_state,
+        )  # fmt: skip
+        module = build_action_module(cfg)
+        # Each member's own statistics (a different scale and offset per member), as RL leaves them.
+        module.observe_states(torch.randn(16, state, generator=torch.Generator().manual_seed(seed)) * (seed + 2) + seed)
+        modules.append(module)
     features = _features(sum(COUNTS), 11, seed=1)
     offsets = np.cumsum([0, *COUNTS])
     rows = [list(range(offsets[i], offsets[i + 1])) for i in range(len(COUNTS))]
@@ -93,10 +99,11 @@ def _chunk_shape(modules) -> tuple[int, int]:
     return max(m.config.action_chunk for m in modules), max(m.config.action_dim for m in modules)
 
 
+@pytest.mark.parametrize("normalize_state", [False, True], ids=["raw-state", "normalized-state"])
 @pytest.mark.parametrize("value_head", [True, False], ids=["value-head", "ragged-state"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_batched_predict_and_value_equal_each_module_alone(kind, value_head):
-    modules, features, rows, states = _group_case(kind, value_head)
+def test_batched_predict_and_value_equal_each_module_alone(kind, value_head, normalize_state):
+    modules, features, rows, states = _group_case(kind, value_head, normalize_state)
     assert len(mb.group_by_architecture(modules)) == 1  # different dims, one group
     for module in modules:
         module.eval()
@@ -158,8 +165,9 @@ def test_batched_flow_expert_without_a_state_token_or_deeper_equals_each_module_
         torch.testing.assert_close(actions[g], expected, atol=ATOL, rtol=1e-4)
 
 
-def test_batched_gaussian_policy_equals_each_modules_distribution():
-    modules, features, rows, states = _group_case("oft_mlp")
+@pytest.mark.parametrize("normalize_state", [False, True], ids=["raw-state", "normalized-state"])
+def test_batched_gaussian_policy_equals_each_modules_distribution(normalize_state):
+    modules, features, rows, states = _group_case("oft_mlp", normalize_state=normalize_state)
     with torch.no_grad():
         for i, module in enumerate(modules):
             module.log_std.fill_(-0.3 * (i + 1))  # distinct stds per tenant

@@ -92,6 +92,11 @@ def test_state_only_rl_in_pusht_runs_a_workload(dep):
         manager.stop()
     assert final.state == "completed", final.error
     assert final.version == 1
+    # RL tenants standardize their state by the rollouts' running statistics (rl.normalize_state,
+    # on by default): the job's 8 samples moved them, and the version's checkpoint carries them.
+    _, module_state, _ = dep.checkpoints.load_tenant("pushblind")
+    assert float(module_state["state_count"]) == 8
+    assert module_state["state_mean"].abs().sum() > 0 and module_state["state_var"].shape == (5,)
 
 
 # Slow (21 s): ManiSkill through the services stays in the default run in

@@ -76,8 +76,13 @@ def trained(world) -> dict[str, Any]:
 
 
 def scrape(client: Any) -> dict[str, Any]:
+    """One fresh scrape: scrapes within the collector's `min_interval_s` share one answer (by design,
+    so a burst of scrapers makes one round of calls), so wait that window out since the last one."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    collector = client.app.state.metrics.collector
+    if collector._last is not None:
+        time.sleep(max(0.0, collector._last[0] + collector.min_interval_s + 0.05 - time.monotonic()))
     response = client.get("/metrics", headers=OPERATOR)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")

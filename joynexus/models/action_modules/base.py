@@ -78,6 +78,10 @@ class ActionModuleConfig(pydantic.BaseModel):
     # A learned, state-independent log-std turns the head into a Gaussian policy with a tractable
     # log-density, which PPO needs; only kinds with `supports_rl` accept it.
     stochastic: bool = False
+    # Standardize the state input by running statistics of the states the policy has seen (RL:
+    # updated from each rollout after its PPO update, `observe_states`), kept in the module's
+    # state dict so every published version carries the statistics it was trained with.
+    normalize_state: bool = False
 
     def __new__(cls, *args: Any, **data: Any) -> ActionModuleConfig:
         # The kind's own config class, when it specializes this one (pickling and copying call
@@ -140,6 +144,17 @@ def build_action_module(config: ActionModuleConfig | Mapping[str, Any]) -> Actio
     return ACTION_MODULES.get(config.kind)(config)
 
 
+STATE_CLIP = 5.0  # standardized state entries are clipped to +-this (rare outliers, unseen states)
+STATE_STD_FLOOR = 1e-4  # a (near) constant state entry is centred, not blown up
+
+
+def standardize_state(state: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """(state - mean) / std, clipped to +-STATE_CLIP; `mean`/`var` broadcast over the rows. A
+    zero-padded entry (mean 0, var 0: a narrower member of a stacked group) stays 0."""
+    std = var.clamp_min(0.0).sqrt().clamp_min(STATE_STD_FLOOR)
+    return ((state - mean) / std).clamp(-STATE_CLIP, STATE_CLIP)
+
+
 def _shape_error(name: str, expected: str, got: torch.Tensor) -> ValueError:
     return ValueError(f"{name}: expected shape {expected}, got {tuple(got.shape)}")
 
@@ -178,6 +193,15 @@ class ActionModule(nn.Module, abc.ABC):
         self.log_std: nn.Parameter | None = None
         if config.stochastic:
             self.log_std = nn.Parameter(torch.full((config.action_dim,), -0.5))
+        self.state_mean: nn.Parameter | None = None
+        self.state_var: nn.Parameter | None = None
+        self.state_count: nn.Parameter | None = None
+        if config.normalize_state and config.state_dim > 0:
+            # Parameters without gradients, not buffers: they travel wherever parameters do (the
+            # grouped kernels' stacked parameters, checkpoints, publications); AdamW skips them.
+            self.state_mean = nn.Parameter(torch.zeros(config.state_dim), requires_grad=False)
+            self.state_var = nn.Parameter(torch.ones(config.state_dim), requires_grad=False)
+            self.state_count = nn.Parameter(torch.zeros(()), requires_grad=False)
         width = config.preset.width
         # Value head for PPO: a separate MLP on (pooled features, state) so value
         # regression never pulls on the policy's own layers.
@@ -216,7 +240,36 @@ class ActionModule(nn.Module, abc.ABC):
         if self.value_net is None:
             raise RuntimeError(f"{type(self).__name__} was built with value_head=False; it has no value head")
         self._check_inputs(features, state)
-        return self.value_net(torch.cat([features.pooled, state], dim=-1)).squeeze(-1)
+        return self.value_net(torch.cat([features.pooled, self.normalized_state(state)], dim=-1)).squeeze(-1)
+
+    def normalized_state(self, state: torch.Tensor) -> torch.Tensor:
+        """What the layers see of ``state``: standardized by the running statistics when the config
+        has ``normalize_state``, else ``state`` itself."""
+        if self.state_mean is None or self.state_var is None:
+            return state
+        return standardize_state(state, self.state_mean, self.state_var)
+
+    @torch.no_grad()
+    def observe_states(self, states: torch.Tensor) -> None:
+        """Fold a batch of raw states (N, state_dim) into the running mean and variance (Chan et
+        al.'s parallel update, as gym's NormalizeObservation); a no-op without ``normalize_state``."""
+        if self.state_mean is None or self.state_var is None or self.state_count is None or len(states) == 0:
+            return
+        batch = states.detach().to(self.state_mean.device, torch.float64).reshape(-1, self.config.state_dim)
+        n, count = float(batch.shape[0]), float(self.state_count)
+        batch_mean, batch_var = batch.mean(dim=0), batch.var(dim=0, unbiased=False)
+        mean, var = self.state_mean.double(), self.state_var.double()
+        if count == 0:  # the initial (0, 1) is a placeholder, not an observation
+            new_mean, new_var = batch_mean, batch_var
+        else:
+            total = count + n
+            delta = batch_mean - mean
+            new_mean = mean + delta * n / total
+            new_var = (var * count + batch_var * n + delta.pow(2) * count * n / total) / total
+        # In-place copies bump the tensors' versions, so stacked-parameter caches see the change.
+        self.state_mean.copy_(new_mean)
+        self.state_var.copy_(new_var)
+        self.state_count.add_(n)
 
     def policy_mean(self, features: BackboneFeatures, state: torch.Tensor) -> torch.Tensor:
         """Differentiable mean action chunk of the Gaussian policy (kinds with `supports_rl`)."""

@@ -348,7 +348,7 @@ class FlowMatchingActionModule(ActionModule):
         time_emb = timestep_embedding(t, w).unsqueeze(1).expand(-1, x_t.shape[1], -1)
         tokens = self.action_time_mlp(torch.cat([self.action_in(x_t), time_emb], dim=-1))
         if self.state_in is not None:
-            tokens = torch.cat([self.state_in(state).unsqueeze(1), tokens], dim=1)
+            tokens = torch.cat([self.state_in(self.normalized_state(state)).unsqueeze(1), tokens], dim=1)
         hidden = tokens + self.position
         for block in self.blocks:
             hidden = block(hidden, memory, memory_key_padding_mask=memory_pad)
@@ -465,7 +465,8 @@ class FlowMatchingActionModule(ActionModule):
         if self.noise_net is None or self.log_std is None:
             raise RuntimeError("FlowMatchingActionModule was built with stochastic=False; it injects no noise")
         time_emb = timestep_embedding(torch.full((1,), t, device=state.device), self.config.preset.width)
-        return bounded_std(self.noise_net(features.pooled, state, time_emb) + self.log_std).unsqueeze(1)
+        normalized = self.normalized_state(state)
+        return bounded_std(self.noise_net(features.pooled, normalized, time_emb) + self.log_std).unsqueeze(1)
 
     def sample_policy(
         self, features: BackboneFeatures, state: torch.Tensor, noise: torch.Tensor

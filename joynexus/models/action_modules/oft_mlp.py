@@ -133,7 +133,7 @@ class OFTMLPActionModule(ActionModule):
         attended, _ = self.attn_pool(query, tokens, tokens, key_padding_mask=~features.mask, need_weights=False)
         parts = [pooled, attended.squeeze(1)]
         if self.state_proj is not None:
-            parts.append(self.state_proj(state))
+            parts.append(self.state_proj(self.normalized_state(state)))
         hidden = self.trunk(torch.cat(parts, dim=-1))
         return self.action_out(hidden).view(-1, cfg.action_chunk, cfg.action_dim)
 

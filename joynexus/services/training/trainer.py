@@ -267,6 +267,7 @@ class SlotTrainer:
         features_cache = FeatureRows()
         module = slot.module
         samples = 0
+        seen_states: list[torch.Tensor] = []
         # A flow head's density is over its recorded denoising chain, which the partition then carries.
         record = module.rl_record_field
         fields = RL_FIELDS if record in RL_FIELDS else (*RL_FIELDS, record)
@@ -305,6 +306,11 @@ class SlotTrainer:
                 stats["entropy"].append(float(out.entropy.detach()))
                 if epoch == 0:
                     samples += meta.size
+                    seen_states.append(batch.state)
+        # The state statistics move after the update: its ratios were taken under the statistics
+        # the rollout's behavior version acted with (this version's), the next version acts with these.
+        if seen_states:
+            module.observe_states(torch.cat(seen_states))
         summary = {f"rl/{k}": float(np.mean(v)) for k, v in stats.items() if v}
         return losses, samples, {"rl_stats": summary}
 
