@@ -47,6 +47,7 @@ def cube_defaults() -> dict[str, Any]:
         "envs": env["num_envs"], "horizon": env["horizon"], "max_episode_steps": env["max_episode_steps"],
         "ppo_epochs": rl["ppo_epochs"], "microbatch": training["microbatch_size"], "gamma": rl["gamma"],
         "gae_lambda": rl["gae_lambda"], "lr": training["learning_rate"],
+        "max_in_flight": spec["scheduling"]["max_in_flight_jobs"],
     }  # fmt: skip
 
 
@@ -68,6 +69,7 @@ def cube_spec(
         max_episode_steps=k["max_episode_steps"],
     )  # fmt: skip
     spec["rl"].update(ppo_epochs=k["ppo_epochs"], gamma=k["gamma"], gae_lambda=k["gae_lambda"])
+    spec["scheduling"]["max_in_flight_jobs"] = k["max_in_flight"]
     spec["training"].update(
         samples_per_job=k["envs"] * k["horizon"], microbatch_size=k["microbatch"], learning_rate=k["lr"], seed=seed
     )
