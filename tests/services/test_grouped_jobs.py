@@ -17,7 +17,7 @@ from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, FAILED, LEASED, READY, TrainingScheduler
 from joynexus.services.training.service import TrainingModelService
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import assert_trained_state_close, sft_spec, write_dataset_for
 
 # Two tenants of one architecture (their losses batch into one computation) and one of another
 # schema and module kind (its rows share the forward only).
@@ -95,8 +95,9 @@ def test_several_tenants_train_as_one_group_equal_to_one_at_a_time(world):
         assert g.metrics["optimizer_steps"] == s.metrics["optimizer_steps"] == (3 if name == "arm-a" else 2)
         torch.testing.assert_close(torch.tensor(g.metrics["losses"]), torch.tensor(s.metrics["losses"]))
         g_state, s_state = service.tenant_state(name), service.tenant_state(name + SERIAL)
-        for key, value in s_state["module"].items():
-            torch.testing.assert_close(g_state["module"][key], value, rtol=1e-5, atol=1e-5)
+        # Two kernels round differently; AdamW turns rounding-noise gradients into +-lr steps.
+        lr = service.slot_table.slot(name).config.learning_rate
+        assert_trained_state_close(s_state, g_state, lr, g.metrics["optimizer_steps"], where=name)
 
 
 def test_a_nan_tenant_fails_alone(world):

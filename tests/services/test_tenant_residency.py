@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -439,13 +440,22 @@ def test_a_queued_request_pins_its_serving_state_until_it_is_served(payloads):
         service.execute(batch)
         for name, future in futures.items():
             assert future.result(timeout=5)["tenant_id"] == name
-        stats = service.residency_stats()
+        stats = _settled_stats(service)
         assert stats["pinned"] == 0 and stats["resident"] == 1  # settled: back within the bound
         with pytest.raises(ValueError, match="observations\\[0\\].state"):  # a refused submit leaves no pin
             service.submit("oft", [Observation(images=(np.zeros((3, 32, 32), np.float32),), state=np.zeros(3))])
         assert service.residency_stats()["pinned"] == 0
     finally:
         service.close()
+
+
+def _settled_stats(service: Any, timeout_s: float = 5.0) -> dict[str, Any]:
+    """residency_stats() once no request holds a pin: a pin is released by the request future's
+    done-callback, which runs just after the waiting caller was woken with the result."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := service.residency_stats())["pinned"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stats
 
 
 def test_concurrent_predicts_across_paged_tenants_match_a_service_that_never_pages(payloads):
@@ -475,7 +485,7 @@ def test_concurrent_predicts_across_paged_tenants_match_a_service_that_never_pag
         for thread in threads:
             thread.join(timeout=60)
         assert not errors, errors[0]
-        stats = paged.residency_stats()
+        stats = _settled_stats(paged)
         assert stats["pinned"] == 0 and stats["resident"] == 1 and stats["page_ins"] > 0
     finally:
         paged.close()
