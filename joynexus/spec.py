@@ -201,6 +201,11 @@ class TrainingSpec(_Strict):
     learning_rate: float = Field(default=1e-3, gt=0, le=1.0)
     seed: int = Field(default=0, ge=0, le=MAX_TRAINING_SEED)
     checkpoint_every_jobs: int = Field(default=1, ge=0)  # 0: only at the end of the workload
+    # Linear learning-rate decay over the tenant's first `lr_decay_jobs` jobs (its policy versions)
+    # to learning_rate x lr_final_fraction, constant after (CleanRL's anneal_lr, counted in jobs):
+    # late PPO updates at the full rate can undo a learned policy. None: a constant learning rate.
+    lr_decay_jobs: int | None = Field(default=None, ge=1, le=MAX_STORED_COUNT)
+    lr_final_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
 
 
 class WorkloadSpec(_Strict):

@@ -5,7 +5,7 @@ on the embedded defaults (local Ray, SQLite, local MLflow).
 - an SFT tenant on demonstrations recorded from a scripted policy in gym-pusht (PushT-reach);
 - two RL tenants on different simulators: PushT-reach (GAE + PPO, learns within the run) and
   ManiSkill3 PushCube, state-only (GAE + PPO with the tuned spec examples/specs/tuned/pushcube_state.yaml:
-  25 jobs of 400 environment steps: 10k steps, where the tuned spec first succeeds in most episodes);
+  50 jobs of 400 environment steps: 20k steps, where the tuned spec succeeds in 40-75% of episodes);
 - evaluations of the simulator tenants before and after training.
 
 A thin recipe over the library: write or record each tenant's data, create the tenants through the
@@ -191,7 +191,7 @@ def run_demo(
     tenants: tuple[DemoTenant, ...] = DEMO_TENANTS,
     simulators: bool = True,
     rl_jobs: int = 30,
-    maniskill_jobs: int = 25,
+    maniskill_jobs: int = 50,
     demo_episodes: int = 40,
     eval_episodes: int = 12,
     on_event: Callable[[dict[str, Any]], None] | None = None,

@@ -88,6 +88,9 @@ class TenantBackendConfig(BaseModel):
     # A joynexus.data.normalization.Normalizer as a dict (modes + statistics): how the tenant's state
     # and actions are normalized for its module; versioned with every checkpoint. None: raw units.
     normalization: dict[str, Any] | None = None
+    # The learning-rate schedule (joynexus.spec.TrainingSpec): None = constant learning_rate.
+    lr_decay_jobs: int | None = None
+    lr_final_fraction: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,8 @@ class SpecCompiler:
             samples_per_job=spec.training.samples_per_job,
             checkpoint_every_jobs=spec.training.checkpoint_every_jobs,
             seed=spec.training.seed,
+            lr_decay_jobs=spec.training.lr_decay_jobs,
+            lr_final_fraction=spec.training.lr_final_fraction,
             environment=spec.environment,
             rl=spec.rl if spec.task is TaskType.RL else None,
             adapter=_adapter_config(spec),

@@ -46,6 +46,7 @@ __all__ = [
     "check_finite_loss",
     "clip_gradients",
     "module_loss",
+    "scheduled_learning_rate",
 ]
 
 # Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
@@ -81,6 +82,20 @@ def backward_loss(slot: TenantSlot, compute_loss: Callable[[], torch.Tensor], *,
     check_finite_loss(slot, loss)
     loss.backward()
     return float(loss.detach())
+
+
+def scheduled_learning_rate(slot: TenantSlot) -> float:
+    """The learning rate of the slot's next job: its config's rate, decayed linearly over its first
+    `lr_decay_jobs` versions to `lr_final_fraction` of it (constant without a schedule); set on
+    the slot's AdamW, so every step of the job uses it."""
+    cfg = slot.config
+    lr = cfg.learning_rate
+    if cfg.lr_decay_jobs:
+        progress = min(1.0, slot.version / cfg.lr_decay_jobs)
+        lr *= 1.0 - progress * (1.0 - cfg.lr_final_fraction)
+    for group in slot.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def clip_gradients(
@@ -212,9 +227,10 @@ class SlotTrainer:
                 f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
             )
         started, start_version = time.perf_counter(), slot.version
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"learning_rate": scheduled_learning_rate(slot)}
         if job.task_type == "rl":
-            losses, samples, extra = self._train_rl_partition(self.queue, slot, job)
+            losses, samples, rl_extra = self._train_rl_partition(self.queue, slot, job)
+            extra.update(rl_extra)
         else:
             losses, samples = self._train_sft_partition(self.queue, slot, job)
             slot.note_dataset(job.metadata)
