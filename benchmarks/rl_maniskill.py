@@ -48,6 +48,9 @@ def cube_defaults() -> dict[str, Any]:
         "ppo_epochs": rl["ppo_epochs"], "microbatch": training["microbatch_size"], "gamma": rl["gamma"],
         "gae_lambda": rl["gae_lambda"], "lr": training["learning_rate"],
         "max_in_flight": spec["scheduling"]["max_in_flight_jobs"],
+        # 0: a constant learning rate (training.lr_decay_jobs None)
+        "lr_decay_jobs": training.get("lr_decay_jobs") or 0,
+        "lr_final_fraction": training.get("lr_final_fraction", 0.1),
     }  # fmt: skip
 
 
@@ -71,7 +74,8 @@ def cube_spec(
     spec["rl"].update(ppo_epochs=k["ppo_epochs"], gamma=k["gamma"], gae_lambda=k["gae_lambda"])
     spec["scheduling"]["max_in_flight_jobs"] = k["max_in_flight"]
     spec["training"].update(
-        samples_per_job=k["envs"] * k["horizon"], microbatch_size=k["microbatch"], learning_rate=k["lr"], seed=seed
+        samples_per_job=k["envs"] * k["horizon"], microbatch_size=k["microbatch"], learning_rate=k["lr"], seed=seed,
+        lr_decay_jobs=k["lr_decay_jobs"] or None, lr_final_fraction=k["lr_final_fraction"],
     )
     return spec
 
