@@ -91,7 +91,7 @@ def test_a_few_ppo_updates_raise_pushcube_dense_return_over_the_initial_policy(m
 @pytest.mark.slow
 def test_the_tuned_budget_reaches_the_stated_pushcube_success(manager):
     manager.deployment.creator.create(tuned_spec("cube-succeeds", seed=0))
-    _train(manager, "cube-succeeds", jobs=30)  # 12,000 environment steps (8 envs x 50 per job)
+    _train(manager, "cube-succeeds", jobs=60)  # 24,000 environment steps (8 envs x 50 per job)
     after = _evaluate(manager, "cube-succeeds", episodes=16)
     assert after["success_rate"] >= 0.6, after
 
