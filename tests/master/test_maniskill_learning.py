@@ -6,7 +6,7 @@ Default suite: the tuned spec's knobs. Slow (ManiSkill worker processes start fo
 creator's probe, two evaluations and the workload; about a minute on an idle 2-core host, over ten
 under load): a few PPO updates raise the deterministic policy's dense return over the initial
 policy's on the same evaluation episodes (it fails when the updates do not help), and the tuned
-budget reaches the issue's aimed success level (60%)."""
+budget reaches the issue's aimed success level (60% averaged over three seeds)."""
 
 from __future__ import annotations
 
@@ -90,10 +90,19 @@ def test_a_few_ppo_updates_raise_pushcube_dense_return_over_the_initial_policy(m
 
 @pytest.mark.slow
 def test_the_tuned_budget_reaches_the_stated_pushcube_success(manager):
-    manager.deployment.creator.create(tuned_spec("cube-succeeds", seed=0))
-    _train(manager, "cube-succeeds", jobs=60)  # 24,000 environment steps (8 envs x 50 per job)
-    after = _evaluate(manager, "cube-succeeds", episodes=16)
-    assert after["success_rate"] >= 0.6, after
+    """The stated figure (docs/rl_tuning.md): three seeds trained at once, 24k environment steps
+    each, average >= 60% deterministic success on 32 seeded episodes. One seed's 32 episodes alone
+    swing by +-25 points between runs, so the claim and the test are about the mean."""
+    seeds = (0, 1, 2)
+    for seed in seeds:
+        spec = tuned_spec(f"cube-succeeds-{seed}", seed=seed)
+        spec["training"]["seed"] = seed
+        manager.deployment.creator.create(spec)
+    runs = [manager.submit(f"cube-succeeds-{seed}", jobs=60).workload_id for seed in seeds]  # 24k steps each
+    for status in manager.wait_all(runs, timeout_s=3600):
+        assert status.state == "completed", status.error
+    rates = [_evaluate(manager, f"cube-succeeds-{seed}", episodes=32)["success_rate"] for seed in seeds]
+    assert sum(rates) / len(rates) >= 0.6, rates
 
 
 def test_the_main_jobs_maniskill_tenant_is_the_tuned_spec():
