@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from joynexus.services.training.trainer import scheduled_learning_rate
+from joynexus.services.training.slots import TenantSlot
 from joynexus.spec import SpecError, parse_workload_spec
 from tests.helpers import sft_spec
 
@@ -18,6 +18,11 @@ def _slot(version: int, **schedule: object) -> SimpleNamespace:
     config.__dict__.update(schedule)
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=config.learning_rate)
     return SimpleNamespace(config=config, version=version, optimizer=optimizer)
+
+
+def scheduled_learning_rate(slot: SimpleNamespace) -> float:
+    """`TenantSlot.schedule_learning_rate` on a stand-in with the fields it reads."""
+    return TenantSlot.schedule_learning_rate(slot)  # type: ignore[arg-type]
 
 
 def test_the_rate_falls_linearly_over_the_decay_jobs_then_stays_at_the_final_fraction():

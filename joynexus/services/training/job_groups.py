@@ -22,7 +22,7 @@ from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.training.grouped import GroupTrainer
 from joynexus.services.training.slot_table import SlotTable
 from joynexus.services.training.slots import TenantSlot, TenantSlotError, check_annotations
-from joynexus.services.training.trainer import SFT_FIELDS, SlotTrainer, scheduled_learning_rate
+from joynexus.services.training.trainer import SFT_FIELDS, SlotTrainer
 
 __all__ = ["JobGroupTrainer"]
 
@@ -77,7 +77,7 @@ class JobGroupTrainer:
             except Exception as exc:
                 results[job.job_id] = _failed(job, exc)
                 continue
-            scheduled_learning_rate(slot)
+            slot.schedule_learning_rate()
             running.append(_Running(job, slot, slot.version))
         group_size = len(running)
         while True:

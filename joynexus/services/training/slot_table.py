@@ -159,9 +159,9 @@ class SlotTable:
                 ) from exc
         else:
             slot.optimizer.state.clear()
-        for group in slot.optimizer.param_groups:  # a forked tenant's checkpoint carries its source's lr
-            group["lr"] = slot.config.learning_rate
         slot.version = manifest.policy_version
+        # The tenant's own (scheduled) rate, not the one saved: a fork's checkpoint carries its source's.
+        slot.schedule_learning_rate()
         created = manifest.extra.get(VERSION_CREATED_AT_KEY)
         slot.version_created_at = created if isinstance(created, str) else manifest.created_at
         slot.optimizer_steps = int(manifest.extra.get("optimizer_steps", 0))

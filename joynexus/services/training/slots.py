@@ -163,6 +163,18 @@ class TenantSlot:
             assert self._packed is not None
             return self._packed
 
+    def schedule_learning_rate(self) -> float:
+        """Set the learning rate of the slot's next step on its AdamW and return it: the config's
+        rate, decayed linearly over the first `lr_decay_jobs` versions to `lr_final_fraction` of
+        it (constant without a schedule)."""
+        cfg = self.config
+        lr = cfg.learning_rate
+        if cfg.lr_decay_jobs:
+            lr *= 1.0 - min(1.0, self.version / cfg.lr_decay_jobs) * (1.0 - cfg.lr_final_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def zero_grad_if_active(self) -> None:
         """Free the gradients of a live optimizer (a packed slot holds none)."""
         with self._lock:

@@ -46,7 +46,6 @@ __all__ = [
     "check_finite_loss",
     "clip_gradients",
     "module_loss",
-    "scheduled_learning_rate",
 ]
 
 # Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
@@ -82,20 +81,6 @@ def backward_loss(slot: TenantSlot, compute_loss: Callable[[], torch.Tensor], *,
     check_finite_loss(slot, loss)
     loss.backward()
     return float(loss.detach())
-
-
-def scheduled_learning_rate(slot: TenantSlot) -> float:
-    """The learning rate of the slot's next job: its config's rate, decayed linearly over its first
-    `lr_decay_jobs` versions to `lr_final_fraction` of it (constant without a schedule); set on
-    the slot's AdamW, so every step of the job uses it."""
-    cfg = slot.config
-    lr = cfg.learning_rate
-    if cfg.lr_decay_jobs:
-        progress = min(1.0, slot.version / cfg.lr_decay_jobs)
-        lr *= 1.0 - progress * (1.0 - cfg.lr_final_fraction)
-    for group in slot.optimizer.param_groups:
-        group["lr"] = lr
-    return lr
 
 
 def clip_gradients(
@@ -227,7 +212,7 @@ class SlotTrainer:
                 f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
             )
         started, start_version = time.perf_counter(), slot.version
-        extra: dict[str, Any] = {"learning_rate": scheduled_learning_rate(slot)}
+        extra: dict[str, Any] = {"learning_rate": slot.schedule_learning_rate()}
         if job.task_type == "rl":
             losses, samples, rl_extra = self._train_rl_partition(self.queue, slot, job)
             extra.update(rl_extra)
