@@ -51,6 +51,7 @@ def cube_defaults() -> dict[str, Any]:
         # 0: a constant learning rate (training.lr_decay_jobs None)
         "lr_decay_jobs": training.get("lr_decay_jobs") or 0,
         "lr_final_fraction": training.get("lr_final_fraction", 0.1),
+        "off_policy_correction": rl.get("off_policy_correction", "none"),
     }  # fmt: skip
 
 
@@ -71,7 +72,10 @@ def cube_spec(
         task=task, seed=seed, num_envs=k["envs"], envs_per_worker=k["envs"], horizon=k["horizon"],
         max_episode_steps=k["max_episode_steps"],
     )  # fmt: skip
-    spec["rl"].update(ppo_epochs=k["ppo_epochs"], gamma=k["gamma"], gae_lambda=k["gae_lambda"])
+    spec["rl"].update(
+        ppo_epochs=k["ppo_epochs"], gamma=k["gamma"], gae_lambda=k["gae_lambda"],
+        off_policy_correction=k["off_policy_correction"],
+    )  # fmt: skip
     spec["scheduling"]["max_in_flight_jobs"] = k["max_in_flight"]
     spec["training"].update(
         samples_per_job=k["envs"] * k["horizon"], microbatch_size=k["microbatch"], learning_rate=k["lr"], seed=seed,

@@ -168,6 +168,11 @@ class RLSpec(_Strict):
     # after each PPO update, carried in every version): raw simulator states mix metres, radians
     # and velocities, and without it PushCube-v1 learned ~4x slower (docs/rl_tuning.md).
     normalize_state: bool = True
+    # How PPO treats a rollout its tenant's policy moved on from (scheduling.max_in_flight_jobs > 1
+    # trains each rollout after the previous one's update): "decoupled" clips each update around the
+    # learner's policy at the job's start and weights samples by pi_learner / pi_behavior (capped;
+    # Hilton et al. 2022, AReaL); "none": clipped around the behavior policy, as plain PPO.
+    off_policy_correction: Literal["none", "decoupled"] = "none"
     # GRPO only: G, the attempts from one initial state that form a group (environment.num_envs =
     # groups x G). None: all of a rollout's environments form one group.
     group_size: int | None = Field(default=None, ge=2, le=16)

@@ -141,6 +141,11 @@ class PPOLoss:
     approx_kl: torch.Tensor
 
 
+# The decoupled objective's cap on pi_proximal / pi_behavior: a sample the learner now finds far
+# likelier than its (stale) behavior policy did cannot dominate the update (AReaL caps it likewise).
+DEFAULT_BEHAVIOR_WEIGHT_CAP = 5.0
+
+
 def ppo_loss(
     new_log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -153,8 +158,17 @@ def ppo_loss(
     value_coef: float = 0.5,
     entropy_coef: float = 0.0,
     normalize_advantages: bool = True,
+    behavior_log_prob: torch.Tensor | None = None,
+    behavior_weight_cap: float = DEFAULT_BEHAVIOR_WEIGHT_CAP,
 ) -> PPOLoss:
-    """The PPO clipped surrogate (Schulman et al. 2017), plus a value loss when a critic exists."""
+    """The PPO clipped surrogate (Schulman et al. 2017), plus a value loss when a critic exists.
+
+    With `behavior_log_prob` it is the decoupled objective (Hilton et al. 2022, "Batch
+    size-invariance for policy optimization"; AReaL, Fu et al. 2025, for asynchronous RL):
+    `old_log_prob` is then the proximal policy's (the learner's before this update), the ratio is
+    clipped around it, and each sample is weighted by pi_proximal / pi_behavior (capped at
+    `behavior_weight_cap`) for having been collected by an older version. On-policy data
+    (proximal == behavior) gives the plain objective."""
     import torch
 
     adv = advantages
@@ -162,6 +176,9 @@ def ppo_loss(
         adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     ratio = torch.exp(new_log_prob - old_log_prob)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv)
+    if behavior_log_prob is not None:
+        weight = torch.exp(old_log_prob - behavior_log_prob).clamp(max=behavior_weight_cap).detach()
+        surrogate = weight * surrogate
     policy_loss = -surrogate.mean()
     value_loss = torch.zeros((), dtype=new_log_prob.dtype)
     if values is not None and returns is not None:

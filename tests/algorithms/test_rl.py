@@ -55,3 +55,30 @@ def test_ppo_clips_the_ratio_and_adds_the_value_loss():
     )
     assert with_value.value.item() == pytest.approx(0.5)
     assert with_value.total.item() == pytest.approx(out.policy.item() + 0.25)
+
+
+def test_the_decoupled_objective_clips_around_the_proximal_policy_and_weights_by_staleness():
+    behavior = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    proximal = torch.log(torch.tensor([0.5, 1.0, 0.25, 0.5]))  # the learner moved on from the behavior
+    new = proximal + torch.log(torch.tensor([1.5, 1.1, 1.0, 0.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    out = ppo_loss(new, proximal, adv, normalize_advantages=False, clip=0.2, behavior_log_prob=behavior)
+    # ratios to the proximal policy 1.5 (clipped to 1.2), 1.1, 1.0, 0.5; weights proximal / behavior 1, 2, 0.5, 1
+    assert out.policy.item() == pytest.approx(-(1.2 * 1 + 1.1 * 2 - 1.0 * 0.5 + 0.5 * 1) / 4, rel=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(0.5)
+    # On-policy data (proximal == behavior): exactly plain PPO, value and gradient.
+    theta = new.clone().requires_grad_(True)
+    plain = ppo_loss(theta, behavior, adv, normalize_advantages=False)
+    plain.total.backward()
+    plain_grad = theta.grad.clone()
+    theta.grad = None
+    decoupled = ppo_loss(theta, behavior, adv, normalize_advantages=False, behavior_log_prob=behavior)
+    decoupled.total.backward()
+    assert decoupled.total.item() == pytest.approx(plain.total.item())
+    torch.testing.assert_close(theta.grad, plain_grad)
+    # A sample the learner finds far likelier than its behavior policy did counts at most the cap.
+    capped = ppo_loss(
+        torch.zeros(1), torch.zeros(1), torch.ones(1), normalize_advantages=False,
+        behavior_log_prob=torch.tensor([-10.0]), behavior_weight_cap=5.0,
+    )  # fmt: skip
+    assert capped.policy.item() == pytest.approx(-5.0)

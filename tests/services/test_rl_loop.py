@@ -112,6 +112,44 @@ def test_each_ppo_epoch_reads_the_rollout_in_a_fresh_order_and_encodes_each_samp
     assert sum(encoded) == 12  # the frozen backbone: one forward per sample over both epochs
 
 
+@pytest.mark.parametrize("head", ["oft_mlp", "flow_matching"])
+def test_the_decoupled_objective_anchors_each_update_at_the_learners_policy_at_the_job_start(dep, monkeypatch, head):
+    proximal: list[np.ndarray] = []
+    compute, encode, encoded = SlotTrainer._proximal_log_probs, SlotTrainer.encode, []
+
+    def recording(self, queue, slot, job, fields, cache):
+        out = compute(self, queue, slot, job, fields, cache)
+        proximal.append(out.cpu().numpy())
+        return out
+
+    def counting_encode(self, images, instructions, adapters=None, grad=False):
+        encoded.append(len(instructions))
+        return encode(self, images, instructions, adapters, grad)
+
+    monkeypatch.setattr(SlotTrainer, "_proximal_log_probs", recording)
+    monkeypatch.setattr(SlotTrainer, "encode", counting_encode)
+    spec = rl_spec("anchored", staleness=1)
+    spec["rl"]["off_policy_correction"] = "decoupled"
+    spec["action_module"]["kind"] = head  # a flow head's density is over its recorded chain
+    dep.creator.create(spec)
+    _, producer, stage, actor = parts(dep, "anchored")
+    try:
+        jobs = [producer.produce_once(), producer.produce_once()]  # both act with version 0
+        behavior = []
+        for job in jobs:
+            stage.step()
+            meta = dep.queue.get_meta(job.partition_id, ["log_prob"], 12, "test-read")
+            behavior.append(np.asarray(dep.queue.get_data(meta)["log_prob"], dtype=np.float32))
+        assert [actor.step().state for _ in jobs] == [COMPLETED, COMPLETED]
+    finally:
+        producer.close()
+    # The first job is on-policy: the learner's log-probabilities are the ones it acted with (the
+    # objective is plain PPO); the second was collected by version 0 and trained at version 1.
+    np.testing.assert_allclose(proximal[0], behavior[0], atol=1e-4)
+    assert np.abs(proximal[1] - behavior[1]).max() > 1e-3
+    assert sum(encoded) == 2 * 12  # the proximal pass shares the epochs' one forward per sample
+
+
 def test_a_stale_rl_job_is_dropped_and_its_partition_cleared(dep):
     dep.creator.create(rl_spec("stale", staleness=0))
     _, producer, stage, actor = parts(dep, "stale")

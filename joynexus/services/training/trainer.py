@@ -277,6 +277,11 @@ class SlotTrainer:
         # are those of one stretch of the episode, the same stretches in the same order every epoch.
         # Seeded by the job: a re-run of the job shuffles the same way.
         sample_count = int(queue.describe(job.partition_id)["num_samples"])
+        proximal = (
+            self._proximal_log_probs(queue, slot, job, fields, features_cache)
+            if rl.off_policy_correction == "decoupled"
+            else None
+        )
         shuffle = np.random.default_rng([slot.config.seed % 2**32, zlib.crc32(job.job_id.encode())])
         for epoch in range(rl.ppo_epochs):
             order = shuffle.permutation(sample_count).tolist()
@@ -294,7 +299,8 @@ class SlotTrainer:
                     features = self.encode_slot(slot, batch)
                 else:
                     features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
-                objective = _PpoObjective(module, rl, features, batch, data, self.device)
+                anchor = None if proximal is None else proximal[list(meta.indices)]
+                objective = _PpoObjective(module, rl, features, batch, data, self.device, anchor)
                 step_started = time.perf_counter()
                 losses.append(self.update(slot, features, batch, compute_loss=objective))
                 service_metrics().training_step_seconds.labels("serial").observe(time.perf_counter() - step_started)
@@ -314,6 +320,31 @@ class SlotTrainer:
             module.observe_states(torch.cat(seen_states))
         summary = {f"rl/{k}": float(np.mean(v)) for k, v in stats.items() if v}
         return losses, samples, {"rl_stats": summary}
+
+    def _proximal_log_probs(
+        self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob, fields: tuple[str, ...],
+        features_cache: FeatureRows,
+    ) -> torch.Tensor:  # fmt: skip
+        """log pi(record | obs) of every sample under the slot's policy before this job's update
+        (the decoupled objective's proximal policy), by sample index; fills `features_cache`."""
+        module = slot.module
+        out = torch.zeros(int(queue.describe(job.partition_id)["num_samples"]), device=self.device)
+        while True:
+            meta = queue.get_meta(job.partition_id, fields, slot.config.microbatch_size, "ppo-proximal")
+            if meta is None:
+                return out
+            data = queue.get_data(meta)
+            check_annotations(data, job.tenant_id, slot.config.schema_signature)
+            batch = self.prepare(slot, data)
+            with torch.no_grad():
+                if slot.adapter is not None:
+                    features = self.encode_slot(slot, batch)
+                else:
+                    features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
+                field = module.rl_record_field
+                record = batch.action if field == "action" else torch.as_tensor(np.asarray(data[field], np.float32))
+                log_prob, _ = module.record_log_prob(features, batch.state, record.to(self.device))
+            out[list(meta.indices)] = log_prob.detach()
 
 
 class FeatureRows:
@@ -347,9 +378,14 @@ class _PpoObjective:
         batch: Microbatch,
         data: dict[str, Any],
         device: torch.device,
+        proximal_log_prob: torch.Tensor | None = None,
     ) -> None:
         self.module, self.rl, self.features, self.batch = module, rl, features, batch
-        self.old_log_prob = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32), device=device)
+        behavior = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32), device=device)
+        # Decoupled (`rl.off_policy_correction`): clipped around the proximal policy, weighted by
+        # proximal / behavior; otherwise clipped around the behavior policy.
+        self.old_log_prob = behavior if proximal_log_prob is None else proximal_log_prob
+        self.behavior_log_prob = None if proximal_log_prob is None else behavior
         self.advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32), device=device)
         self.returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32), device=device)
         # What the policy's density is over: the action chunk, or a flow head's chain (`rl_record_field`).
@@ -375,5 +411,6 @@ class _PpoObjective:
             entropy_coef=rl.entropy_coef,
             # GRPO advantages are normalized within their groups already (0 outside them).
             normalize_advantages=rl.advantage != "grpo",
+            behavior_log_prob=self.behavior_log_prob,
         )
         return self.last.total
