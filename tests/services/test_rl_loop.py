@@ -244,6 +244,31 @@ def test_rl_workload_publishes_each_update_and_evaluation_runs_beside_it(dep):
     assert np.isfinite(evaluation.result["mean_return"])
 
 
+def test_an_rl_job_is_completed_only_once_its_update_is_served(dep, monkeypatch):
+    # Completing a job frees its tenant's in-flight slot; the rollout that slot starts reads the
+    # served version, and must find this job's update there (else it acts a version behind and the
+    # staleness bound drops it when it comes to train).
+    served_at_completion: list[tuple[int, int]] = []
+    complete = dep.scheduler.complete
+
+    def checking_complete(job_id, result=None, **kwargs):
+        job = dep.scheduler.get(job_id)
+        if job.tenant_id == "publisher":
+            served = dep.inference_service.latest_version("publisher")
+            served_at_completion.append((served, dep.training_service.policy_version("publisher")))
+        return complete(job_id, result, **kwargs)
+
+    monkeypatch.setattr(dep.scheduler, "complete", checking_complete)
+    dep.creator.create(rl_spec("publisher", staleness=1, jobs=3))
+    manager = WorkloadManager(dep).start()
+    try:
+        status = manager.wait(manager.submit("publisher", jobs=3).workload_id, timeout_s=300)
+    finally:
+        manager.stop()
+    assert status.state == "completed", status.error
+    assert served_at_completion == [(1, 1), (2, 2), (3, 3)]
+
+
 def test_stale_drops_do_not_fail_a_workload_they_are_reported_and_the_producer_rolls_out_again(dep):
     # Three jobs in flight, staleness 0: once one trains, the others' rollouts are a version behind
     # and are dropped (eq. 1); before, the third drop failed the workload ("3 training jobs failed").

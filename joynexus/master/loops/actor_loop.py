@@ -77,9 +77,13 @@ class ActorLoop:
         service_restarting: Callable[[Exception, str], bool] | None = None,
         retired: threading.Event | None = None,
         group_max: int | None = None,
+        on_trained: Callable[[TrainingJob, dict[str, Any]], None] | None = None,
     ):
         """`group_max`: how many tenants' jobs one step may train together (None: from
-        JOYNEXUS_TRAINING_GROUP_MAX, default 8; 1: one job at a time)."""
+        JOYNEXUS_TRAINING_GROUP_MAX, default 8; 1: one job at a time). `on_trained(job, metrics)`
+        runs after a job trained and before it is completed (the Master publishes an RL update
+        there: completing frees the tenant's in-flight slot, and the rollout that slot starts must
+        act with the new version, not the one before it, which the staleness bound would drop)."""
         self.scheduler = scheduler
         self.service = training_service
         self.owner = owner
@@ -95,6 +99,7 @@ class ActorLoop:
         # Set when the Health Manager replaced this loop (it stopped beating): a job it still holds
         # was re-queued for the replacement, so it must not train it too.
         self.retired = retired
+        self.on_trained = on_trained
         self.group_max = training_group_max_from_env() if group_max is None else group_max
         if self.group_max < 1:
             raise ValueError(f"group_max must be >= 1, got {self.group_max}")
@@ -136,6 +141,7 @@ class ActorLoop:
                 outcome = ActorOutcome(dropped, "dropped", None, POLICY_STALE)
             else:
                 metrics = self.service.train_job(job)
+                self._trained(job, metrics)
                 done = self.scheduler.complete(job.job_id, _job_result(metrics), owner=self.owner)
                 outcome = ActorOutcome(done, "completed", metrics, None)
         except InvalidTransition as lost:
@@ -183,10 +189,19 @@ class ActorLoop:
                 log.warning("training job %s of tenant %s failed: %s", job.job_id, job.tenant_id, reason)
                 failed = self.scheduler.fail(job.job_id, reason, owner=self.owner)
                 return self._notify(ActorOutcome(failed, "failed", None, reason))
+            self._trained(job, metrics)
             done = self.scheduler.complete(job.job_id, _job_result(metrics), owner=self.owner)
             return self._notify(ActorOutcome(done, "completed", metrics, None))
         except InvalidTransition as lost:
             return self._lost(job, lost)
+
+    def _trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
+        if self.on_trained is None:
+            return
+        try:
+            self.on_trained(job, metrics)
+        except Exception:  # the update happened; a failed publication must not fail the job
+            log.exception("handling the trained job %s failed", job.job_id)
 
     def _failed_or_given_back(self, job: TrainingJob, error: Exception) -> ActorOutcome:
         if self.service_restarting(error, job.tenant_id):

@@ -32,6 +32,7 @@ from joynexus.services.training.errors import UnknownTenant
 
 if TYPE_CHECKING:
     from joynexus.master.deployment import Deployment
+    from joynexus.scheduling.training_scheduler import TrainingJob
     from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class WorkloadBase:
         raise NotImplementedError  # admission.py
 
     def _launch(self, running: _RunningWorkload) -> None:
+        raise NotImplementedError  # training.py
+
+    def _on_trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
         raise NotImplementedError  # training.py
 
     def _on_outcome(self, outcome: ActorOutcome) -> None:

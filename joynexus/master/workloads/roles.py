@@ -76,7 +76,7 @@ class RoleSupervisor(WorkloadBase):
                 deployment.scheduler, deployment.training_service, owner=role.owner, on_outcome=self._on_outcome,
                 on_unavailable=self.on_unavailable, max_attempts=self.max_job_attempts,
                 service_restarting=self._service_restarting, retired=role.stop,
-                group_max=deployment.settings.training_group_max,
+                group_max=deployment.settings.training_group_max, on_trained=self._on_trained,
             )  # fmt: skip
             return lambda: actor.step(0.2)
         if role.name == "advantage_stage":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import Any
 
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.store import WorkloadRecord, utcnow
@@ -28,7 +29,7 @@ from joynexus.master.workloads.base import (
     WorkloadBase,
     _RunningWorkload,
 )
-from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, TERMINAL_STATES
+from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, TERMINAL_STATES, TrainingJob
 from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,14 @@ class TrainingWorkloads(WorkloadBase):
         running.stop.wait(1.0)
 
     # -- outcomes -----------------------------------------------------------------------------------
+    def _on_trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
+        """Before the actor completes a trained RL job of a running workload: publish the update, so
+        the rollout its freed in-flight slot starts acts with it (paper A.1's weight sync)."""
+        with self._lock:
+            running = self._running.get(job.metadata.get("workload_id"))
+        if running is not None and job.task_type == "rl":
+            self._publish_weights(job.tenant_id)
+
     def _on_outcome(self, outcome: ActorOutcome) -> None:
         workload_id = outcome.job.metadata.get("workload_id")
         with self._lock:
@@ -236,8 +245,7 @@ class TrainingWorkloads(WorkloadBase):
             ("policy_version", running.version, running.optimizer_steps),
             ("jobs_completed", running.completed_jobs, running.optimizer_steps),
         ]
-        if outcome.job.task_type == "rl":
-            self._publish_weights(running.tenant.tenant_id)  # later rollouts act with the update
+        if outcome.job.task_type == "rl":  # (its update was published before it completed: `_on_trained`)
             producer = running.producer
             rollout = producer.stats.drain() if isinstance(producer, RolloutProducer) else {}
             rl_metrics = {**outcome.metrics.get("rl_stats", {})}
