@@ -3,13 +3,15 @@ interval) vs environment steps, wall time and CPU time, per seed.
 
   .venv/bin/python benchmarks/rl_maniskill.py [--task PushCube-v1] [--seeds 0 1 2] [--rounds 6]
       [--jobs-per-round 10] [--eval-episodes 16] [--head oft_mlp|flow_matching] [--csv PATH] [--together]
+      [--no-initial-eval] [--eval-every N] [--head-size tiny|small|base] [--off-policy-correction none|decoupled] ...
 
 Each seed is one tenant on an in-process deployment (the Master's WorkloadManager, Training Queue,
 Training / Inference Model Services, Environment Service workers): every round submits an RL
 workload of `jobs-per-round` jobs (PPO with GAE, state-only observations, the spec below) and then
 an evaluation of the served version on the same seeded episodes (`evaluate`: deterministic actions);
 printed per round: jobs, environment steps so far, wall seconds so far, CPU seconds so far (this
-process and its simulator workers, user + system), success rate [95% interval], mean return.
+process and its simulator workers, user + system), success rate [95% interval], mean return;
+at the end per seed: jobs trained and dropped as stale, and the PPO updates' approx KL / clip fraction.
 The spec is examples/specs/tuned/pushcube_state.yaml (the main job's ManiSkill tenant uses it too).
 """
 
@@ -52,6 +54,7 @@ def cube_defaults() -> dict[str, Any]:
         "lr_decay_jobs": training.get("lr_decay_jobs") or 0,
         "lr_final_fraction": training.get("lr_final_fraction", 0.1),
         "off_policy_correction": rl.get("off_policy_correction", "none"),
+        "head_size": spec["action_module"]["size"],
     }  # fmt: skip
 
 
@@ -63,7 +66,7 @@ def cube_spec(
     k = {**cube_defaults(), **overrides}
     spec = yaml.safe_load(CUBE_SPEC.read_text())
     spec.update(tenant=tenant, base_model=base_model)
-    spec["action_module"]["kind"] = head
+    spec["action_module"].update(kind=head, size=k["head_size"])
     obs = spec["observation"]
     obs.update(state_dim=state_dim, action_dim=action_dim)
     if instruction is not None:
@@ -119,6 +122,8 @@ def main() -> None:
     parser.add_argument("--head", default="oft_mlp", choices=["oft_mlp", "flow_matching"])
     parser.add_argument("--csv", type=Path, default=None, help="append one row per round here")
     parser.add_argument("--together", action="store_true", help="all seeds as tenants of one deployment at once")
+    parser.add_argument("--no-initial-eval", action="store_true", help="no evaluation before the first round")
+    parser.add_argument("--eval-every", type=int, default=1, help="evaluate after every N rounds (and the last)")
     defaults = cube_defaults()
     for name, value in defaults.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -167,6 +172,8 @@ def run_group(
                 if status.state != "completed":
                     raise RuntimeError(f"workload of {status.tenant_id} {status.state}: {status.error}")
             jobs += args.jobs_per_round
+        if (round_ == 0 and args.no_initial_eval) or (round_ % args.eval_every and round_ != args.rounds):
+            continue
         evaluations = [manager.evaluate(t, episodes=args.eval_episodes).workload_id for t in tenants.values()]
         results = {s.tenant_id: s.result or {} for s in manager.wait_all(evaluations, 36000)}
         wall, cpu = round(time.perf_counter() - started), round(cpu_seconds() - cpu0)
@@ -192,7 +199,24 @@ def run_group(
                     if new:
                         writer.writeheader()
                     writer.writerow(row)
+    for seed, tenant in tenants.items():
+        print(f"seed {seed}: {job_summary(dep, tenant)}")
     return rows
+
+
+def job_summary(dep: Deployment, tenant_id: str) -> str:
+    """The tenant's RL jobs: how many trained and were dropped as stale, how far behind the learner
+    the trained rollouts were, and the PPO updates' mean approx KL and clip fraction."""
+    jobs = dep.scheduler.jobs(tenant_id=tenant_id)
+    trained = [j for j in jobs if j.state == "completed" and j.result]
+    lags = [j.result["version"] - 1 - j.behavior_policy_version for j in trained]
+    stats = [j.result.get("rl_stats", {}) for j in trained]
+    kl = sum(s.get("rl/approx_kl", 0.0) for s in stats) / max(1, len(stats))
+    clip = sum(s.get("rl/clip_fraction", 0.0) for s in stats) / max(1, len(stats))
+    dropped = sum(1 for j in jobs if j.state == "dropped")
+    behind = sum(1 for lag in lags if lag > 0)
+    return (f"{len(trained)} jobs trained ({behind} on a rollout one version behind), {dropped} dropped as stale, "
+            f"approx KL {kl:.3f}, clip fraction {clip:.2f}")
 
 
 if __name__ == "__main__":
