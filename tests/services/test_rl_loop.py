@@ -58,6 +58,18 @@ def parts(dep, tenant_id: str):
     return tenant, producer, stage, ActorLoop(dep.scheduler, dep.training_service)
 
 
+def count_backbone_encodes(monkeypatch) -> list[int]:
+    """Patch SlotTrainer.encode to record each call's sample count; the list fills as it runs."""
+    encode, encoded = SlotTrainer.encode, []
+
+    def counting_encode(self, images, instructions, adapters=None, grad=False):
+        encoded.append(len(instructions))
+        return encode(self, images, instructions, adapters, grad)
+
+    monkeypatch.setattr(SlotTrainer, "encode", counting_encode)
+    return encoded
+
+
 def test_rl_job_goes_reserved_advantages_ready_leased_completed(dep):
     dep.creator.create(rl_spec("pusher"))
     tenant, producer, stage, actor = parts(dep, "pusher")
@@ -84,7 +96,7 @@ def test_rl_job_goes_reserved_advantages_ready_leased_completed(dep):
 
 def test_each_ppo_epoch_reads_the_rollout_in_a_fresh_order_and_encodes_each_sample_once(dep, monkeypatch):
     reads: dict[str, list[tuple[int, ...]]] = {}
-    get_meta, encode, encoded = TrainingQueue.get_meta, SlotTrainer.encode, []
+    get_meta = TrainingQueue.get_meta
 
     def recording_get_meta(self, partition_id, fields, batch_size, task_name="train", order=None):
         meta = get_meta(self, partition_id, fields, batch_size, task_name, order)
@@ -92,12 +104,8 @@ def test_each_ppo_epoch_reads_the_rollout_in_a_fresh_order_and_encodes_each_samp
             reads.setdefault(task_name, []).append(meta.indices)
         return meta
 
-    def counting_encode(self, images, instructions, adapters=None, grad=False):
-        encoded.append(len(instructions))
-        return encode(self, images, instructions, adapters, grad)
-
     monkeypatch.setattr(TrainingQueue, "get_meta", recording_get_meta)
-    monkeypatch.setattr(SlotTrainer, "encode", counting_encode)
+    encoded = count_backbone_encodes(monkeypatch)
     dep.creator.create(rl_spec("shuffler"))  # 12 samples, microbatches of 6, two PPO epochs
     _, producer, stage, actor = parts(dep, "shuffler")
     try:
@@ -115,19 +123,15 @@ def test_each_ppo_epoch_reads_the_rollout_in_a_fresh_order_and_encodes_each_samp
 @pytest.mark.parametrize("head", ["oft_mlp", "flow_matching"])
 def test_the_decoupled_objective_anchors_each_update_at_the_learners_policy_at_the_job_start(dep, monkeypatch, head):
     proximal: list[np.ndarray] = []
-    compute, encode, encoded = SlotTrainer._proximal_log_probs, SlotTrainer.encode, []
+    compute = SlotTrainer._proximal_log_probs
 
     def recording(self, queue, slot, job, fields, cache):
         out = compute(self, queue, slot, job, fields, cache)
         proximal.append(out.cpu().numpy())
         return out
 
-    def counting_encode(self, images, instructions, adapters=None, grad=False):
-        encoded.append(len(instructions))
-        return encode(self, images, instructions, adapters, grad)
-
     monkeypatch.setattr(SlotTrainer, "_proximal_log_probs", recording)
-    monkeypatch.setattr(SlotTrainer, "encode", counting_encode)
+    encoded = count_backbone_encodes(monkeypatch)
     spec = rl_spec("anchored", staleness=1)
     spec["rl"]["off_policy_correction"] = "decoupled"
     spec["action_module"]["kind"] = head  # a flow head's density is over its recorded chain

@@ -341,10 +341,18 @@ class SlotTrainer:
                     features = self.encode_slot(slot, batch)
                 else:
                     features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
-                field = module.rl_record_field
-                record = batch.action if field == "action" else torch.as_tensor(np.asarray(data[field], np.float32))
-                log_prob, _ = module.record_log_prob(features, batch.state, record.to(self.device))
+                record = rl_record(module, batch, data, self.device)
+                log_prob, _ = module.record_log_prob(features, batch.state, record)
             out[list(meta.indices)] = log_prob.detach()
+
+
+def rl_record(module: ActionModule, batch: Microbatch, data: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """What the policy's density is over: the action chunk, or a flow head's recorded chain
+    (`rl_record_field`)."""
+    field = module.rl_record_field
+    if field == "action":
+        return batch.action
+    return torch.as_tensor(np.asarray(data[field], np.float32), device=device)
 
 
 class FeatureRows:
@@ -388,11 +396,7 @@ class _PpoObjective:
         self.behavior_log_prob = None if proximal_log_prob is None else behavior
         self.advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32), device=device)
         self.returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32), device=device)
-        # What the policy's density is over: the action chunk, or a flow head's chain (`rl_record_field`).
-        field = module.rl_record_field
-        self.record = (
-            batch.action if field == "action" else torch.as_tensor(np.asarray(data[field], np.float32), device=device)
-        )
+        self.record = rl_record(module, batch, data, device)
         self.last: PPOLoss | None = None
 
     def __call__(self) -> torch.Tensor:
