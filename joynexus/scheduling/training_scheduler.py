@@ -199,12 +199,18 @@ class TrainingScheduler:
                 (values["created_seq"],) = conn.first(_INSERT_JOB_NEXT_CREATED_SEQ, values)
             return TrainingJob.from_mapping(values)
 
-    def mark(self, job_id: str, state: str, *, owner: str | None = None) -> TrainingJob:
+    def mark(
+        self, job_id: str, state: str, *, owner: str | None = None, behavior_policy_version: int | None = None
+    ) -> TrainingJob:
         """Producer / stage transition (reserved → ready | needs_*; computing_* → next). A stage
-        passes its `owner` so a job re-queued or re-leased meanwhile raises LeaseLost."""
+        passes its `owner` so a job re-queued or re-leased meanwhile raises LeaseLost. A producer
+        passes `behavior_policy_version` when its data was made with another version than the one
+        it reserved with (it read the served version again once the job was admitted)."""
         sources = [current for current, targets in _MARK_TRANSITIONS.items() if state in targets]
         now = utcnow()
         values: dict[str, Any] = dict(state=state, lease_owner=None, updated_at=now)
+        if behavior_policy_version is not None:
+            values["behavior_policy_version"] = behavior_policy_version
         # On PostgreSQL, ready_seq comes from the sequence in the same UPDATE (a data-modifying CTE):
         # one autocommit statement. A refused transition still consumed a number: gaps keep the order.
         ready_from_cte = state == READY and not self.store.is_sqlite

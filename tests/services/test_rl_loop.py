@@ -273,6 +273,34 @@ def test_an_rl_job_is_completed_only_once_its_update_is_served(dep, monkeypatch)
     assert served_at_completion == [(1, 1), (2, 2), (3, 3)]
 
 
+def test_a_rollout_acts_with_an_update_published_while_its_job_was_being_admitted(dep, monkeypatch):
+    # The producer reads the served version, then reserves. A job completing between the two
+    # publishes its update and frees the slot the reservation takes: the rollout must act with that
+    # update (on-policy), not start a version behind.
+    dep.creator.create(rl_spec("racer"))
+    _, producer, stage, actor = parts(dep, "racer")
+    reserve = dep.scheduler.reserve
+
+    def reserve_as_an_update_lands(**kwargs):
+        job = reserve(**kwargs)
+        dep.inference_service.load_weights(dep.training_service.export_params("racer"))
+        return job
+
+    try:
+        producer.produce_once(), stage.step()
+        assert actor.step().state == COMPLETED  # the learner is at v1; v0 is still served
+        monkeypatch.setattr(dep.scheduler, "reserve", reserve_as_an_update_lands)
+        job = producer.produce_once()
+        assert job.behavior_policy_version == 1
+        assert dep.scheduler.get(job.job_id).behavior_policy_version == 1
+        described = dep.queue.describe(job.partition_id)
+        assert described["annotations"]["behavior_policy_version"] == 1
+        rows = dep.queue.get_data(dep.queue.get_meta(job.partition_id, ("behavior_policy_version",), 12, "check"))
+        assert set(np.asarray(rows["behavior_policy_version"]).tolist()) == {1}
+    finally:
+        producer.close()
+
+
 def test_stale_drops_do_not_fail_a_workload_they_are_reported_and_the_producer_rolls_out_again(dep):
     # Three jobs in flight, staleness 0: once one trains, the others' rollouts are a version behind
     # and are dropped (eq. 1); before, the third drop failed the workload ("3 training jobs failed").

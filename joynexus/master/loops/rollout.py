@@ -280,6 +280,11 @@ class RolloutProducer(Producer):
         )
         if job is None:
             return None
+        # Read again once admitted: a job that completed between the first read and the reservation
+        # (freeing the slot this one took) published its update first, and the rollout should act
+        # with it rather than start a version behind.
+        admitted_with = version
+        version = max(version, self.inference.latest_version(cfg.tenant_id) or version)
         try:
             if self.rollout_slots is not None:
                 self.rollout_slots.acquire()
@@ -302,7 +307,8 @@ class RolloutProducer(Producer):
             self.scheduler.fail(job.job_id, f"rollout: {type(error).__name__}: {error}")
             self.close()  # sessions may be broken; the next rollout opens fresh ones
             raise
-        return self.scheduler.mark(job.job_id, NEEDS_ADVANTAGES)
+        moved = None if version == admitted_with else version
+        return self.scheduler.mark(job.job_id, NEEDS_ADVANTAGES, behavior_policy_version=moved)
 
     def _rollout(self, version: int) -> dict[str, Any]:
         cfg = self.config
