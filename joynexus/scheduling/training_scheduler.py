@@ -18,6 +18,7 @@ one transaction of three statements: a reserve -> ready -> lease -> complete cyc
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable
@@ -63,6 +64,9 @@ from joynexus.scheduling.training_jobs import (
 
 log = logging.getLogger(__name__)
 
+# How often a waiter looks at the store again without being woken (a change made by another process).
+CHANGE_POLL_S = 0.25
+
 # Transitions a producer or stage may request with `mark`; leases and terminal moves have their own calls.
 _MARK_TRANSITIONS: dict[str, frozenset[str]] = {
     RESERVED: frozenset({READY, NEEDS_ACTOR_FORWARD, NEEDS_ADVANTAGES}),
@@ -82,6 +86,28 @@ class TrainingScheduler:
     def __init__(self, store: ControlPlaneStore, release_partition: Callable[[str], Any] | None = None):
         self.store = store
         self.release_partition = release_partition
+        # Every transition made through this object bumps the generation and wakes its waiters (the
+        # producers, the advantage stage, the actor loop), which otherwise polled the store 20x/s
+        # each; they still look again after a short timeout for changes made by another process.
+        self._changes = threading.Condition()
+        self._generation = 0
+
+    # -- change notifications ---------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """A counter of the job and policy changes made through this scheduler."""
+        return self._generation
+
+    def wait_for_change(self, since: int, timeout_s: float) -> bool:
+        """Block until a change after generation `since` (True) or `timeout_s` passes (False). Read
+        `generation` before the check that found nothing to do, so a change between the two is seen."""
+        with self._changes:
+            return self._changes.wait_for(lambda: self._generation != since, timeout=max(0.0, timeout_s))
+
+    def _changed(self) -> None:
+        with self._changes:
+            self._generation += 1
+            self._changes.notify_all()
 
     # -- policies ---------------------------------------------------------------------------
     def register_policy(
@@ -118,6 +144,7 @@ class TrainingScheduler:
         else:
             with self.store.transaction() as s:
                 _upsert(s)
+        self._changed()  # a raised target or in-flight bound lets a waiting producer go on
         return key
 
     def policy(self, tenant_id: str, task_type: str) -> TrainingPolicyRecord:
@@ -229,7 +256,8 @@ class TrainingScheduler:
                 permitted=lambda current: state in _MARK_TRANSITIONS.get(current, frozenset()),
                 ready_seq_from_sequence=ready_from_cte,
             )
-            return TrainingJob.from_tuple(row)
+        self._changed()  # after the commit: a woken stage or actor loop reads the new state
+        return TrainingJob.from_tuple(row)
 
     def lease_stage(
         self, *, state: str, leased_state: str, consumer_role: str = "actor", domain: str = "vla", owner: str = ""
@@ -258,10 +286,12 @@ class TrainingScheduler:
     def wait_for_ready(
         self, *, consumer_role: str = "actor", domains: Iterable[str] = ("vla",), timeout_s: float = 1.0
     ) -> bool:
-        """Poll until a ready job exists (True) or the timeout passes (False)."""
+        """Wait until a ready job exists (True) or the timeout passes (False): woken by this
+        scheduler's changes, and looking again every `CHANGE_POLL_S` for other processes'."""
         deadline = time.monotonic() + timeout_s
         domains = list(domains)
         while True:
+            seen = self._generation
             with self.store.read() as s:
                 found = s.execute(
                     select(TrainingJobRecord.job_id)
@@ -276,7 +306,7 @@ class TrainingScheduler:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            self.wait_for_change(seen, min(CHANGE_POLL_S, deadline - time.monotonic()))
 
     def complete(self, job_id: str, result: dict[str, Any] | None = None, *, owner: str | None = None) -> TrainingJob:
         """Leased → completed. With `owner`, only while that owner still holds the lease (LeaseLost
@@ -366,6 +396,8 @@ class TrainingScheduler:
         for job in changed:
             if job.state == FAILED:
                 self._release(job.partition_id)
+        if changed:
+            self._changed()
         return changed
 
     # -- queries ----------------------------------------------------------------------------
@@ -487,6 +519,7 @@ class TrainingScheduler:
         # After the state is durable: a crash between the two leaves a terminal job whose partition
         # can be cleared again (clear is idempotent), never a live job without data.
         self._release(job.partition_id)
+        self._changed()  # the tenant's in-flight slot is free: its producer can reserve the next job
         return job
 
     def _release(self, partition_id: str) -> None:
@@ -523,7 +556,8 @@ class TrainingScheduler:
                 ),
                 permitted=lambda current: current == job.state,
             )  # fmt: skip
-            return TrainingJob.from_tuple(row)
+        self._changed()
+        return TrainingJob.from_tuple(row)
 
 
 # -- prebuilt statements (compiled once per dialect: each call is one DBAPI execute) ----------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 
@@ -50,6 +51,40 @@ def test_sft_state_sequence_and_descriptor_fields(store):
     assert done.state == COMPLETED and done.result == {"version": 1}
     assert not queue.has_partition(job.partition_id)
     assert sched.get(job.job_id).state == COMPLETED
+
+
+def test_waiters_are_woken_by_the_transitions_they_wait_for_not_by_polling(store):
+    # The producers wait for a free slot, the advantage stage and the actor loop for work: on the
+    # scheduler's changes (after the commit, so the woken thread reads the new state).
+    sched, queue = make(store)
+    sched.register_policy("t1", "sft", max_in_flight=1)
+    job = reserve(sched)
+    assert reserve(sched) is None  # the tenant's one slot is taken
+    seen = sched.generation
+    assert sched.wait_for_change(seen, 0.01) is False  # nothing changed
+    found_ready: list[bool] = []
+    actor = threading.Thread(target=lambda: found_ready.append(sched.wait_for_ready(timeout_s=60)))
+    actor.start()
+    queue.put(job.partition_id, {"x": [1, 2, 3, 4]})
+    sched.mark(job.job_id, READY)
+    actor.join(60)
+    assert found_ready == [True]
+    assert sched.lease_next(owner="a").job_id == job.job_id
+    seen = sched.generation
+    reserved: list = []
+
+    def producer() -> None:
+        if sched.wait_for_change(seen, 60):
+            reserved.append(reserve(sched))
+
+    waiting = threading.Thread(target=producer)
+    waiting.start()
+    sched.complete(job.job_id, {"version": 1}, owner="a")  # frees the slot
+    waiting.join(60)
+    assert len(reserved) == 1 and reserved[0] is not None and reserved[0].state == RESERVED
+    seen = sched.generation
+    sched.fail(reserved[0].job_id, "gone")
+    assert sched.wait_for_change(seen, 0) is True  # a change before the wait is not missed
 
 
 def test_rl_state_sequence_with_advantage_stage_lease(store):

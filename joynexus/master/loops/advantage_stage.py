@@ -15,6 +15,7 @@ from joynexus.algorithms.rl import gae, grpo_advantages
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import (
+    CHANGE_POLL_S,
     COMPUTING_ADVANTAGES,
     NEEDS_ADVANTAGES,
     READY,
@@ -103,7 +104,15 @@ class AdvantageStage:
             log.info("job %s is no longer this stage's: %s", job.job_id, lost)
             return job
 
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+    def run(self, stop: threading.Event, idle_wait_s: float = CHANGE_POLL_S) -> None:
         while not stop.is_set():
-            if self.step() is None:
-                stop.wait(idle_wait_s)
+            self.step_or_wait(idle_wait_s)
+
+    def step_or_wait(self, idle_wait_s: float = CHANGE_POLL_S) -> TrainingJob | None:
+        """One `step`; with nothing to do, wait until the scheduler changes (a job marked for this
+        stage) or `idle_wait_s` passes."""
+        seen = self.scheduler.generation
+        job = self.step()
+        if job is None:
+            self.scheduler.wait_for_change(seen, idle_wait_s)
+        return job

@@ -6,7 +6,7 @@ import threading
 from typing import ClassVar
 
 from joynexus.core.tenants import TenantBackendConfig
-from joynexus.scheduling.training_scheduler import TrainingJob, TrainingScheduler
+from joynexus.scheduling.training_scheduler import CHANGE_POLL_S, TrainingJob, TrainingScheduler
 
 
 class Producer:
@@ -25,17 +25,19 @@ class Producer:
     def close(self) -> None:
         """Release what producing holds (environment sessions); nothing by default."""
 
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> int:
+    def run(self, stop: threading.Event, idle_wait_s: float = CHANGE_POLL_S) -> int:
         """Produce until the completion target is covered or `stop` is set; returns jobs produced."""
         produced = 0
         try:
             while not stop.is_set():
+                seen = self.scheduler.generation
                 if self.produce_once() is not None:
                     produced += 1
                     continue
                 if self.target_reached():
                     break
-                stop.wait(idle_wait_s)  # in-flight bound reached: wait for the actor to make progress
+                # In-flight bound reached: woken when a job finishes (it frees the slot), not by polling.
+                self.scheduler.wait_for_change(seen, idle_wait_s)
         finally:
             self.close()
         return produced

@@ -87,11 +87,7 @@ class RoleSupervisor(WorkloadBase):
                 owner=role.owner,
             )
 
-            def advantage_step() -> None:
-                if stage.step() is None:
-                    role.stop.wait(0.05)
-
-            return advantage_step
+            return stage.step_or_wait
 
         def admission_step() -> None:
             try:
