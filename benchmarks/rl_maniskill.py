@@ -1,7 +1,7 @@
 """Learning curves of state-only ManiSkill RL through the services: success (with its 95% Wilson
 interval) vs environment steps, wall time and CPU time, per seed.
 
-  .venv/bin/python benchmarks/rl_maniskill.py [--task PushCube-v1] [--seeds 0 1 2] [--rounds 6]
+  .venv/bin/python benchmarks/rl_maniskill.py [--task PushCube-v1] [--seeds 0 1 2] [--rounds 8]
       [--jobs-per-round 10] [--eval-episodes 16] [--head oft_mlp|flow_matching] [--csv PATH] [--together]
       [--no-initial-eval] [--eval-every N] [--head-size tiny|small|base] [--off-policy-correction none|decoupled] ...
 
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="PushCube-v1")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)  # 80 jobs: the stated budget
     parser.add_argument("--jobs-per-round", type=int, default=10)
     parser.add_argument("--eval-episodes", type=int, default=16)
     parser.add_argument("--head", default="oft_mlp", choices=["oft_mlp", "flow_matching"])

@@ -6,8 +6,8 @@ Default suite: the tuned spec's knobs. Slow (ManiSkill worker processes start fo
 creator's probe, two evaluations and the workload; about a minute on an idle 2-core host, over ten
 under load): a few PPO updates raise the deterministic policy's dense return over the initial
 policy's on the same evaluation episodes (it fails when the updates do not help), and the tuned
-budget lifts the success rate well above the initial policy's 0% (30% averaged over three seeds;
-the measured level is ~50%)."""
+budget (80 jobs per seed) lifts the success rate from the initial policy's 0% to at least 40%
+averaged over three seeds (the measured level is ~70%)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.settings import Settings
 
 TUNED = Path(__file__).resolve().parents[2] / "examples" / "specs" / "tuned" / "pushcube_state.yaml"
+TUNED_JOBS = 80  # the stated budget: 32k environment steps per seed
 
 
 def _maniskill_or_skip() -> None:
@@ -90,22 +91,23 @@ def test_a_few_ppo_updates_raise_pushcube_dense_return_over_the_initial_policy(m
 
 
 @pytest.mark.slow
-def test_the_tuned_budget_lifts_pushcube_success_well_above_the_initial_policy(manager):
-    """The measured level (docs/rl_tuning.md): one 60-job workload (24k environment steps) per seed,
-    three seeds at once, deterministic success on 32 seeded episodes. Across six seeds the tuned spec
-    reaches ~50% (single seeds 16-84%; seeds 0-2 averaged 41-73% over runs), from 0% for the initial
-    policy; the test holds the mean of seeds 0-2 to at least 30%, so it fails when learning breaks,
-    not on a run of unlucky seeds. The issue's aim (60%) is not reached reliably (the closing note)."""
+@pytest.mark.timeout(3600)  # three tenants x 80 jobs: ~15 minutes on 2 idle cores
+def test_the_tuned_budget_reaches_the_stated_pushcube_success(manager):
+    """The stated budget (docs/rl_tuning.md): one 80-job workload (32k environment steps) per seed,
+    three seeds at once, deterministic success on 32 seeded episodes. Over six seeds the tuned spec
+    reaches ~70% there (single seeds 56-94%), from 0% for the initial policy; the test holds the mean
+    of seeds 0-2 to at least 40%, so it fails when learning breaks, not on a run of unlucky seeds
+    (one 32-episode evaluation's 95% interval is ~30 points wide)."""
     seeds = (0, 1, 2)
     for seed in seeds:
         spec = tuned_spec(f"cube-succeeds-{seed}", seed=seed)
         spec["training"]["seed"] = seed
         manager.deployment.creator.create(spec)
-    runs = [manager.submit(f"cube-succeeds-{seed}", jobs=60).workload_id for seed in seeds]  # 24k steps each
+    runs = [manager.submit(f"cube-succeeds-{seed}", jobs=TUNED_JOBS).workload_id for seed in seeds]
     for status in manager.wait_all(runs, timeout_s=3600):
         assert status.state == "completed", status.error
     rates = [_evaluate(manager, f"cube-succeeds-{seed}", episodes=32)["success_rate"] for seed in seeds]
-    assert sum(rates) / len(rates) >= 0.3, rates
+    assert sum(rates) / len(rates) >= 0.4, rates
 
 
 def test_the_main_jobs_maniskill_tenant_is_the_tuned_spec():
