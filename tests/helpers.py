@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,23 @@ def compiled_config(tenant: str, capabilities: Any, **shape: Any) -> Any:
     spec["task"] = "eval"  # evaluation tenants need no dataset: compile checks only the interface
     spec["dataset"] = None
     return SpecCompiler(BackendCapabilities.single(capabilities)).compile(parse_workload_spec(spec))
+
+
+@contextmanager
+def session_heap_frozen() -> Iterator[None]:
+    """Out of the cycle collector while a latency is measured: what this pytest process holds now.
+
+    A served process freezes its startup heap once (`joynexus.core.heap`), so its full collections
+    walk only what it made since. An in-process test server shares the pytest process with every
+    object earlier tests left alive (~0.7M tracked after tests/api alone, more late in a full run):
+    full collections over them took 0.2-0.7 s each here, several per flood, and a latency bound
+    measured the test session's heap instead of the server's. Unfrozen again afterwards."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> Any:

@@ -260,13 +260,29 @@ class IdempotencyMiddleware:
                 self._bytes.pop(caller, None)
 
 
+def refuse_unread_if_told_to_wait(request: Request) -> None:
+    """429 before the body is read when the calling tenant was refused this route by a rate limit
+    and its wait has not passed (`TenantCallLimiter.refuse_unread`). Only a key verified moments
+    ago is looked at (no I/O here); any other call goes on to the route's own checks."""
+    limiter = getattr(request.app.state, "limiter", None)
+    keys: ApiKeyStore | None = getattr(request.app.state, "keys", None)
+    if limiter is None or keys is None or request.method not in _BODY_METHODS:
+        return
+    credential = _bearer_credential(request.headers.get("authorization", "").encode("latin-1"))
+    principal = keys.cached(credential) if credential is not None and len(credential) <= 256 else None
+    if principal is not None and principal.tenant_id is not None:
+        limiter.refuse_unread(principal.tenant_id, request.scope["path"])
+
+
 class WireRoute(APIRoute):
-    """An APIRoute whose JSON body may also arrive as msgpack (same model, raw tensor bytes)."""
+    """An APIRoute whose JSON body may also arrive as msgpack (same model, raw tensor bytes), and
+    whose body is not read for a tenant told to wait (`refuse_unread_if_told_to_wait`)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
+            refuse_unread_if_told_to_wait(request)
             media = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if media in MSGPACK_MEDIA_TYPES:
                 body = await request.body()

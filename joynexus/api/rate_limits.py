@@ -6,6 +6,10 @@ observation of the robot streams passes `TenantCallLimiter` before it touches a 
 - two token buckets per tenant, requests/s and samples/s (each holds `burst_s` seconds of its
   rate); a call they cannot pay is refused at once with 429 `rate_limited` and `Retry-After`;
 - at most `max_in_flight` of a tenant's blocking calls at once (429 `too_many_in_flight` beyond);
+- a tenant refused by a bucket that calls the same route again before the refused call could have
+  been paid (its Retry-After) is refused at once, before its body is read: parsing and decoding a
+  large body costs the server's event loop milliseconds that every other tenant's calls wait behind,
+  and a client that ignores Retry-After would otherwise spend them on calls refused anyway;
 - those calls run in worker threads bounded per tenant (`anyio` capacity limiter of its own), not
   in the shared pool every route borrows from: a tenant with 128 predicts waiting in the Inference
   Queue used to hold every thread of the server, and another tenant's calls waited behind them.
@@ -36,6 +40,7 @@ from joynexus.protocol import schemas as s
 
 R = TypeVar("R")
 RATE_LIMITS_ENV = "JOYNEXUS_RATE_LIMITS_JSON"
+MAX_REFUSED_ROUTES = 4096  # (tenant, route) refusals remembered until their wait ends, at most
 
 
 class TenantRateLimits(BaseModel):
@@ -134,10 +139,13 @@ class TenantCallLimiter:
         self._in_flight: dict[str, int] = {}
         self._threads: dict[str, anyio.CapacityLimiter] = {}
         self._refused: dict[str, dict[str, int]] = {}
+        # (tenant, route) -> (until, setting, rate) of its last refused call: see `refuse_unread`.
+        self._refused_until: dict[tuple[str, str], tuple[float, str, float]] = {}
 
-    def admit(self, tenant_id: str, samples: int = 0) -> None:
+    def admit(self, tenant_id: str, samples: int = 0, route: str | None = None) -> None:
         """Pay one request and `samples` samples from the tenant's buckets, or raise 429 (and pay
-        nothing: a refused call does not use up the tenant's budget)."""
+        nothing: a refused call does not use up the tenant's budget). With `route`, a refusal is
+        remembered until it could have been paid, for `refuse_unread`."""
         if not self.settings.enabled:
             return
         limits = self.settings.for_tenant(tenant_id)
@@ -152,10 +160,31 @@ class TenantCallLimiter:
                 wait_s = bucket.wait_s(cost, now)
                 if wait_s > 0:
                     self._count(tenant_id, setting)
+                    if route is not None:
+                        self._remember_refusal((tenant_id, route), (now + wait_s, setting, rate))
                     raise rate_limited(tenant_id, setting, rate, wait_s)
                 buckets.append((bucket, cost))
             for bucket, cost in buckets:
                 bucket.take(cost)
+
+    def refuse_unread(self, tenant_id: str, route: str) -> None:
+        """Raise 429 if the tenant's last call of `route` was refused and the wait it was told has
+        not passed: the same call now would be refused again, so it is refused before its body is
+        read (a smaller call sent meanwhile is refused too: it was told to wait). Counted like the
+        refusal it repeats."""
+        if not self.settings.enabled:
+            return
+        with self._lock:
+            refused = self._refused_until.get((tenant_id, route))
+            if refused is None:
+                return
+            until, setting, rate = refused
+            wait_s = until - self._clock()
+            if wait_s <= 0:
+                del self._refused_until[(tenant_id, route)]
+                return
+            self._count(tenant_id, setting)
+        raise rate_limited(tenant_id, setting, rate, wait_s)
 
     def refuse_stream(self, tenant_id: str) -> None:
         """Count an event stream refused by `max_streams_per_tenant` (shown in usage)."""
@@ -163,14 +192,20 @@ class TenantCallLimiter:
             self._count(tenant_id, "streams")
 
     async def run(
-        self, tenant_id: str, call: Callable[..., R], *args: Any, samples: int = 0, wait: bool = False
+        self,
+        tenant_id: str,
+        call: Callable[..., R],
+        *args: Any,
+        samples: int = 0,
+        wait: bool = False,
+        route: str | None = None,
     ) -> R:
         """`call(*args)` in one of the tenant's own worker threads, after `admit` and within its
         in-flight bound: beyond it 429, or with `wait` a wait for a thread (robot streams, whose
         connections already bound what can wait). A cancelled caller (a closed connection) does
         not abandon the thread: the slot stays taken until the call really ends, so the bound
-        counts real threads."""
-        self.admit(tenant_id, samples)
+        counts real threads. `route`: the HTTP route called, see `refuse_unread`."""
+        self.admit(tenant_id, samples, route)
         with self.in_flight(tenant_id, refuse=not wait):
             return await anyio.to_thread.run_sync(call, *args, limiter=self._thread_limiter(tenant_id))
 
@@ -211,6 +246,8 @@ class TenantCallLimiter:
             for key in [key for key in self._buckets if key[0] == tenant_id]:
                 del self._buckets[key]
             self._refused.pop(tenant_id, None)
+            for key in [key for key in self._refused_until if key[0] == tenant_id]:
+                del self._refused_until[key]
             if not self._in_flight.get(tenant_id):
                 self._threads.pop(tenant_id, None)
 
@@ -220,6 +257,12 @@ class TenantCallLimiter:
         if bucket is None or bucket.rate != rate or bucket.capacity != capacity:
             bucket = self._buckets[(tenant_id, setting)] = TokenBucket(rate, capacity, now)
         return bucket
+
+    def _remember_refusal(self, key: tuple[str, str], refusal: tuple[float, str, float]) -> None:
+        self._refused_until.pop(key, None)  # re-inserted last: the oldest refusals go first
+        self._refused_until[key] = refusal
+        while len(self._refused_until) > MAX_REFUSED_ROUTES:
+            del self._refused_until[next(iter(self._refused_until))]
 
     def _count(self, tenant_id: str, limit: str) -> None:
         counts = self._refused.setdefault(tenant_id, {})

@@ -59,6 +59,51 @@ def test_token_buckets_refuse_over_the_rate_say_when_and_charge_nothing_for_a_re
         off.admit("a", samples=10_000)
 
 
+def test_a_call_sent_again_before_its_retry_after_is_refused_on_its_route_only_and_counted():
+    clock = Clock()
+    limiter = TenantCallLimiter(RateLimitSettings(default=TenantRateLimits(samples_per_s=4, burst_s=2)), clock=clock)
+    limiter.admit("a", samples=8, route="/v1/predict")  # the bucket (8) drained
+    with pytest.raises(Exception) as refused:
+        limiter.admit("a", samples=2, route="/v1/predict")  # 2 samples need 0.5 s more
+    assert refused.value.problems[0][0] == "rate_limits.samples_per_s"
+    clock.now += 0.25
+    with pytest.raises(Exception) as again:
+        limiter.refuse_unread("a", "/v1/predict")
+    assert again.value.status_code == 429 and again.value.problems[0][0] == "rate_limits.samples_per_s"
+    limiter.refuse_unread("a", "/v1/train_batch")  # another route: its own checks decide
+    limiter.refuse_unread("b", "/v1/predict")  # another tenant: untouched
+    clock.now += 0.25  # the wait it was told has passed
+    limiter.refuse_unread("a", "/v1/predict")
+    limiter.admit("a", samples=2, route="/v1/predict")
+    assert limiter.throttled("a").samples_per_s == 2 and limiter.throttled("b").samples_per_s == 0
+    with pytest.raises(Exception) as refused:  # noqa: B017 (ApiError, as above)
+        limiter.admit("a", samples=2)  # refused without a route: nothing is remembered
+    limiter.refuse_unread("a", "/v1/predict")
+
+
+def test_a_tenant_told_to_wait_is_refused_before_its_body_is_read(api):
+    """A body is parsed and its tensors decoded on the server's event loop, where every tenant's
+    calls wait: a call that would be refused again is answered before it is read (a malformed body
+    gets 429, not 422), on the refused route only, and once the wait passes the body is read."""
+    hasty, other = api.tenant("rl-hasty"), api.tenant("rl-calm")
+    limits = RateLimitSettings(tenants={hasty.tenant_id: TenantRateLimits(samples_per_s=4, burst_s=2)})
+    with app_client(api, rate_limits=limits) as (app, http):
+        batch = wire(hasty.batch(8))
+        assert http.post("/v1/train_batch", json=batch, headers=hasty.headers).status_code == 200  # drained
+        refused = http.post("/v1/train_batch", json=wire(hasty.batch(2)), headers=hasty.headers)
+        assert refused.status_code == 429, refused.text
+        malformed = {**hasty.headers, "content-type": "application/json"}
+        unread = http.post("/v1/train_batch", content=b"{not json", headers=malformed)
+        assert unread.status_code == 429 and unread.json()["code"] == "rate_limited", unread.text
+        assert int(unread.headers["retry-after"]) >= 1
+        assert http.post("/v1/forward_backward", content=b"{not json", headers=malformed).status_code == 422  # read
+        other_malformed = {**other.headers, "content-type": "application/json"}
+        assert http.post("/v1/train_batch", content=b"{not json", headers=other_malformed).status_code == 422
+        time.sleep(0.6)  # the wait it was told (0.5 s) has passed: read, and found malformed
+        assert http.post("/v1/train_batch", content=b"{not json", headers=malformed).status_code == 422
+        assert app.state.limiter.throttled(hasty.tenant_id).samples_per_s == 2
+
+
 def test_rate_limits_from_the_environment_name_the_variable_on_a_bad_value(monkeypatch):
     monkeypatch.setenv(RATE_LIMITS_ENV, '{"default": {"requests_per_s": 50}, "tenants": {"t": {"max_in_flight": 4}}}')
     settings = RateLimitSettings.from_env()

@@ -16,7 +16,7 @@ from joynexus.actors import handle_of
 from joynexus.protocol.wire import Tensor, msgpack_dumps, msgpack_loads, tensor
 from joynexus.robot_client import RobotClientError, RobotPolicyClient, observation_frame
 from tests.api.conftest import ADMIN_KEY, wire
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import session_heap_frozen, sft_spec, write_dataset_for
 
 WS_TIMEOUT_S = 30
 
@@ -307,6 +307,11 @@ def run_control_loop(client: RobotPolicyClient, seconds: float, hz: float = 30.0
 
 
 def test_the_robot_client_refills_its_queue_before_it_runs_out(live_server, flow):
+    with session_heap_frozen():  # a control loop's timing, not the test session's garbage collection
+        refills_before_running_out(live_server, flow)
+
+
+def refills_before_running_out(live_server, flow) -> None:
     client = RobotPolicyClient(live_server, flow.api_key, robot_observation(flow), control_hz=30, request_threshold=2)
     with client:
         first = client.next_action(timeout=WS_TIMEOUT_S)

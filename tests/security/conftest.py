@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.api.conftest import ADMIN_KEY, TenantHandle, api, live_server, wire  # noqa: F401 (fixtures)
-from tests.helpers import wait_for
+from tests.helpers import session_heap_frozen, wait_for
 
 LATENCY_SAMPLES = 40  # the victim's 1-sample predicts per measurement
 
@@ -94,6 +94,13 @@ class Flood:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
+
+
+@pytest.fixture
+def latency_measured():
+    """The session's heap frozen while the test measures latencies (`session_heap_frozen`)."""
+    with session_heap_frozen():
+        yield
 
 
 @pytest.fixture(scope="module")

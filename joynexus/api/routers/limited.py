@@ -34,12 +34,13 @@ async def call_limited(
     """`answer()` in one of the tenant's worker threads once its limits let it (429 otherwise);
     with `training`, in its tenant's priority turn for the Training Model Service."""
     state = request.app.state
+    route = request.scope["path"]
     if not training:
-        return await state.limiter.run(tenant_id, answer, samples=samples)
+        return await state.limiter.run(tenant_id, answer, samples=samples, route=route)
     gate, gateway = state.training_gate, state.gateway
 
     def answer_in_turn() -> Response:
         priority = gateway.tenant(tenant_id).spec.scheduling.priority  # cached by the gateway
         return gate.call(priority, answer)
 
-    return await state.limiter.run(tenant_id, answer_in_turn, samples=samples)
+    return await state.limiter.run(tenant_id, answer_in_turn, samples=samples, route=route)
