@@ -299,6 +299,18 @@ class Settings(BaseModel):
     environment_workers: int = Field(
         default_factory=lambda: int(os.environ.get("JOYNEXUS_ENVIRONMENT_WORKERS", "1")), ge=1, le=256
     )
+    # Environment Service worker processes kept warm (simulator built) after their session closed,
+    # for the same tenant's next session of the same config: every workload and evaluation opens
+    # fresh sessions, and a ManiSkill worker's start costs ~13-16 CPU s. Per Environment Service
+    # (each pool worker has its own); 0 turns it off.
+    environment_warm_workers: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_ENVIRONMENT_WARM_WORKERS", 8), ge=0, le=256, validate_default=True
+    )
+    # ... and together at most this much resident memory (a ManiSkill worker of 8 PushCube
+    # environments holds ~0.9 GiB); the oldest warm worker stops first.
+    environment_warm_memory_mib: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_ENVIRONMENT_WARM_MEMORY_MIB", 4096), ge=0, validate_default=True
+    )
     # Samples one tenant may have waiting in the Inference Queue (issue 26): a request that would pass
     # it is refused (429 naming this setting); abandoned requests leave the queue, so only live ones count.
     max_queued_samples_per_tenant: int = Field(

@@ -291,6 +291,14 @@ class SimulatorAdapter(abc.ABC):
         self._elapsed = 0
         self._needs_reset = True
 
+    def renew(self) -> None:
+        """Start over for a new session on this same simulator (a warm worker of the Environment
+        Service): a step needs a reset first, and the next unseeded reset uses the config's seed
+        again, as on a freshly built simulator."""
+        self._seeded = False
+        self._elapsed = 0
+        self._needs_reset = True
+
     def reset(self, seed: int | None = None) -> EnvObservation:
         # The first reset without a seed uses the config's, so a session is reproducible by default;
         # later unseeded resets continue the simulator's own RNG stream (gymnasium semantics).

@@ -50,6 +50,10 @@ class VectorSimulator:
     def reset(self, slot: int, seed: int | None = None) -> EnvObservation:
         return self._adapter(slot).reset(seed)
 
+    def renew(self) -> None:
+        for adapter in self.adapters:
+            adapter.renew()
+
     def step_many(self, actions: dict[int, np.ndarray]) -> dict[int, dict[str, Any]]:
         """Each slot's step result (as a dict), or {"error", "error_type"} for a slot whose
         simulator raised: the other slots still step."""

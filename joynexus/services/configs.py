@@ -219,6 +219,8 @@ class EnvironmentServiceConfig:
     workers: int = 1
     worker_resources: RoleResources | None = None
     service_options: dict[str, Any] = field(default_factory=dict)  # further EnvironmentService arguments
+    warm_workers: int = 0  # closed sessions' workers kept for the same tenant and config (per service)
+    warm_memory_mib: int = 4096  # ... together at most this resident
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EnvironmentServiceConfig:
@@ -226,10 +228,17 @@ class EnvironmentServiceConfig:
             database_url=settings.resolved_database_url(),
             workers=settings.environment_workers,
             worker_resources=settings.resources.get("environment_worker"),
+            warm_workers=settings.environment_warm_workers,
+            warm_memory_mib=settings.environment_warm_memory_mib,
         )
 
     def _service_kwargs(self) -> dict[str, Any]:
-        return {"database_url": self.database_url, **self.service_options}
+        return {
+            "database_url": self.database_url,
+            "warm_workers": self.warm_workers,
+            "warm_memory_bytes": self.warm_memory_mib << 20,
+            **self.service_options,
+        }
 
     def build(self) -> EnvironmentService | EnvironmentPool:
         if self.workers > 1:

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
+import psutil
 
 from joynexus.core.metering import UsageMeter, build_meter
 from joynexus.core.service_metrics import service_metrics, timed
@@ -48,7 +49,24 @@ ENVIRONMENT_SERVICE_ACTOR_NAME = "joynexus.environment_service"
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
+DEFAULT_WARM_TTL_S = 300.0
+DEFAULT_WARM_MEMORY_BYTES = 4 << 30
 _MAX_TOMBSTONES = 4096  # closed / failed ids remembered so close() stays idempotent and failures explain themselves
+
+
+@dataclass(eq=False)
+class _WarmWorker:
+    """A closed session's worker process, kept with its simulator built for the next session of
+    the same tenant and the same config (see `EnvironmentService`, warm workers)."""
+
+    tenant_id: str
+    config_key: str
+    process: Any
+    conn: Connection
+    spec: dict[str, Any]
+    pid: int
+    rss: int  # resident bytes when it was parked
+    parked_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -69,6 +87,10 @@ class _Session:
     episodes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def config_key(self) -> str:
+        """What a warm worker must match to serve this session: the whole simulator config."""
+        return self.config.model_dump_json()
+
     def describe(self) -> dict[str, Any]:
         return {
             "session_id": self.session_id,
@@ -85,7 +107,18 @@ class _Session:
 
 
 class EnvironmentService:
-    """Sessions of simulators, one worker process each, owned by (tenant, rollout)."""
+    """Sessions of simulators, one worker process each, owned by (tenant, rollout).
+
+    Warm workers (`warm_workers` > 0): a session closed in good health leaves its worker process
+    running, simulator built, for the next session that the SAME tenant opens with the SAME config
+    (every field, so the same task, cameras, image size and number of environments); a worker is
+    never handed to another tenant. Starting a worker is a process spawn, the simulator's import and
+    its scenes built: ~13-16 CPU s for a ManiSkill PushCube worker here, paid by every workload and
+    every evaluation that opened fresh sessions. The new session starts as a fresh one does (it
+    must `reset` before it steps; `reset(seed)` sets the episode as on a new worker). At most
+    `warm_workers` wait at once (the oldest stopped first), none longer than `warm_ttl_s`, and they
+    give way to live sessions (`max_sessions` counts both; a full service stops a warm one first).
+    Closing a tenant's sessions, or all of them, stops the warm workers too."""
 
     def __init__(
         self,
@@ -101,6 +134,9 @@ class EnvironmentService:
         max_image_side: int = MAX_IMAGE_SIDE,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_observation_bytes: int = MAX_OBSERVATION_BYTES,
+        warm_workers: int = 0,
+        warm_ttl_s: float = DEFAULT_WARM_TTL_S,
+        warm_memory_bytes: int = DEFAULT_WARM_MEMORY_BYTES,
     ) -> None:
         """`meter` (or `database_url`, from which a Ray actor builds its own) records every step as
         environment usage of the session's tenant; without either nothing is recorded.
@@ -121,6 +157,12 @@ class EnvironmentService:
         ):
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
+        if isinstance(warm_workers, bool) or not isinstance(warm_workers, int) or warm_workers < 0:
+            raise ValueError(f"warm_workers must be an int >= 0, got {warm_workers!r}")
+        if not warm_ttl_s > 0:
+            raise ValueError(f"warm_ttl_s must be > 0, got {warm_ttl_s!r}")
+        if isinstance(warm_memory_bytes, bool) or not isinstance(warm_memory_bytes, int) or warm_memory_bytes < 0:
+            raise ValueError(f"warm_memory_bytes must be an int >= 0, got {warm_memory_bytes!r}")
         if start_method not in ("spawn", "forkserver"):
             # fork would copy the service's threads and locks (and the other sessions' pipes).
             raise ValueError(f"start_method={start_method!r}: use 'spawn' or 'forkserver'")
@@ -141,6 +183,9 @@ class EnvironmentService:
         self._lock = threading.Lock()  # guards _sessions and _tombstones, never held across IPC
         self._sessions: dict[str, _Session] = {}
         self._tombstones: OrderedDict[str, _Session] = OrderedDict()
+        self.warm_workers, self.warm_ttl_s = int(warm_workers), float(warm_ttl_s)
+        self.warm_memory_bytes = int(warm_memory_bytes)
+        self._warm: list[_WarmWorker] = []  # oldest first; guarded by _lock
         self.meter, self._owns_meter = build_meter(meter, database_url)  # last: nothing to undo if a check fails
 
     # -- lifecycle ---------------------------------------------------------------------------- #
@@ -175,6 +220,16 @@ class EnvironmentService:
                     f"(max_sessions_per_tenant={self.max_sessions_per_tenant}); close one first"
                 )
             self._sessions[session.session_id] = session
+            warm, stopped = self._take_warm(tenant_id, session.config_key())
+        for worker in stopped:
+            self._stop_worker(worker.process, worker.conn)
+        if warm is not None and not self._renew(warm):
+            self._stop_worker(warm.process, warm.conn)
+            warm = None  # a fresh worker below
+        if warm is not None:
+            session.process, session.conn = warm.process, warm.conn
+            session.spec, session.pid, session.state = warm.spec, warm.pid, "ready"
+            return session.session_id
         try:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
@@ -211,13 +266,87 @@ class EnvironmentService:
             session.state = "closed"
             self._forget(session)
         with session.lock:  # waits for an in-flight call (bounded by its timeout)
-            try:
-                session.conn.send_bytes(pack_message({"cmd": "close"}))
-                if session.conn.poll(_CLOSE_TIMEOUT_S):
-                    session.conn.recv_bytes()
-            except (OSError, EOFError):
-                pass
-            self._reap(session, grace_s=_CLOSE_TIMEOUT_S)
+            if session.process.is_alive() and self._park(session):
+                return
+            self._stop_worker(session.process, session.conn)
+
+    def _park(self, session: _Session) -> bool:
+        """Keep a closed session's worker warm for its tenant (True), within `warm_workers`."""
+        if self.warm_workers == 0:
+            return False
+        try:
+            rss = psutil.Process(session.pid).memory_info().rss
+        except psutil.Error:  # gone meanwhile
+            return False
+        if rss > self.warm_memory_bytes:
+            return False
+        worker = _WarmWorker(
+            session.tenant_id, session.config_key(), session.process, session.conn, session.spec, session.pid, rss
+        )
+        with self._lock:
+            self._warm.append(worker)
+            stopped = self._expire_warm()
+            while len(self._warm) > self.warm_workers or sum(w.rss for w in self._warm) > self.warm_memory_bytes:
+                stopped.append(self._warm.pop(0))
+        for old in stopped:
+            self._stop_worker(old.process, old.conn)
+        return True
+
+    def _renew(self, worker: _WarmWorker) -> bool:
+        """Ready a warm worker's simulator for a new session (reset first; the config's seed for
+        its first unseeded reset, as on a fresh worker); False if the worker does not answer."""
+        try:
+            worker.conn.send_bytes(pack_message({"cmd": "renew"}))
+            if not worker.conn.poll(self.reset_timeout_s):
+                return False
+            return bool(unpack_message(worker.conn.recv_bytes()).get("ok"))
+        except (OSError, EOFError):
+            return False
+
+    def _take_warm(self, tenant_id: str, config_key: str) -> tuple[_WarmWorker | None, list[_WarmWorker]]:
+        """(The newest live warm worker of this tenant and config, taken; the warm workers to stop:
+        expired, found dead, or, when none was found, the oldest while the live sessions (this new
+        one counted) and the warm workers exceed `max_sessions`). Caller holds self._lock."""
+        stopped = self._expire_warm()
+        found = None
+        for worker in reversed(self._warm):
+            if worker.tenant_id == tenant_id and worker.config_key == config_key:
+                self._warm.remove(worker)
+                if worker.process.is_alive():
+                    found = worker
+                    break
+                stopped.append(worker)  # died while it waited: nothing to reuse
+        if found is None:
+            while self._warm and len(self._sessions) + len(self._warm) > self.max_sessions:
+                stopped.append(self._warm.pop(0))
+        return found, stopped
+
+    def _expire_warm(self) -> list[_WarmWorker]:
+        """Take the warm workers that waited longer than `warm_ttl_s`. Caller holds self._lock."""
+        cutoff = time.monotonic() - self.warm_ttl_s
+        expired = [worker for worker in self._warm if worker.parked_at < cutoff]
+        self._warm = [worker for worker in self._warm if worker.parked_at >= cutoff]
+        return expired
+
+    def _stop_warm(self, tenant_id: str | None = None) -> int:
+        """Stop the warm workers of one tenant (None: all of them); returns how many."""
+        with self._lock:
+            stopped = [w for w in self._warm if tenant_id is None or w.tenant_id == tenant_id]
+            self._warm = [w for w in self._warm if w not in stopped]
+        for worker in stopped:
+            self._stop_worker(worker.process, worker.conn)
+        return len(stopped)
+
+    @staticmethod
+    def _stop_worker(process: Any, conn: Connection) -> None:
+        """Ask a worker to exit, then reap it (killed if it does not go within the grace)."""
+        try:
+            conn.send_bytes(pack_message({"cmd": "close"}))
+            if conn.poll(_CLOSE_TIMEOUT_S):
+                conn.recv_bytes()
+        except (OSError, EOFError):
+            pass
+        EnvironmentService._reap_process(process, conn, grace_s=_CLOSE_TIMEOUT_S)
 
     def flush_usage(self) -> bool:
         """Write the metered usage now (a usage read right after the work sees all of it)."""
@@ -234,6 +363,7 @@ class EnvironmentService:
                 self.close(tenant_id, session.session_id)
             except UnknownSession:
                 pass
+        self._stop_warm(tenant_id)  # parked by the closes above, or before
         return len(sessions)
 
     def close_all(self) -> None:
@@ -245,6 +375,7 @@ class EnvironmentService:
                 self.close(session.tenant_id, session.session_id)
             except UnknownSession:
                 pass
+        self._stop_warm()
         if self.meter is not None:  # flushed, not closed: the service may still be used after this
             self.meter.try_flush()
 
@@ -266,6 +397,10 @@ class EnvironmentService:
         lock, which is never held across a simulator call, so it answers while steps run."""
         with self._lock:
             live = list(self._sessions.values())
+            expired = self._expire_warm()  # the Health Manager's beats stop idle warm workers on time
+            warm = len(self._warm)
+        for worker in expired:
+            self._stop_worker(worker.process, worker.conn)
         return {
             "role": "environment",
             "incarnation": self.incarnation,
@@ -273,6 +408,7 @@ class EnvironmentService:
             "pid": os.getpid(),
             "tenants": sorted({s.tenant_id for s in live}),
             "sessions": len(live),
+            "warm_workers": warm,
         }
 
     # -- interaction -------------------------------------------------------------------------- #
@@ -482,15 +618,18 @@ class EnvironmentService:
 
     @staticmethod
     def _reap(session: _Session, grace_s: float = 0.0) -> None:
-        process = session.process
+        EnvironmentService._reap_process(session.process, session.conn, grace_s)
+
+    @staticmethod
+    def _reap_process(process: Any, conn: Connection | None, grace_s: float = 0.0) -> None:
         if process is not None:
             if grace_s > 0:
                 process.join(timeout=grace_s)
             if process.is_alive():
                 process.kill()
             process.join(timeout=10.0)
-        if session.conn is not None:
-            session.conn.close()
+        if conn is not None:
+            conn.close()
 
     def __enter__(self) -> EnvironmentService:
         return self

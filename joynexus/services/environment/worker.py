@@ -160,6 +160,9 @@ def worker_main(conn: Connection, adapter_module: str, config_json: str) -> None
                 elif cmd == "step_many" and vector:  # {slot: action} -> {slot: result}, keys as strings
                     stepped = adapter.step_many({int(k): a for k, a in msg["actions"].items()})
                     result = {str(k): v for k, v in stepped.items()}
+                elif cmd == "renew":  # a warm worker taken by a new session of the same tenant
+                    adapter.renew()
+                    result = None
                 elif cmd == "step" and not vector:
                     result = adapter.step(msg["action"]).to_dict()
                 else:
