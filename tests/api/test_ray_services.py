@@ -220,6 +220,10 @@ def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, tr
             assert {job.lease_owner for job in jobs} == {f"master-{ping['incarnation']}/actor"}
     finally:
         store.dispose()
+    # The RL workload's and the evaluation's simulator workers wait warm in the Environment Service
+    # actor for that tenant's next sessions (their sessions are closed).
+    beat = ray_api.cluster.environment.heartbeat()
+    assert beat["sessions"] == 0 and beat["warm_workers"] >= 1, beat
     # The server process holds no WorkloadManager of this deployment (nor an actor loop).
     local = [
         o for o in gc.get_objects() if type(o) is WorkloadManager and o.deployment.settings.data_dir == ray_api.data_dir
