@@ -38,6 +38,38 @@ def test_encode_takes_samples_without_cameras_alone_and_mixed():
         backbone.encode([[torch.rand(3, 8, 8)] * 4], ["too many"])
 
 
+@pytest.mark.parametrize("family", ["idefics3", "qwen_vl"])
+def test_image_free_batches_of_one_instruction_reuse_its_features_equal_to_the_forward(family, monkeypatch):
+    from joynexus.models.backbone import BackboneSource, ResidentBackbone
+
+    backbone = ResidentBackbone.build_tiny() if family == "idefics3" else BackboneSource(preset="qwen3-vl-tiny").build()
+    forwards = []
+    encode_features = type(backbone)._encode_features
+
+    def counted(self, images, instructions, adapters=None, *, grad=False):
+        forwards.append(len(instructions))
+        return encode_features(self, images, instructions, adapters, grad=grad)
+
+    expected = backbone._encode_features([[]] * 3, ["push the cube"] * 3)  # the forward, uncached
+    monkeypatch.setattr(type(backbone), "_encode_features", counted)
+    first = backbone.encode([[]] * 3, ["push the cube"] * 3)
+    again = backbone.encode([[]] * 5, ["push the cube"] * 5)
+    assert forwards == [1]  # one single-sample forward, then none
+    torch.testing.assert_close(first.tokens, expected.tokens, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first.pooled, expected.pooled, atol=1e-5, rtol=1e-5)
+    assert torch.equal(first.mask, expected.mask) and again.tokens.shape[0] == 5
+    assert torch.equal(again.tokens[4], first.tokens[0]) and not again.tokens.requires_grad
+    again.tokens.add_(1.0)  # the caller's own copy: the kept features are untouched
+    assert torch.equal(backbone.encode([[]], ["push the cube"]).tokens[0], first.tokens[0])
+    # not from the cache: two instructions, a camera, a training forward
+    backbone.encode([[], []], ["push the cube", "open the drawer"])
+    backbone.encode([[torch.rand(3, 40, 40)]], ["push the cube"])
+    backbone.encode([[]], ["push the cube"], grad=True)
+    assert forwards == [1, 2, 1, 1]
+    with pytest.raises(ValueError, match="expected 0..3"):  # checked on the cached path too
+        backbone.encode([[torch.rand(3, 8, 8)] * 4], ["too many"])
+
+
 def test_schema_signature_includes_the_empty_camera_list(tmp_path):
     with_camera = parse_workload_spec(sft_spec("cam", tmp_path / "a"))
     state_only = parse_workload_spec(sft_spec("nocam", tmp_path / "b", cameras=()))

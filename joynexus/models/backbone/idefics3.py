@@ -167,6 +167,7 @@ class ResidentBackbone(TenantAdapterHost):
         # so an adapter is never injected or deleted while a forward runs.
         self._adapter_lock = threading.RLock()
         self._adapters: BackboneAdapters | None = None
+        self._init_instruction_features()
         with ResidentBackbone._instances_lock:
             ResidentBackbone.instances_created += 1
 
@@ -431,7 +432,7 @@ class ResidentBackbone(TenantAdapterHost):
             return attention_mask  # let transformers build what other kernels expect
         return causal_padding_mask(attention_mask, self.dtype)
 
-    def encode(
+    def _encode_features(
         self,
         images: list[list[torch.Tensor]],
         instructions: list[str],

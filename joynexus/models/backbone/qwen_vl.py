@@ -552,7 +552,7 @@ class QwenVLBackbone(TenantAdapterHost):
         return patches.reshape(n * g * g, c * t * p * p)
 
     # ------------------------------------------------------------------ encode
-    def encode(
+    def _encode_features(
         self,
         images: list[list[torch.Tensor]],
         instructions: list[str],
