@@ -301,7 +301,7 @@ class Settings(BaseModel):
     )
     # Environment Service worker processes kept warm (simulator built) after their session closed,
     # for the same tenant's next session of the same config: every workload and evaluation opens
-    # fresh sessions, and a ManiSkill worker's start costs ~13-16 CPU s. Per Environment Service
+    # fresh sessions, and a ManiSkill worker's start costs 5-16 CPU s. Per Environment Service
     # (each pool worker has its own); 0 turns it off.
     environment_warm_workers: int = Field(
         default_factory=lambda: _env_int("JOYNEXUS_ENVIRONMENT_WARM_WORKERS", 8), ge=0, le=256, validate_default=True

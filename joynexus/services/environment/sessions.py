@@ -113,7 +113,8 @@ class EnvironmentService:
     running, simulator built, for the next session that the SAME tenant opens with the SAME config
     (every field, so the same task, cameras, image size and number of environments); a worker is
     never handed to another tenant. Starting a worker is a process spawn, the simulator's import and
-    its scenes built: ~13-16 CPU s for a ManiSkill PushCube worker here, paid by every workload and
+    its scenes built: 5.5 CPU s for a ManiSkill worker of 8 PushCube environments here (13-16 on a
+    slower host), paid by every workload and
     every evaluation that opened fresh sessions. The new session starts as a fresh one does (it
     must `reset` before it steps; `reset(seed)` sets the episode as on a new worker). At most
     `warm_workers` wait at once (the oldest stopped first), none longer than `warm_ttl_s`, and they
