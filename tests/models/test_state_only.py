@@ -39,7 +39,7 @@ def test_encode_takes_samples_without_cameras_alone_and_mixed():
 
 
 @pytest.mark.parametrize("family", ["idefics3", "qwen_vl"])
-def test_image_free_batches_of_one_instruction_reuse_its_features_equal_to_the_forward(family, monkeypatch):
+def test_image_free_batches_reuse_each_instructions_features_equal_to_the_forward(family, monkeypatch):
     from joynexus.models.backbone import BackboneSource, ResidentBackbone
 
     backbone = ResidentBackbone.build_tiny() if family == "idefics3" else BackboneSource(preset="qwen3-vl-tiny").build()
@@ -61,11 +61,18 @@ def test_image_free_batches_of_one_instruction_reuse_its_features_equal_to_the_f
     assert torch.equal(again.tokens[4], first.tokens[0]) and not again.tokens.requires_grad
     again.tokens.add_(1.0)  # the caller's own copy: the kept features are untouched
     assert torch.equal(backbone.encode([[]], ["push the cube"]).tokens[0], first.tokens[0])
-    # not from the cache: two instructions, a camera, a training forward
-    backbone.encode([[], []], ["push the cube", "open the drawer"])
+    # Grouped tenants of other instructions: each computed once, rows padded like the forward's.
+    texts = ["open the drawer", "push the cube", "put the small red block on the top shelf", "open the drawer"]
+    grouped = backbone.encode([[]] * 4, texts)
+    assert forwards == [1, 1, 1]  # the two new instructions, one forward each
+    reference = encode_features(backbone, [[]] * 4, texts)
+    assert torch.equal(grouped.mask, reference.mask)
+    torch.testing.assert_close(grouped.tokens, reference.tokens, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped.pooled, reference.pooled, atol=1e-5, rtol=1e-5)
+    # not from the kept features: a camera, a training forward
     backbone.encode([[torch.rand(3, 40, 40)]], ["push the cube"])
     backbone.encode([[]], ["push the cube"], grad=True)
-    assert forwards == [1, 2, 1, 1]
+    assert forwards == [1, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="expected 0..3"):  # checked on the cached path too
         backbone.encode([[torch.rand(3, 8, 8)] * 4], ["too many"])
 

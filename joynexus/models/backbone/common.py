@@ -138,24 +138,32 @@ class TenantAdapterHost:
         grad: bool = False,
     ) -> BackboneFeatures:
         """`Backbone.encode` (the family's `_encode_features`). A batch whose samples all have no
-        camera, one instruction and no adapter (a state-only tenant's rollouts and training
-        batches) is answered from that instruction's features, computed once: they depend on the
+        camera and no adapter (state-only tenants' rollouts and training batches, grouped or not)
+        is answered from each instruction's features, computed once: they depend on the
         instruction alone, since the base model is frozen. Every state-only inference and
         training request ran the text model over the same constant prompt (~14% of the Master's
-        CPU samples in a state-only PushCube benchmark)."""
-        if grad or any(images) or not instructions or any(text != instructions[0] for text in instructions):
+        CPU samples in a state-only PushCube benchmark). Rows are right-padded to the longest
+        prompt, padding zeroed and masked, as the forward's are."""
+        if grad or any(images) or not instructions:
             return self._encode_features(images, instructions, adapters, grad=grad)
         if adapters is not None and any(key is not None for key in adapters):
+            return self._encode_features(images, instructions, adapters, grad=grad)
+        unique = list(dict.fromkeys(instructions))
+        if len(unique) > MAX_CACHED_INSTRUCTIONS:  # more than are kept: they would push each other out
             return self._encode_features(images, instructions, adapters, grad=grad)
         validate_encode_inputs(images, instructions, self.max_images)
         if adapters is not None and len(adapters) != len(images):
             raise ValueError(f"encode: got {len(adapters)} adapter keys for {len(images)} samples")
-        one = self._instruction_features_of(instructions[0])
-        n = len(instructions)
-        return type(one)(
-            tokens=one.tokens.expand(n, -1, -1).clone(),
-            mask=one.mask.expand(n, -1).clone(),
-            pooled=one.pooled.expand(n, -1).clone(),
+        kept = [self._instruction_features_of(text) for text in unique]
+        length = max(one.tokens.shape[1] for one in kept)
+        tokens = [F.pad(one.tokens, (0, 0, 0, length - one.tokens.shape[1])) for one in kept]
+        masks = [F.pad(one.mask, (0, length - one.mask.shape[1]), value=False) for one in kept]
+        row = {text: k for k, text in enumerate(unique)}
+        rows = [row[text] for text in instructions]
+        return type(kept[0])(
+            tokens=torch.cat([tokens[k] for k in rows]),
+            mask=torch.cat([masks[k] for k in rows]),
+            pooled=torch.cat([kept[k].pooled for k in rows]),
         )
 
     def _instruction_features_of(self, instruction: str) -> BackboneFeatures:
