@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from joynexus.models.backbone.base import BackboneFeatures
+
 if TYPE_CHECKING:
     from joynexus.models.adapters import BackboneAdapters
-    from joynexus.models.backbone.base import BackboneFeatures
     from joynexus.models.placement import DevicePlacement
 
 __all__ = [
@@ -110,7 +111,8 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
 class TenantAdapterHost:
     """Tenants' LoRA adapters on a family's text model, and what the services read of the frozen
     base: a family class sets ``model``, ``placement`` and ``_placement_info``, defines
-    ``text_model`` and calls ``_init_adapter_host()`` in its constructor."""
+    ``text_model`` and its forward ``_encode_features`` (the arguments of `encode`), and calls
+    ``_init_adapter_host()`` in its constructor."""
 
     model: torch.nn.Module
     placement: DevicePlacement
@@ -123,9 +125,7 @@ class TenantAdapterHost:
         # deleted while a forward runs.
         self._adapter_lock = threading.RLock()
         self._adapters = None
-        self._init_instruction_features()
-
-    def _init_instruction_features(self) -> None:
+        # Features of image-free prompts by instruction (see `encode`), least recently used last out.
         self._instruction_features: OrderedDict[str, BackboneFeatures] = OrderedDict()
         self._instruction_features_lock = threading.Lock()
 
@@ -137,34 +137,20 @@ class TenantAdapterHost:
         *,
         grad: bool = False,
     ) -> BackboneFeatures:
-        """`Backbone.encode` (the family's `_encode_features`). A batch whose samples all have no
-        camera and no adapter (state-only tenants' rollouts and training batches, grouped or not)
-        is answered from each instruction's features, computed once: they depend on the
-        instruction alone, since the base model is frozen. Every state-only inference and
-        training request ran the text model over the same constant prompt (~14% of the Master's
-        CPU samples in a state-only PushCube benchmark). Rows are right-padded to the longest
-        prompt, padding zeroed and masked, as the forward's are."""
-        if grad or any(images) or not instructions:
-            return self._encode_features(images, instructions, adapters, grad=grad)
-        if adapters is not None and any(key is not None for key in adapters):
-            return self._encode_features(images, instructions, adapters, grad=grad)
+        """`Backbone.encode`: the family's forward (`_encode_features`), except that a batch whose
+        samples all have no camera, with no adapters, outside training's grad path (state-only
+        tenants' rollouts and training batches, grouped or not) is answered from each
+        instruction's features, computed once: they depend on the instruction alone, since the
+        base model is frozen. Every state-only inference and training request ran the text model
+        over the same constant prompt (~14% of the Master's CPU samples in a state-only PushCube
+        benchmark). Rows are right-padded to the longest prompt, as the forward's are."""
         unique = list(dict.fromkeys(instructions))
-        if len(unique) > MAX_CACHED_INSTRUCTIONS:  # more than are kept: they would push each other out
+        if grad or adapters is not None or any(images) or not 0 < len(unique) <= MAX_CACHED_INSTRUCTIONS:
             return self._encode_features(images, instructions, adapters, grad=grad)
         validate_encode_inputs(images, instructions, self.max_images)
-        if adapters is not None and len(adapters) != len(images):
-            raise ValueError(f"encode: got {len(adapters)} adapter keys for {len(images)} samples")
-        kept = [self._instruction_features_of(text) for text in unique]
-        length = max(one.tokens.shape[1] for one in kept)
-        tokens = [F.pad(one.tokens, (0, 0, 0, length - one.tokens.shape[1])) for one in kept]
-        masks = [F.pad(one.mask, (0, length - one.mask.shape[1]), value=False) for one in kept]
+        kept = BackboneFeatures.concat([self._instruction_features_of(text) for text in unique])
         row = {text: k for k, text in enumerate(unique)}
-        rows = [row[text] for text in instructions]
-        return type(kept[0])(
-            tokens=torch.cat([tokens[k] for k in rows]),
-            mask=torch.cat([masks[k] for k in rows]),
-            pooled=torch.cat([kept[k].pooled for k in rows]),
-        )
+        return kept.select([row[text] for text in instructions])  # indexed: the caller's own copy
 
     def _instruction_features_of(self, instruction: str) -> BackboneFeatures:
         """One image-free sample's features of `instruction` (kept, least recently used dropped)."""
@@ -179,17 +165,6 @@ class TenantAdapterHost:
             while len(self._instruction_features) > MAX_CACHED_INSTRUCTIONS:
                 self._instruction_features.popitem(last=False)
         return found
-
-    def _encode_features(
-        self,
-        images: list[list[torch.Tensor]],
-        instructions: list[str],
-        adapters: Sequence[Hashable | None] | None = None,
-        *,
-        grad: bool = False,
-    ) -> BackboneFeatures:
-        """The family's forward behind `encode`."""
-        raise NotImplementedError
 
     @property
     def text_model(self) -> torch.nn.Module:

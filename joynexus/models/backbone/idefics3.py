@@ -43,7 +43,7 @@ import json
 import threading
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import (
@@ -81,9 +81,6 @@ from joynexus.models.backbone.tiny import (
     train_tokenizer,
 )
 from joynexus.models.placement import DevicePlacement
-
-if TYPE_CHECKING:
-    from joynexus.models.adapters import BackboneAdapters
 
 __all__ = ["LLAMA_DECODER_LINEARS", "SUPPORTED_MODEL_TYPES", "ResidentBackbone"]
 
@@ -163,11 +160,7 @@ class ResidentBackbone(TenantAdapterHost):
         self._placement_info = self.placement.describe(self.device)  # fixed for life: heartbeats just copy it
         if self.dtype != torch.float32:
             self._cast_patch_inputs()
-        # Tenant LoRA adapters on the text model, made on first use; every encode holds this lock,
-        # so an adapter is never injected or deleted while a forward runs.
-        self._adapter_lock = threading.RLock()
-        self._adapters: BackboneAdapters | None = None
-        self._init_instruction_features()
+        self._init_adapter_host()
         with ResidentBackbone._instances_lock:
             ResidentBackbone.instances_created += 1
 
