@@ -24,7 +24,6 @@ session, examples/specs/tuned/pushcube_state.yaml); gym-pusht with --task pusht 
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import tempfile
 import time
@@ -53,16 +52,10 @@ TASKS = {
 }
 
 
-def cpu_s() -> float:
-    """CPU seconds of this process and of its reaped children (the workers, once stopped)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def run(sim: dict, warm_workers: int, cycles: int) -> dict:
     """`cycles` sessions of one tenant and config, one after another, on one service."""
     opens, states, rss = [], [], 0
-    started_cpu = cpu_s()
+    started_cpu = cpu_seconds()
     with EnvironmentService(warm_workers=warm_workers) as service:
         for cycle in range(cycles):
             started = time.perf_counter()
@@ -74,8 +67,8 @@ def run(sim: dict, warm_workers: int, cycles: int) -> dict:
             pid = service.sessions("bench")[0]["pid"]
             rss = max(rss, psutil.Process(pid).memory_info().rss)
             service.close("bench", sid)
-    # close_all (the context's exit) stopped and reaped every worker: their CPU is in RUSAGE_CHILDREN
-    return {"opens": opens, "cpu_per_cycle": (cpu_s() - started_cpu) / cycles, "states": states, "rss": rss}
+    # close_all (the context's exit) stopped and reaped every worker: cpu_seconds counts them as children
+    return {"opens": opens, "cpu_per_cycle": (cpu_seconds() - started_cpu) / cycles, "states": states, "rss": rss}
 
 
 def rl_rounds(warm_workers: int, rounds: int, jobs: int, state_dim: int, action_dim: int) -> list[float]:

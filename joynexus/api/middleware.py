@@ -263,14 +263,18 @@ class IdempotencyMiddleware:
 def refuse_unread_if_told_to_wait(request: Request) -> None:
     """429 before the body is read when the calling tenant was refused this route by a rate limit
     and its wait has not passed (`TenantCallLimiter.refuse_unread`). Only a key verified moments
-    ago is looked at (no I/O here); any other call goes on to the route's own checks."""
+    ago is looked at (no I/O here); it is left in the scope (`PRINCIPAL_SCOPE_KEY`), so the route's
+    authentication does not look it up again. Any other call goes on to the route's own checks."""
     limiter = getattr(request.app.state, "limiter", None)
     keys: ApiKeyStore | None = getattr(request.app.state, "keys", None)
     if limiter is None or keys is None or request.method not in _BODY_METHODS:
         return
     credential = _bearer_credential(request.headers.get("authorization", "").encode("latin-1"))
     principal = keys.cached(credential) if credential is not None and len(credential) <= 256 else None
-    if principal is not None and principal.tenant_id is not None:
+    if principal is None:
+        return
+    request.scope.setdefault("state", {})[PRINCIPAL_SCOPE_KEY] = (credential, principal)
+    if principal.tenant_id is not None:
         limiter.refuse_unread(principal.tenant_id, request.scope["path"])
 
 

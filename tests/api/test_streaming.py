@@ -307,13 +307,8 @@ def run_control_loop(client: RobotPolicyClient, seconds: float, hz: float = 30.0
 
 
 def test_the_robot_client_refills_its_queue_before_it_runs_out(live_server, flow):
-    with session_heap_frozen():  # a control loop's timing, not the test session's garbage collection
-        refills_before_running_out(live_server, flow)
-
-
-def refills_before_running_out(live_server, flow) -> None:
     client = RobotPolicyClient(live_server, flow.api_key, robot_observation(flow), control_hz=30, request_threshold=2)
-    with client:
+    with session_heap_frozen(), client:  # a control loop's timing, not the test session's garbage collection
         first = client.next_action(timeout=WS_TIMEOUT_S)
         assert first is not None and first.shape == (5,)
         executed = run_control_loop(client, 1.5)

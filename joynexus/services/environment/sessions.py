@@ -114,10 +114,10 @@ class EnvironmentService:
     (every field, so the same task, cameras, image size and number of environments); a worker is
     never handed to another tenant. Starting a worker is a process spawn, the simulator's import and
     its scenes built: 5.5 CPU s for a ManiSkill worker of 8 PushCube environments here (13-16 on a
-    slower host), paid by every workload and
-    every evaluation that opened fresh sessions. The new session starts as a fresh one does (it
-    must `reset` before it steps; `reset(seed)` sets the episode as on a new worker). At most
-    `warm_workers` wait at once (the oldest stopped first), none longer than `warm_ttl_s`, and they
+    slower host), paid by every workload and every evaluation that opened fresh sessions. The new
+    session starts as a fresh one does (it must `reset` before it steps; `reset(seed)` sets the
+    episode as on a new worker). At most `warm_workers` wait at once, together at most
+    `warm_memory_bytes` resident (the oldest stopped first), none longer than `warm_ttl_s`, and they
     give way to live sessions (`max_sessions` counts both; a full service stops a warm one first).
     Closing a tenant's sessions, or all of them, stops the warm workers too."""
 
@@ -158,12 +158,11 @@ class EnvironmentService:
         ):
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {limit!r}")
-        if isinstance(warm_workers, bool) or not isinstance(warm_workers, int) or warm_workers < 0:
-            raise ValueError(f"warm_workers must be an int >= 0, got {warm_workers!r}")
+        for name, limit in (("warm_workers", warm_workers), ("warm_memory_bytes", warm_memory_bytes)):
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {limit!r}")
         if not warm_ttl_s > 0:
             raise ValueError(f"warm_ttl_s must be > 0, got {warm_ttl_s!r}")
-        if isinstance(warm_memory_bytes, bool) or not isinstance(warm_memory_bytes, int) or warm_memory_bytes < 0:
-            raise ValueError(f"warm_memory_bytes must be an int >= 0, got {warm_memory_bytes!r}")
         if start_method not in ("spawn", "forkserver"):
             # fork would copy the service's threads and locks (and the other sessions' pipes).
             raise ValueError(f"start_method={start_method!r}: use 'spawn' or 'forkserver'")
@@ -310,13 +309,13 @@ class EnvironmentService:
         one counted) and the warm workers exceed `max_sessions`). Caller holds self._lock."""
         stopped = self._expire_warm()
         found = None
-        for worker in reversed(self._warm):
-            if worker.tenant_id == tenant_id and worker.config_key == config_key:
-                self._warm.remove(worker)
-                if worker.process.is_alive():
-                    found = worker
-                    break
-                stopped.append(worker)  # died while it waited: nothing to reuse
+        matches = [w for w in reversed(self._warm) if (w.tenant_id, w.config_key) == (tenant_id, config_key)]
+        for worker in matches:  # the newest first; a copy, as the list shrinks
+            self._warm.remove(worker)
+            if worker.process.is_alive():
+                found = worker
+                break
+            stopped.append(worker)  # died while it waited: nothing to reuse
         if found is None:
             while self._warm and len(self._sessions) + len(self._warm) > self.max_sessions:
                 stopped.append(self._warm.pop(0))
@@ -332,8 +331,8 @@ class EnvironmentService:
     def _stop_warm(self, tenant_id: str | None = None) -> int:
         """Stop the warm workers of one tenant (None: all of them); returns how many."""
         with self._lock:
-            stopped = [w for w in self._warm if tenant_id is None or w.tenant_id == tenant_id]
-            self._warm = [w for w in self._warm if w not in stopped]
+            stopped = [w for w in self._warm if tenant_id in (None, w.tenant_id)]
+            self._warm = [w for w in self._warm if tenant_id not in (None, w.tenant_id)]
         for worker in stopped:
             self._stop_worker(worker.process, worker.conn)
         return len(stopped)
