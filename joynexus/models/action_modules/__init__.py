@@ -1,6 +1,6 @@
 """Tenant-private action modules: the shared base and registry (`base`), one file per kind.
 
-Importing this package registers the built-in kinds (``oft_mlp``, ``flow_matching``).
+Importing this package registers the built-in kinds (``oft_mlp``, ``flow_matching``, ``smolvla``).
 """
 
 from joynexus.models.action_modules.base import (
@@ -19,6 +19,7 @@ from joynexus.models.action_modules.flow_matching import (
     timestep_embedding,
 )
 from joynexus.models.action_modules.oft_mlp import OFTMLPActionModule
+from joynexus.models.action_modules.smolvla import SmolVLAActionModule, SmolVLAConfig
 
 __all__ = [
     "ACTION_MODULES",
@@ -29,6 +30,8 @@ __all__ = [
     "FlowMatchingConfig",
     "OFTMLPActionModule",
     "SizePreset",
+    "SmolVLAActionModule",
+    "SmolVLAConfig",
     "available_action_modules",
     "build_action_module",
     "register_action_module",

@@ -70,6 +70,12 @@ from joynexus.models.backbone.common import (
     validate_encode_inputs,
 )
 from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory, read_chat_template
+from joynexus.models.backbone.layer_prefix import (
+    LayerPrefix,
+    PrefixGeometry,
+    layer_prefix_of,
+    prefix_weights_digest,
+)
 from joynexus.models.backbone.tiny import (
     CHAT_TEMPLATE,
     END_OF_UTTERANCE_TOKEN,
@@ -161,6 +167,7 @@ class ResidentBackbone(TenantAdapterHost):
         if self.dtype != torch.float32:
             self._cast_patch_inputs()
         self._init_adapter_host()
+        self._prefix_digests: dict[int, str] = {}  # the base is frozen: a digest per layer count holds for life
         with ResidentBackbone._instances_lock:
             ResidentBackbone.instances_created += 1
 
@@ -330,6 +337,73 @@ class ResidentBackbone(TenantAdapterHost):
             placement=placement,
             chat_prompt=read_chat_template(root) if meta.get("chat_template_prompt") else None,
         )
+
+    # ------------------------------------------------------------------ the layer-wise prefix
+    @property
+    def prefix_geometry(self) -> PrefixGeometry:
+        """The decoder's attention shape: what an expert over `layer_prefix` builds against."""
+        text = self.model.config.text_config
+        heads = int(text.num_attention_heads)
+        return PrefixGeometry(
+            hidden_size=int(text.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        )
+
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) pixels in the vision tower's input range -> (N, tokens, D) connector outputs
+        (vision tower + pixel-shuffle connector, no grad: both are frozen)."""
+        with torch.no_grad():  # not inference_mode: a training prefix joins these to a graph
+            states = self.model.vision_model(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
+            return self.model.connector(states).float()
+
+    def embed_text(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, D) input embeddings of the text model (frozen, no grad)."""
+        with torch.no_grad():
+            return self.model.text_model.get_input_embeddings()(token_ids.to(self.device)).float()
+
+    def tokenize_prompts(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) of texts, right-padded to the longest, truncated at ``max_length`` tokens, as
+        LeRobot's tokenizer step calls this tokenizer (special tokens included)."""
+        out = self.tokenizer(
+            list(texts), max_length=max_length, truncation=True, padding="longest", padding_side="right",
+            return_tensors="pt",
+        )
+        return out["input_ids"].to(self.device), out["attention_mask"].to(self.device).bool()
+
+    def layer_prefix(
+        self,
+        embeds: torch.Tensor,
+        pad_mask: torch.Tensor,
+        att_mask: torch.Tensor,
+        num_layers: int,
+        *,
+        grad: bool = False,
+    ) -> LayerPrefix:
+        """The per-layer key/value cache of a prefix of embeddings through the first ``num_layers``
+        decoder layers (`layer_prefix.layer_prefix_of`); ``grad`` keeps the graph back to ``embeds``
+        (a tenant-made prefix token) while every base weight stays frozen."""
+        layers = self.model.text_model.layers
+        if not 1 <= num_layers <= len(layers):
+            raise ValueError(f"num_layers={num_layers}: backbone {self.model_id!r} has 1..{len(layers)} decoder layers")
+        context = contextlib.nullcontext() if grad else torch.inference_mode()
+        with self._adapter_lock, self.adapter_routing(None, embeds.shape[0]), context:
+            return layer_prefix_of(
+                list(layers[:num_layers]),
+                embeds.to(self.device, self.dtype),
+                pad_mask.to(self.device),
+                att_mask.to(self.device),
+                self.prefix_geometry,
+            )
+
+    def prefix_digest(self, num_layers: int) -> str:
+        """sha256 of the weights a `num_layers` layer prefix reads (vision tower, connector, token
+        embeddings, the first layers), as float32: equal for a LeRobot checkpoint's VLM part."""
+        key = int(num_layers)
+        if key not in self._prefix_digests:
+            self._prefix_digests[key] = prefix_weights_digest(self.base_state_dict(), key)
+        return self._prefix_digests[key]
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write config + safetensors weights + tokenizer + HF processor + joynexus metadata. The

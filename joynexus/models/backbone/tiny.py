@@ -300,6 +300,14 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[END_OF_UTTERANCE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, IMAGE_TOKEN],
+        # Named as SmolVLM's own tokenizer names them (`tokenizer.fake_image_token_id`, ...): LeRobot's
+        # SmolVLA reads them from the tokenizer of the VLM directory it is built over.
+        extra_special_tokens={
+            "fake_image_token": FAKE_IMAGE_TOKEN,
+            "global_image_token": GLOBAL_IMAGE_TOKEN,
+            "image_token": IMAGE_TOKEN,
+            "end_of_utterance_token": END_OF_UTTERANCE_TOKEN,
+        },
         padding_side="right",
         model_max_length=4096,
     )
