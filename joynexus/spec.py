@@ -51,6 +51,10 @@ class _Strict(BaseModel):
 class ActionModuleSpec(_Strict):
     kind: str = "oft_mlp"  # a name in joynexus.models.action_modules registry
     size: str = "small"  # a size preset of that registry
+    # A LeRobot policy directory on the server (what `SmolVLAPolicy.save_pretrained` writes, with its
+    # processor pipelines) the tenant starts from: its expert is the tenant's version 0, its
+    # processor's statistics the tenant's normalizer, its VLM must be the resident backbone's.
+    checkpoint: str | None = None
 
 
 class AdapterSpec(_Strict):

@@ -1,11 +1,7 @@
 """LeRobot SmolVLA checkpoints in and out of a JoyNexus tenant.
 
-In: a directory written by ``SmolVLAPolicy.save_pretrained`` (``config.json`` of type ``smolvla``,
-``model.safetensors``) with its processor pipelines (``policy_preprocessor.json`` and the
-normalizer's state file). Its VLM part must be the resident backbone's prefix (checked by the
-digest of the weights the prefix reads); the expert and projections become the tenant's initial
-version under their own names; the normalizer's statistics become the tenant's `Normalizer`.
-Reading needs no lerobot import: the files are JSON and safetensors.
+In: `models.action_modules.smolvla_checkpoint` reads a ``SmolVLAPolicy.save_pretrained`` directory;
+`lerobot_normalizer` makes its processor's statistics the tenant's `Normalizer`.
 
 Out: a directory ``SmolVLAPolicy.from_pretrained`` loads with LeRobot's own processor pipelines: its
 config (the tenant's real feature shapes), the full state dict (the resident VLM's prefix layers +
@@ -16,139 +12,35 @@ carries the backbone's own as ``vlm/`` and names it by absolute path, so it load
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from joynexus.data.normalization import Normalizer
-from joynexus.models.backbone.layer_prefix import prefix_weights_digest
-
-__all__ = [
-    "LEROBOT_VLM_PREFIX",
-    "LeRobotSmolVLA",
-    "VLM_DIR",
-    "build_lerobot_smolvla_checkpoint",
-    "read_lerobot_smolvla",
-    "write_lerobot_smolvla",
-]
-
-LEROBOT_VLM_PREFIX = "model.vlm_with_expert.vlm.model."  # the VLM's own names follow it
-_EXPERT_PREFIX = "model.vlm_with_expert.lm_expert."
-_PROJECTIONS = ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out")
-VLM_DIR = "vlm"
-# SmolVLAConfig fields our module config takes under the same name.
-_SHARED_FIELDS = (
-    "max_state_dim",
-    "max_action_dim",
-    "num_steps",
-    "num_vlm_layers",
-    "num_expert_layers",
-    "self_attn_every_n_layers",
-    "expert_width_multiplier",
-    "attention_mode",
-    "min_period",
-    "max_period",
-    "tokenizer_max_length",
-    "add_image_special_tokens",
+from joynexus.models.action_modules.smolvla_checkpoint import (
+    LEROBOT_VLM_PREFIX,
+    SHARED_FIELDS,
+    LeRobotSmolVLA,
+    expert_name,
 )
+from joynexus.models.backbone.layer_prefix import prefix_weight_names
+
+__all__ = ["VLM_DIR", "build_lerobot_smolvla_checkpoint", "lerobot_normalizer", "write_lerobot_smolvla"]
+
+VLM_DIR = "vlm"
 
 
-class LeRobotCheckpointError(ValueError):
-    """A LeRobot policy directory that cannot become a tenant; the message names the file or field."""
-
-
-@dataclass(frozen=True)
-class LeRobotSmolVLA:
-    """What a SmolVLA policy directory holds, in JoyNexus terms."""
-
-    config: dict[str, Any]  # LeRobot's config.json
-    module_state: dict[str, torch.Tensor]  # the tenant-private tensors, under the module's names
-    vlm_state: dict[str, torch.Tensor]  # the VLM part, under the VLM's own names
-    camera_keys: list[str]
-    state_dim: int
-    action_dim: int
-    stats: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-
-    def module_config_fields(self) -> dict[str, Any]:
-        """The smolvla module config's SmolVLA fields, from LeRobot's config."""
-        fields = {name: self.config[name] for name in _SHARED_FIELDS if name in self.config}
-        resize = self.config.get("resize_imgs_with_padding")
-        fields["resize_imgs_with_padding"] = tuple(resize) if resize else None
-        fields["action_chunk"] = int(self.config["chunk_size"])
-        return fields
-
-    def vlm_digest(self) -> str:
-        return prefix_weights_digest(self.vlm_state, int(self.config.get("num_vlm_layers", 16)))
-
-    def normalizer(self) -> Normalizer | None:
-        modes = {k: str(v) for k, v in (self.config.get("normalization_mapping") or {}).items()}
-        if not self.stats:
-            return None
-        dims = {"STATE": self.state_dim, "ACTION": self.action_dim}
-        return Normalizer.from_stats(modes, self.stats, dims, source="lerobot-processor")
-
-
-def read_lerobot_smolvla(path: str | Path) -> LeRobotSmolVLA:
-    """Read a SmolVLA policy directory (module docstring); errors name the file and what is wrong."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} does not exist")
-    config_file, weights_file = root / "config.json", root / "model.safetensors"
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} has no {needed.name}")
-    config = json.loads(config_file.read_text())
-    if config.get("type") != "smolvla":
-        raise LeRobotCheckpointError(f"config.json: type={config.get('type')!r}, expected 'smolvla'")
-    features = config.get("input_features") or {}
-    camera_keys = [k for k, f in features.items() if f.get("type") == "VISUAL"]
-    state = features.get("observation.state")
-    action = (config.get("output_features") or {}).get("action")
-    if action is None:
-        raise LeRobotCheckpointError("config.json: output_features has no 'action'")
-    weights = load_file(str(weights_file))
-    module_state: dict[str, torch.Tensor] = {}
-    vlm_state: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name.startswith(LEROBOT_VLM_PREFIX):
-            vlm_state[name[len(LEROBOT_VLM_PREFIX) :]] = tensor
-        elif name.startswith(_EXPERT_PREFIX):
-            module_state["lm_expert." + name[len(_EXPERT_PREFIX) :]] = tensor
-        elif name.startswith("model.") and name.split(".")[1] in _PROJECTIONS:
-            module_state[name[len("model.") :]] = tensor
-    if not any(k.startswith("lm_expert.") for k in module_state):
-        raise LeRobotCheckpointError("model.safetensors: no action expert weights (model.vlm_with_expert.lm_expert.*)")
-    return LeRobotSmolVLA(
-        config=config,
-        module_state=module_state,
-        vlm_state=vlm_state,
-        camera_keys=camera_keys,
-        state_dim=int(state["shape"][0]) if state else 0,
-        action_dim=int(action["shape"][0]),
-        stats=_processor_stats(root),
-    )
-
-
-def _processor_stats(root: Path) -> dict[str, dict[str, list[float]]]:
-    """The normalizer step's statistics of ``policy_preprocessor.json`` (feature -> stat -> values)."""
-    pipeline = root / "policy_preprocessor.json"
-    if not pipeline.is_file():
-        return {}
-    steps = json.loads(pipeline.read_text()).get("steps", [])
-    for step in steps:
-        if step.get("registry_name") == "normalizer_processor" and step.get("state_file"):
-            flat = load_file(str(root / step["state_file"]))
-            stats: dict[str, dict[str, list[float]]] = {}
-            for name, tensor in flat.items():
-                feature, stat = name.rsplit(".", 1)
-                stats.setdefault(feature, {})[stat] = [float(v) for v in tensor.reshape(-1)]
-            return stats
-    return {}
+def lerobot_normalizer(checkpoint: LeRobotSmolVLA) -> Normalizer | None:
+    """The tenant's normalizer: the checkpoint's processor statistics under its config's modes
+    (None when it has no normalizer step)."""
+    if not checkpoint.stats:
+        return None
+    modes = {k: str(v) for k, v in (checkpoint.config.get("normalization_mapping") or {}).items()}
+    dims = {"STATE": checkpoint.state_dim, "ACTION": checkpoint.action_dim}
+    return Normalizer.from_stats(modes, checkpoint.stats, dims, source="lerobot-processor")
 
 
 def write_lerobot_smolvla(
@@ -156,24 +48,31 @@ def write_lerobot_smolvla(
     module: torch.nn.Module,
     backbone: Any,
     *,
-    camera_shapes: Mapping[str, Sequence[int]],
+    camera_keys: Sequence[str],
     normalizer: Normalizer | None,
+    vlm_dir: str | Path | None = None,
     device: str = "cpu",
 ) -> Path:
     """Write a tenant's SmolVLA module over ``backbone`` as a LeRobot policy directory (module
-    docstring). ``camera_shapes``: LeRobot camera key -> the tenant's (3, H, W), in slot order."""
+    docstring), beside whatever ``out_dir`` already holds (JoyNexus's own export files).
+    ``camera_keys``: LeRobot camera keys in the tenant's slot order; ``vlm_dir``: the backbone's
+    directory when the caller saved it already (else it is saved as ``vlm/``)."""
     from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LeRobotSmolVLAConfig
     from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
 
     cfg = module.config
     root = Path(out_dir).expanduser()
-    if root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"export directory {str(root)!r} exists and is not empty")
+    if (root / "config.json").exists():
+        raise FileExistsError(f"export directory {str(root)!r} already holds a config.json")
     root.mkdir(parents=True, exist_ok=True)
-    vlm_dir = root / VLM_DIR
-    backbone.save_pretrained(vlm_dir)
-    inputs = {key: PolicyFeature(FeatureType.VISUAL, tuple(shape)) for key, shape in camera_shapes.items()}
+    if vlm_dir is None:
+        vlm_dir = root / VLM_DIR
+        backbone.save_pretrained(vlm_dir)
+    vlm_dir = Path(vlm_dir)
+    # SmolVLA resizes every camera (with padding) to resize_imgs_with_padding: the shapes it declares.
+    width, height = cfg.resize_imgs_with_padding or (backbone.image_size, backbone.image_size)
+    inputs = {key: PolicyFeature(FeatureType.VISUAL, (3, height, width)) for key in camera_keys}
     if cfg.state_dim:
         inputs["observation.state"] = PolicyFeature(FeatureType.STATE, (cfg.state_dim,))
     modes = dict(normalizer.modes) if normalizer is not None else {"STATE": "IDENTITY", "ACTION": "IDENTITY"}
@@ -191,13 +90,13 @@ def write_lerobot_smolvla(
             "ACTION": NormalizationMode(modes.get("ACTION", "IDENTITY")),
         },
         device=device,
-        **{name: getattr(cfg, name) for name in _SHARED_FIELDS},
+        **{name: getattr(cfg, name) for name in SHARED_FIELDS},
     )
+    lerobot_config.validate_features()
     lerobot_config._save_pretrained(root)
     state = {LEROBOT_VLM_PREFIX + name: t for name, t in _vlm_prefix_state(backbone, cfg.num_vlm_layers).items()}
     for name, tensor in module.state_dict().items():
-        prefix = _EXPERT_PREFIX + name[len("lm_expert.") :] if name.startswith("lm_expert.") else "model." + name
-        state[prefix] = tensor
+        state[expert_name(name)] = tensor
     save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
     stats = None
     if normalizer is not None and normalizer.stats:
@@ -210,8 +109,6 @@ def write_lerobot_smolvla(
 
 def _vlm_prefix_state(backbone: Any, num_layers: int) -> dict[str, torch.Tensor]:
     """The resident VLM's weights a truncated LeRobot VLM holds (the first layers, not the rest)."""
-    from joynexus.models.backbone.layer_prefix import prefix_weight_names
-
     base = backbone.base_state_dict()
     kept = set(prefix_weight_names(list(base), num_layers))
     kept.update(n for n in base if n.startswith("text_model.norm."))

@@ -35,12 +35,19 @@ class BaseModelCapabilities:
     # family's (Idefics3 / SmolVLM: a Llama decoder); `of_backbone` asks the backbone itself.
     lora_target_modules: tuple[str, ...] = field(default_factory=_default_lora_targets)
     max_lora_rank: int = 64
+    # The decoder's attention shape (num_heads, num_kv_heads, head_dim, num_layers) that a layer-wise
+    # expert (kind smolvla) is built against; None: the backbone offers no layer-wise prefix.
+    prefix_geometry: tuple[int, int, int, int] | None = None
 
     @classmethod
     def of_backbone(cls, backbone: Any, **limits: Any) -> BaseModelCapabilities:
         targets = getattr(backbone, "lora_target_modules", None)
         if targets is not None and "lora_target_modules" not in limits:
             limits["lora_target_modules"] = tuple(targets())
+        geometry = getattr(backbone, "prefix_geometry", None)
+        if geometry is not None and "prefix_geometry" not in limits:
+            layers = len(backbone.model.text_model.layers)
+            limits["prefix_geometry"] = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, layers)
         return cls(
             model_id=backbone.model_id,
             feature_dim=backbone.hidden_size,

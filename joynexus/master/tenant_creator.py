@@ -86,8 +86,10 @@ class SpecCompiler:
             if value > limit:
                 problems.append((field, f"{value} exceeds this backend's limit of {limit}"))
         module_config = None
+        kind_fields = layer_expert_fields(spec, caps, problems)
         try:
             module_config = ActionModuleConfig(
+                **kind_fields,
                 kind=spec.action_module.kind,
                 size=spec.action_module.size,
                 feature_dim=caps.feature_dim,
@@ -152,6 +154,8 @@ class SpecCompiler:
         from joynexus.data.normalization import Normalizer, StatsError, dataset_normalizer
 
         obs = spec.observation
+        if spec.action_module.checkpoint:  # a LeRobot policy's processor: its statistics are the tenant's
+            return lerobot_checkpoint_normalization(spec)
         if spec.dataset is not None and spec.task is TaskType.SFT:
             try:
                 normalizer = dataset_normalizer(spec.dataset.root, spec.normalization, obs.state_dim, obs.action_dim)
@@ -416,6 +420,70 @@ def _supports_rl(kind: str) -> bool:
 
     cls = ACTION_MODULES.get(kind)
     return cls is not None and cls.supports_rl
+
+
+def layer_expert_fields(spec: WorkloadSpec, caps: Any, problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """The config fields of a layer-wise expert (kind ``smolvla``): the backbone's decoder shape and,
+    with ``action_module.checkpoint``, the LeRobot policy's SmolVLA fields (read from its
+    config.json; its weights are loaded and its VLM checked by the Training Model Service)."""
+    module = spec.action_module
+    if module.kind != "smolvla":
+        if module.checkpoint:
+            problems.append(
+                (
+                    "action_module.checkpoint",
+                    f"only kind 'smolvla' starts from a LeRobot checkpoint, not {module.kind!r}",
+                )
+            )
+        return {}
+    if caps.prefix_geometry is None:
+        problems.append(("action_module.kind", f"backbone {caps.model_id!r} offers no layer-wise prefix for 'smolvla'"))
+        return {}
+    heads, kv_heads, head_dim, layers = caps.prefix_geometry
+    fields: dict[str, Any] = {"vlm_num_heads": heads, "vlm_num_kv_heads": kv_heads, "vlm_head_dim": head_dim}
+    # From scratch: SmolVLA's 16 layers (or all there are), cameras at the backbone's canonical side.
+    fields["num_vlm_layers"] = min(16, layers)
+    fields["resize_imgs_with_padding"] = (caps.image_size, caps.image_size)
+    if not module.checkpoint:
+        return fields
+    from joynexus.models.action_modules.smolvla_checkpoint import LeRobotCheckpointError, read_lerobot_smolvla
+
+    try:
+        checkpoint = read_lerobot_smolvla(module.checkpoint, weights=False)
+    except LeRobotCheckpointError as error:
+        problems.append(("action_module.checkpoint", str(error)))
+        return fields
+    obs = spec.observation
+    for field, ours, theirs in (
+        ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
+        ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
+        ("observation.action_chunk", obs.action_chunk, int(checkpoint.config.get("chunk_size", 0))),
+        ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
+    ):
+        if ours != theirs:
+            problems.append((field, f"{ours}, but the LeRobot checkpoint {module.checkpoint!r} has {theirs}"))
+    fields.update(checkpoint.module_config_fields())
+    fields.pop("action_chunk", None)
+    if fields["num_vlm_layers"] > layers:
+        problems.append(
+            ("action_module.checkpoint", f"num_vlm_layers={fields['num_vlm_layers']} > the backbone's {layers}")
+        )
+    fields["lerobot_checkpoint"] = str(Path(module.checkpoint).expanduser().resolve())
+    return fields
+
+
+def lerobot_checkpoint_normalization(spec: WorkloadSpec) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """A LeRobot checkpoint's processor statistics as the tenant's normalizer."""
+    from joynexus.artifacts.lerobot_smolvla import lerobot_normalizer
+    from joynexus.data.normalization import StatsError
+    from joynexus.models.action_modules.smolvla_checkpoint import read_lerobot_smolvla
+
+    assert spec.action_module.checkpoint is not None
+    try:
+        normalizer = lerobot_normalizer(read_lerobot_smolvla(spec.action_module.checkpoint, weights=False))
+    except StatsError as error:
+        return None, [("action_module.checkpoint", f"processor statistics: {error}")]
+    return (normalizer.to_dict() if normalizer is not None else None), []
 
 
 def backend_build_problems(config: TenantBackendConfig) -> list[tuple[str, str]]:

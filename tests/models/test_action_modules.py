@@ -23,7 +23,12 @@ from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
 
 # The library's registered kinds (a test file may register its own: those are left out, so the
 # parameters stay the same whichever test files were collected).
-KINDS = [k for k in available_action_modules() if ACTION_MODULES[k].__module__.startswith("joynexus.")]
+# Kinds over token features (a layer-wise expert, smolvla, reads a LayerPrefix: tests/models/test_smolvla_parity.py).
+KINDS = [
+    k
+    for k in available_action_modules()
+    if ACTION_MODULES[k].__module__.startswith("joynexus.") and ACTION_MODULES[k].feature_form == "tokens"
+]
 B, STATE, ACT, CHUNK = 4, 5, 3, 4
 
 

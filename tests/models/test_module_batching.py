@@ -31,7 +31,12 @@ from tests.helpers import assert_trained_state_close, compiled_config, padded_mi
 ATOL = 1e-5
 # The library's registered kinds (a test file may register its own: those are left out, so the
 # parameters stay the same whichever test files were collected).
-KINDS = [k for k in available_action_modules() if ACTION_MODULES[k].__module__.startswith("joynexus.")]
+# Kinds over token features (a layer-wise expert, smolvla, reads a LayerPrefix: tests/models/test_smolvla_parity.py).
+KINDS = [
+    k
+    for k in available_action_modules()
+    if ACTION_MODULES[k].__module__.startswith("joynexus.") and ACTION_MODULES[k].feature_form == "tokens"
+]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,13 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from joynexus.artifacts.lerobot_smolvla import (
-    LeRobotCheckpointError,
-    build_lerobot_smolvla_checkpoint,
-    read_lerobot_smolvla,
-)
+from joynexus.artifacts.lerobot_smolvla import build_lerobot_smolvla_checkpoint, lerobot_normalizer
 from joynexus.models.action_modules import ActionModuleConfig, build_action_module
 from joynexus.models.action_modules.smolvla import SmolVLAActionModule, SmolVLARows
+from joynexus.models.action_modules.smolvla_checkpoint import LeRobotCheckpointError, read_lerobot_smolvla
 from joynexus.models.backbone import ResidentBackbone
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -120,7 +117,7 @@ def test_a_lerobot_checkpoint_reads_as_the_tenant_module_and_its_normalizer(back
     assert checkpoint.vlm_digest() == backbone.prefix_digest(2)
     module = smolvla_module(checkpoint, backbone)
     assert module.config.action_chunk == 4 and module.config.expert_hidden_size == 48
-    normalizer = checkpoint.normalizer()
+    normalizer = lerobot_normalizer(checkpoint)
     assert normalizer.stats["action"]["std"] == pytest.approx([2.0, 0.25])
     assert normalizer.modes["STATE"] == "MEAN_STD"
 
@@ -129,7 +126,7 @@ def test_predict_in_one_grouped_prefix_equals_lerobots_predict_action_chunk(back
     modules, oracles = [], []
     for root in checkpoints:
         checkpoint = read_lerobot_smolvla(root)
-        modules.append((smolvla_module(checkpoint, backbone), checkpoint.normalizer()))
+        modules.append((smolvla_module(checkpoint, backbone), lerobot_normalizer(checkpoint)))
         oracles.append(lerobot_policy(root))
     obs = [observations(2, seed=3), observations(1, seed=4)]
     noise = [torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(9)), torch.randn(1, 4, 5)]
@@ -151,7 +148,7 @@ def test_predict_in_one_grouped_prefix_equals_lerobots_predict_action_chunk(back
 def test_the_training_loss_and_expert_gradients_equal_lerobots_forward(backbone, checkpoints):
     root = checkpoints[0]
     checkpoint = read_lerobot_smolvla(root)
-    module, normalizer = smolvla_module(checkpoint, backbone), checkpoint.normalizer()
+    module, normalizer = smolvla_module(checkpoint, backbone), lerobot_normalizer(checkpoint)
     policy, pre, _ = lerobot_policy(root)
     obs = observations(2, seed=5)
     actions = torch.randn(2, 4, ACTION_DIM, generator=torch.Generator().manual_seed(6))

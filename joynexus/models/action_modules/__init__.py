@@ -8,10 +8,12 @@ from joynexus.models.action_modules.base import (
     SIZE_PRESETS,
     ActionModule,
     ActionModuleConfig,
+    PrefixRows,
     SizePreset,
     available_action_modules,
     build_action_module,
     register_action_module,
+    uses_layer_prefix,
 )
 from joynexus.models.action_modules.flow_matching import (
     FlowMatchingActionModule,
@@ -29,6 +31,7 @@ __all__ = [
     "FlowMatchingActionModule",
     "FlowMatchingConfig",
     "OFTMLPActionModule",
+    "PrefixRows",
     "SizePreset",
     "SmolVLAActionModule",
     "SmolVLAConfig",
@@ -36,4 +39,5 @@ __all__ = [
     "build_action_module",
     "register_action_module",
     "timestep_embedding",
+    "uses_layer_prefix",
 ]

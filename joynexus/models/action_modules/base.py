@@ -32,10 +32,12 @@ __all__ = [
     "SIZE_PRESETS",
     "ActionModule",
     "ActionModuleConfig",
+    "PrefixRows",
     "SizePreset",
     "available_action_modules",
     "build_action_module",
     "register_action_module",
+    "uses_layer_prefix",
 ]
 
 
@@ -216,6 +218,14 @@ class ActionModule(nn.Module, abc.ABC):
                 nn.Linear(width, 1),
             )
 
+    # A module whose services give it the prefix's per-layer cache (`backbone.layer_prefix.LayerPrefix`,
+    # made by the kind's `layer_prefixes` over a batch's `PrefixRows`) instead of token features.
+    feature_form: ClassVar[str] = "tokens"
+
+    def load_initial_state(self, backbone: Any) -> None:
+        """Called once when a tenant's slot is built on ``backbone``, before any checkpoint is restored:
+        a kind checks what it needs of the backbone and loads the weights it starts from (none here)."""
+
     # -------------------------------------------------------------- API
     @abc.abstractmethod
     def loss(
@@ -345,6 +355,21 @@ class ActionModule(nn.Module, abc.ABC):
         kept = torch.where(valid, per_element, torch.zeros((), dtype=per_element.dtype, device=per_element.device))
         denom = (valid.sum() * per_element.shape[-1]).clamp_min(1).to(per_element.dtype)
         return kept.sum() / denom
+
+
+@dataclass(frozen=True)
+class PrefixRows:
+    """One member of a grouped layer-wise prefix forward: a tenant's module and its rows."""
+
+    module: ActionModule
+    images: list[list[torch.Tensor]]  # per row: (3, h, w) float cameras in [0, 1]
+    instructions: list[str]
+    state: torch.Tensor  # (rows, state_dim), normalized
+
+
+def uses_layer_prefix(module: Any) -> bool:
+    """Whether the services give ``module`` a `LayerPrefix` (its kind's `feature_form`)."""
+    return getattr(module, "feature_form", "tokens") == "layers"
 
 
 # Filled by @register_action_module where each kind is defined.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import pydantic
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
-from joynexus.models.action_modules.base import ActionModule, ActionModuleConfig, register_action_module
+from joynexus.models.action_modules.base import ActionModule, ActionModuleConfig, PrefixRows, register_action_module
 from joynexus.models.backbone.layer_prefix import LayerPrefix, PrefixGeometry, apply_rope, eager_attention
 
 __all__ = [
@@ -70,6 +69,8 @@ class SmolVLAConfig(ActionModuleConfig):
     # sha256 of the base's prefix weights (`ResidentBackbone.prefix_digest`): a tenant made from a
     # LeRobot checkpoint only runs over the VLM it was trained with. "" = made for this backbone.
     base_digest: str = ""
+    # A LeRobot SmolVLA policy directory whose expert the tenant starts from ("" = from its seed).
+    lerobot_checkpoint: str = ""
 
     @pydantic.model_validator(mode="after")
     def _smolvla_shapes(self) -> SmolVLAConfig:
@@ -135,14 +136,7 @@ def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: fl
     return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
 
 
-@dataclass(frozen=True)
-class SmolVLARows:
-    """One member of a grouped prefix forward: a tenant's module and its rows' observations."""
-
-    module: SmolVLAActionModule
-    images: list[list[torch.Tensor]]  # per row: (3, h, w) float cameras in [0, 1]
-    instructions: list[str]
-    state: torch.Tensor  # (rows, state_dim), normalized
+SmolVLARows = PrefixRows  # a member of `SmolVLAActionModule.layer_prefixes`
 
 
 @register_action_module("smolvla")
@@ -197,6 +191,32 @@ class SmolVLAActionModule(ActionModule):
         if multiple > 0 and vlm_layer > 0 and vlm_layer % multiple != 0:
             return None
         return self.lm_expert.layers[vlm_layer // multiple if multiple > 0 else vlm_layer]
+
+    def load_initial_state(self, backbone: Any) -> None:
+        """Refuse a backbone whose decoder is not the one this expert was built against, and start
+        from the LeRobot checkpoint's expert when the config names one: its VLM part must be this
+        backbone's prefix (the digest of the weights the prefix reads), or it is refused naming
+        ``action_module.checkpoint``."""
+        from joynexus.models.action_modules.smolvla_checkpoint import load_expert_state
+
+        cfg, geometry = self.config, backbone.prefix_geometry
+        ours = (cfg.feature_dim, cfg.vlm_num_heads, cfg.vlm_num_kv_heads, cfg.vlm_head_dim)
+        theirs = (geometry.hidden_size, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
+        if ours != theirs:
+            raise ValueError(
+                f"action_module: the expert is built for a decoder of (hidden, heads, kv_heads, head_dim)={ours}, "
+                f"backbone {backbone.model_id!r} has {theirs}"
+            )
+        if cfg.lerobot_checkpoint:
+            state, digest = load_expert_state(cfg.lerobot_checkpoint, cfg.num_vlm_layers)
+            resident = backbone.prefix_digest(cfg.num_vlm_layers)
+            if digest != resident:
+                raise ValueError(
+                    f"action_module.checkpoint: the VLM of {cfg.lerobot_checkpoint!r} is not this deployment's "
+                    f"backbone {backbone.model_id!r} (prefix weights digest {digest[:12]} vs {resident[:12]}); "
+                    "create the tenant on the base it was trained on"
+                )
+            self.load_state_dict(state, strict=True)
 
     # -------------------------------------------------------------- the prefix
     def state_token(self, state: torch.Tensor) -> torch.Tensor:

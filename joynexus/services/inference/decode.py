@@ -155,10 +155,20 @@ class BatchDecoder:
             return module.draw_noise(request.size, device=device)
         return torch.cat([module.draw_noise(1, torch.Generator().manual_seed(s), device=device) for s in pinned.seeds])
 
+    def decode_prefix(self, request: InferenceRequest, prefix: Any, samples: int) -> dict[str, Any] | Exception:
+        """A layer-wise expert's request over its own rows of the grouped prefix cache (`LayerPrefix`),
+        in the dataset's units; ``samples``: the batch's size (reported as `batch_samples`)."""
+        try:
+            outcome = self._decode(request, prefix, [None] * samples, slice(0, request.size))
+        except Exception as error:
+            return error
+        return _in_dataset_units(request, outcome)
+
     def _decode(self, request: InferenceRequest, features: Any, images: list, rows: slice) -> dict[str, Any]:
         pinned: Pinned = request.context
         module = pinned.state.module
-        state = torch.stack([as_tensor(obs.state) for obs in request.observations]).to(features.tokens.device)
+        device = features.pad_mask.device if hasattr(features, "pad_mask") else features.tokens.device
+        state = torch.stack([as_tensor(obs.state) for obs in request.observations]).to(device)
         log_probs = records = None
         with torch.inference_mode():
             if pinned.sample:

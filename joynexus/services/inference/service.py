@@ -50,6 +50,7 @@ from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogra
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.core.service_metrics import service_metrics, timed
 from joynexus.core.serving_sets import ServingSetStore
+from joynexus.models.action_modules import PrefixRows, uses_layer_prefix
 from joynexus.models.backbone import Backbone, BackboneFeatures, BackboneSource
 from joynexus.models.module_batching import StackedParameterCache
 from joynexus.models.placement import DevicePlacement
@@ -366,17 +367,25 @@ class InferenceModelService(PredictBySubmit):
         `device_seconds`, and the meter records it as the tenant's inference usage. Results are
         released together, once the batch time (and so each share) is known."""
         started = time.perf_counter()
-        images, instructions, slices = _batch_inputs(batch)
-        try:
-            features = self._shared_forward(batch, images, instructions)
-        except Exception as error:  # a bad shared forward fails the batch, never the service
-            for request in batch:
-                settle_future(request.future, exception=InferenceError(f"shared backbone forward failed: {error}"))
-            return
-        served = self._decode_live(batch, slices, features, images)
+        # Layer-wise experts (SmolVLA) read the prefix's per-layer cache: their requests share their own
+        # grouped prefix forward; every other request shares the token-feature forward.
+        layered = [r for r in batch if uses_layer_prefix(r.context.state.module)]
+        tokens = [r for r in batch if not uses_layer_prefix(r.context.state.module)] if layered else batch
+        served: list[tuple[InferenceRequest, dict[str, Any]]] = []
+        if tokens:
+            images, instructions, slices = _batch_inputs(tokens)
+            try:
+                features = self._shared_forward(tokens, images, instructions)
+            except Exception as error:  # a bad shared forward fails its requests, never the service
+                for request in tokens:
+                    settle_future(request.future, exception=InferenceError(f"shared backbone forward failed: {error}"))
+            else:
+                served = self._decode_live(tokens, slices, features, images)
+        if layered:
+            served += self._decode_layered(layered, sum(r.size for r in batch))
         busy = time.perf_counter() - started
         self._release(batch, served, busy)
-        self._record_batch(batch, len(images), busy)
+        self._record_batch(batch, sum(r.size for r in batch), busy)
 
     def _decode_live(
         self, batch: list[InferenceRequest], slices: list[slice], features: BackboneFeatures, images: list
@@ -393,6 +402,36 @@ class InferenceModelService(PredictBySubmit):
                 settle_future(request.future, exception=outcome)
             else:
                 served.append((request, outcome))
+        return served
+
+    def _decode_layered(
+        self, batch: list[InferenceRequest], samples: int
+    ) -> list[tuple[InferenceRequest, dict[str, Any]]]:
+        """Layer-wise experts' requests: ONE prefix forward per prefix layout over all their rows
+        (each row's prefix token made by its tenant's module), then each request decoded by its own
+        pinned version over its rows of the cache. A failed prefix fails only its own requests."""
+        live = [r for r in batch if not r.future.done()]
+        layouts: dict[Any, list[InferenceRequest]] = {}
+        for request in live:
+            module = request.context.state.module
+            layouts.setdefault((type(module), module.config.prefix_group_key()), []).append(request)
+        served: list[tuple[InferenceRequest, dict[str, Any]]] = []
+        for (kind, _), requests in layouts.items():
+            try:
+                with torch.inference_mode():
+                    rows = [_prefix_rows(r, self.backbone.device) for r in requests]
+                    prefixes = kind.layer_prefixes(self.backbone, rows)
+            except Exception as error:
+                for request in requests:
+                    settle_future(request.future, exception=InferenceError(f"shared prefix forward failed: {error}"))
+                continue
+            for request, prefix in zip(requests, prefixes, strict=True):
+                outcome = self._decoder.decode_prefix(request, prefix, samples)
+                if isinstance(outcome, BaseException):
+                    self._stats["failed_requests"] += 1
+                    settle_future(request.future, exception=outcome)
+                else:
+                    served.append((request, outcome))
         return served
 
     def _release(
@@ -539,6 +578,17 @@ def _batch_inputs(batch: list[InferenceRequest]) -> _BatchInputs:
     return images, instructions, slices
 
 
+def _prefix_rows(request: InferenceRequest, device: torch.device) -> PrefixRows:
+    """A layer-wise expert's request as a member of the grouped prefix forward."""
+    observations = request.observations
+    return PrefixRows(
+        module=request.context.state.module,
+        images=[[as_tensor(img) for img in obs.images] for obs in observations],
+        instructions=[obs.instruction for obs in observations],
+        state=torch.stack([as_tensor(obs.state) for obs in observations]).to(device),
+    )
+
+
 def _rss_bytes() -> int | None:
     try:
         import psutil
@@ -551,5 +601,3 @@ def _rss_bytes() -> int | None:
 def _device_memory_bytes(device: torch.device) -> int | None:
     """Accelerator memory torch holds allocated on the service's device (None on the CPU)."""
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
-
-

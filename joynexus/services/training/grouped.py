@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from joynexus.core.metering import split_group_seconds
+from joynexus.models.action_modules import uses_layer_prefix
 from joynexus.models.backbone import BackboneFeatures
 from joynexus.models.module_batching import gather_inputs, group_by_architecture, group_loss, stack_parameters
 from joynexus.services.training.slot_table import SlotTable
@@ -77,6 +78,59 @@ class GroupTrainer:
             rows.append(slice(offset, offset + len(batch)))
             offset += len(batch)
 
+        if any(uses_layer_prefix(slot.module) for slot in slots):
+            return self._split_by_feature_form(slots, prepared, rows)
+        return self._token_group(slots, prepared, rows)
+
+    def _split_by_feature_form(
+        self, slots: list[TenantSlot], prepared: list[Microbatch], rows: list[slice]
+    ) -> list[dict[str, Any]]:
+        """A group with layer-wise experts: their rows share ONE prefix forward (with the graph back
+        to each tenant's prefix token), each takes its gradients from it, then all step; the other
+        tenants go through the token-feature group. Results in the order of `slots`."""
+        layered = [i for i, slot in enumerate(slots) if uses_layer_prefix(slot.module)]
+        plain = [i for i in range(len(slots)) if i not in layered]
+        results: list[dict[str, Any] | None] = [None] * len(slots)
+        if plain:
+            own_rows, offset = [], 0
+            for i in plain:
+                own_rows.append(slice(offset, offset + len(prepared[i])))
+                offset += len(prepared[i])
+            updated = self._token_group([slots[i] for i in plain], [prepared[i] for i in plain], own_rows)
+            for i, out in zip(plain, updated, strict=True):
+                results[i] = out
+        started = time.perf_counter()
+        try:
+            prefixes = self.trainer.layer_prefixes([(slots[i], prepared[i]) for i in layered], grad=True)
+        except Exception as exc:  # the shared prefix failed: each of its members fails, the others stand
+            error = f"{type(exc).__name__}: {exc}"
+            for i in layered:
+                results[i] = _group_result(slots[i], None, time.perf_counter() - started, 0.0, error)
+            return [r for r in results if r is not None]
+        encode_seconds = time.perf_counter() - started
+        waiting: list[tuple[int, float, float]] = []
+        for i, prefix in zip(layered, prefixes, strict=True):
+            step_started = time.perf_counter()
+            try:
+                waiting.append(
+                    (i, self.trainer.gradients(slots[i], prefix, prepared[i]), time.perf_counter() - step_started)
+                )
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                results[i] = _group_result(slots[i], None, encode_seconds, time.perf_counter() - step_started, error)
+        for i, loss, seconds in waiting:
+            step_started = time.perf_counter()
+            self.trainer.apply_step(slots[i], prepared[i], loss)
+            self._issue_version(slots[i])
+            results[i] = _group_result(
+                slots[i], loss, encode_seconds, seconds + time.perf_counter() - step_started, None
+            )
+        return [r for r in results if r is not None]
+
+    def _token_group(
+        self, slots: list[TenantSlot], prepared: list[Microbatch], rows: list[slice]
+    ) -> list[dict[str, Any]]:
+        """One shared token-feature forward for the group, then each tenant's update."""
         started = time.perf_counter()
         images = [cams for batch in prepared for cams in batch.images]
         instructions = [text for batch in prepared for text in batch.instructions]

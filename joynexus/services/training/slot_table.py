@@ -114,6 +114,8 @@ class SlotTable:
         with torch.random.fork_rng():
             torch.manual_seed(config.seed)
             module = build_action_module(module_config)
+        # What the kind needs of this backbone, and the weights it starts from (a LeRobot checkpoint's).
+        module.load_initial_state(self.backbone)
         # Drawn on the CPU (the same initial weights on every device), trained in float32 on ours.
         module = module.to(self.device)
         if config.adapter is None:

@@ -20,8 +20,9 @@ import torch
 
 from joynexus.algorithms.rl import PPOLoss, ppo_loss
 from joynexus.core.service_metrics import service_metrics
-from joynexus.models.action_modules import ActionModule
+from joynexus.models.action_modules import ActionModule, PrefixRows, uses_layer_prefix
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
+from joynexus.models.backbone.layer_prefix import LayerPrefix
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.training.slot_table import SlotTable
@@ -116,8 +117,28 @@ class SlotTrainer:
             return self.backbone.encode(images, instructions)
         return self.backbone.encode(images, instructions, adapters, grad=grad)
 
-    def encode_slot(self, slot: TenantSlot, batch: Microbatch) -> BackboneFeatures:
-        """One tenant's own forward: through its adapter with autograd if it has one."""
+    def layer_prefixes(self, members: list[tuple[TenantSlot, Microbatch]], *, grad: bool) -> list[LayerPrefix]:
+        """Layer-wise experts' prefixes (`ActionModule.feature_form` "layers"): ONE prefix forward per
+        prefix layout over every member's rows, each member's prefix token made by its own module
+        (with `grad`, the graph reaches it). In the order of `members`."""
+        out: list[LayerPrefix | None] = [None] * len(members)
+        layouts: dict[Any, list[int]] = {}
+        for i, (slot, _) in enumerate(members):
+            layouts.setdefault((type(slot.module), slot.module.config.prefix_group_key()), []).append(i)
+        for (kind, _), indices in layouts.items():
+            rows = [
+                PrefixRows(slot.module, batch.images, batch.instructions, batch.state)
+                for slot, batch in (members[i] for i in indices)
+            ]
+            for i, prefix in zip(indices, kind.layer_prefixes(self.backbone, rows, grad=grad), strict=True):
+                out[i] = prefix
+        return [p for p in out if p is not None]
+
+    def encode_slot(self, slot: TenantSlot, batch: Microbatch) -> BackboneFeatures | LayerPrefix:
+        """One tenant's own forward: through its adapter with autograd if it has one; a layer-wise
+        expert's prefix cache, with the graph back to its prefix token."""
+        if uses_layer_prefix(slot.module):
+            return self.layer_prefixes([(slot, batch)], grad=True)[0]
         if slot.adapter is None:
             return self.encode(batch.images, batch.instructions)
         return self.encode(batch.images, batch.instructions, adapters=adapter_keys(slot, batch), grad=True)
@@ -239,9 +260,7 @@ class SlotTrainer:
         service_metrics().observe_job(job, result, start_version)
         return result
 
-    def _train_sft_partition(
-        self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob
-    ) -> tuple[list[float], int]:
+    def _train_sft_partition(self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob) -> tuple[list[float], int]:
         """One optimizer step per microbatch of an SFT partition: (losses, samples)."""
         losses: list[float] = []
         samples = 0
