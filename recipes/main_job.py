@@ -3,6 +3,9 @@ on the embedded defaults (local Ray, SQLite, local MLflow).
 
 - three SFT tenants with different schemas and action modules, on generated LeRobot datasets;
 - an SFT tenant on demonstrations recorded from a scripted policy in gym-pusht (PushT-reach);
+- a LeRobot SmolVLA tenant on the same demonstrations: a lab's SmolVLA checkpoint (written by
+  LeRobot's own `SmolVLAPolicy.save_pretrained`, small dimensions, over this deployment's VLM) comes in,
+  its action expert fine-tuned over the shared prefix (`action_module.kind: smolvla`);
 - two RL tenants on different simulators: PushT-reach (GAE + PPO, learns within the run) and
   ManiSkill3 PushCube, state-only (GAE + PPO with the tuned spec examples/specs/tuned/pushcube_state.yaml:
   50 jobs of 400 environment steps: 20k steps, where the tuned spec succeeds in 40-75% of episodes);
@@ -111,6 +114,40 @@ def reach_sft_spec(base_model: str, dataset_root: Path, jobs: int) -> dict[str, 
     }
 
 
+def smolvla_reach_spec(base_model: str, dataset_root: Path, checkpoint: Path, jobs: int) -> dict[str, Any]:
+    """A lab's SmolVLA policy, fine-tuned expert-only on the PushT-reach demonstrations."""
+    return {
+        **reach_sft_spec(base_model, dataset_root, jobs),
+        "tenant": "smolvla-reacher",
+        "action_module": {"kind": "smolvla", "checkpoint": str(checkpoint)},
+        "training": {"samples_per_job": 64, "microbatch_size": 16, "learning_rate": 1e-3},
+    }
+
+
+def lab_smolvla_checkpoint(settings: Settings, dataset_root: Path) -> Path:
+    """The SmolVLA checkpoint a lab brings: LeRobot's own classes at small dimensions over the
+    deployment's VLM (the backbone its settings build), with the dataset's statistics in its processor."""
+    from joynexus.artifacts.lerobot_smolvla import build_lerobot_smolvla_checkpoint
+    from joynexus.data.normalization import load_dataset_stats
+    from joynexus.models.placement import DevicePlacement
+    from joynexus.services.configs import backbone_source
+
+    root = settings.data_dir / "lerobot" / "smolvla-reacher"
+    if (root / "model.safetensors").is_file():
+        return root
+    backbone = backbone_source(settings).build(DevicePlacement(device="cpu"))
+    stats, _ = load_dataset_stats(dataset_root)
+    layers = min(4, len(backbone.model.text_model.layers))
+    side = backbone.image_size
+    return build_lerobot_smolvla_checkpoint(
+        root, backbone, camera_shapes={"observation.images.top": (3, 32, 32)}, state_dim=4, action_dim=2,
+        stats={k: {s: stats[k][s] for s in ("mean", "std", "min", "max")} for k in ("observation.state", "action")},
+        chunk_size=1, n_action_steps=1,
+        num_steps=5, num_vlm_layers=layers, max_state_dim=8, max_action_dim=4, tokenizer_max_length=32,
+        resize_imgs_with_padding=(side, side),
+    )  # fmt: skip
+
+
 def scripted_reach_policy(obs: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
     """Aim the pusher at the block: the block's (x, y) in the state IS the unit-range target."""
     return np.asarray(obs["state"][2:4], dtype=np.float32) + rng.normal(0.0, 0.05, size=2).astype(np.float32)
@@ -192,6 +229,7 @@ def run_demo(
     simulators: bool = True,
     rl_jobs: int = 30,
     maniskill_jobs: int = 50,
+    smolvla: bool = True,
     demo_episodes: int = 40,
     eval_episodes: int = 12,
     on_event: Callable[[dict[str, Any]], None] | None = None,
@@ -219,6 +257,11 @@ def run_demo(
             reach_root = record_reach_demonstrations(cluster.environment, settings.data_dir, demo_episodes)
             specs += [reach_sft_spec(model, reach_root, jobs_per_tenant), reach_rl_spec(model, rl_jobs)]
             jobs.update({"reacher-sft": jobs_per_tenant, "reacher-rl": rl_jobs})
+            if smolvla:
+                stage("writing a lab's LeRobot SmolVLA checkpoint over the deployment's VLM")
+                checkpoint = lab_smolvla_checkpoint(settings, reach_root)
+                specs.append(smolvla_reach_spec(model, reach_root, checkpoint, jobs_per_tenant))
+                jobs["smolvla-reacher"] = jobs_per_tenant
             if maniskill_jobs:
                 specs.append(cube_rl_spec(model, maniskill_jobs))
                 jobs["cube-pusher-rl"] = maniskill_jobs

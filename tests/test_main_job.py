@@ -60,7 +60,14 @@ def test_main_job_trains_three_schemas_on_one_backbone_and_registers_them(local_
     rl = result.statuses["reacher-rl"]
     assert rl.task == "rl" and rl.completed_jobs == rl.version == 2
     assert tracker.metric_history(rl.run_id, "rl/clip_fraction")
-    for name in ("reacher-rl", "reacher-sft"):
+    # A lab's LeRobot SmolVLA checkpoint, fine-tuned on the Ray deployment beside the others.
+    smolvla = result.statuses["smolvla-reacher"]
+    assert smolvla.completed_jobs == 3 and smolvla.version == 3
+    assert (
+        next(t for t in result.tenants if t.tenant_id == "smolvla-reacher").backend_config.action_module["kind"]
+        == "smolvla"
+    )
+    for name in ("reacher-rl", "reacher-sft", "smolvla-reacher"):
         before, after = result.evaluations[name]["before"], result.evaluations[name]["after"]
         assert before.state == after.state == "completed", (before.error, after.error)
         assert before.result["policy_version"] == 0 and after.result["policy_version"] == result.statuses[name].version

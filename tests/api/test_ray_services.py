@@ -552,3 +552,36 @@ def test_a_flow_matching_rl_tenant_trains_and_is_evaluated_with_a_video_on_ray(r
     result = evaluation["result"]
     assert result["policy_version"] == 1 and len(result["suite"]) == 2 and len(result["videos"]) == 2
     assert 0.0 <= result["success_ci_low"] <= result["success_rate"] <= result["success_ci_high"] <= 1.0
+
+
+def test_a_lerobot_smolvla_tenant_trains_serves_and_is_evaluated_on_ray(ray_api: RayApi):
+    """Issue 39 on the real deployment: a LeRobot SmolVLA checkpoint (LeRobot's own classes over the
+    deployment's tiny VLM) becomes a tenant in the resident Master, its expert is fine-tuned by the
+    Training Model Service actor over the shared prefix, served by the Inference Model Service actor
+    and evaluated in PushT-reach by the Environment Service actor."""
+    from joynexus.artifacts.lerobot_smolvla import build_lerobot_smolvla_checkpoint
+    from joynexus.models.backbone import ResidentBackbone
+
+    cameras = {"observation.images.top": (3, 32, 32)}
+    small = dict(chunk_size=1, n_action_steps=1, num_steps=2, num_vlm_layers=2, max_state_dim=8, max_action_dim=4)
+    checkpoint = build_lerobot_smolvla_checkpoint(
+        ray_api.data_dir / "lerobot-smolvla", ResidentBackbone.build_tiny(), camera_shapes=cameras, state_dim=4,
+        action_dim=2, tokenizer_max_length=16, resize_imgs_with_padding=(32, 32), **small,
+    )  # fmt: skip
+    spec = sft_spec(
+        "ray-smolvla", ray_api.data_dir / "datasets" / "ray-smolvla", cameras=("top",), action_dim=2, action_chunk=1,
+        jobs=1, samples_per_job=8,
+    )  # fmt: skip
+    write_dataset_for(spec, episodes=2, length=8)
+    spec["action_module"] = {"kind": "smolvla", "checkpoint": str(checkpoint)}
+    spec["environment"] = rl_spec("unused")["environment"]
+    tenant = ray_api.create_tenant(spec)
+    workload = ray_api.wait(tenant, ray_api.submit(tenant, jobs=1), timeout_s=600)
+    assert workload["state"] == "completed" and workload["version"] == 1, workload
+    evaluation = ray_api.wait(tenant, ray_api.submit(tenant, task="eval", episodes=1), timeout_s=600)
+    assert evaluation["state"] == "completed" and evaluation["result"]["policy_version"] == 1, evaluation
+    batch = sample_batch(spec, 2, seed=4)
+    body = {"observations": wire({"images": batch["images"], "state": batch["state"]})}
+    response = ray_api.client.post("/v1/predict", json=body, headers=tenant.headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["policy_version"] == 1
