@@ -62,8 +62,10 @@ def smolvla_tenant(api, checkpoint: Path) -> tuple[TenantHandle, dict]:
     return TenantHandle(spec["tenant"], response.json().get("key", {}).get("api_key", ""), spec), response
 
 
-def lerobot_actions(root: Path, sample: dict, seeds: list[int]) -> np.ndarray:
-    """LeRobot's own predict: SmolVLAPolicy + its saved processor pipelines, the same x0 per row."""
+def lerobot_actions(root: Path, sample: dict, seeds: list[int], *, select_action: bool = False) -> np.ndarray:
+    """LeRobot's own predict: SmolVLAPolicy + its saved processor pipelines, the same x0 per row
+    (`select_action`: the chunk played one action per call, as a robot loop and LeRobot's
+    `PolicyServer` call it)."""
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
     from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
     from lerobot.processor.pipeline import PolicyProcessorPipeline
@@ -78,6 +80,10 @@ def lerobot_actions(root: Path, sample: dict, seeds: list[int]) -> np.ndarray:
     observation = {f"observation.images.{c}": torch.from_numpy(sample["images"][:, i]) for i, c in enumerate(CAMERAS)}
     observation |= {"observation.state": torch.from_numpy(sample["state"]), "task": [TASK] * n}
     noise = torch.cat([torch.randn(1, 2, 4, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    if select_action:
+        policy.reset()
+        steps = [post(policy.select_action(pre(dict(observation)), noise=noise)).numpy() for _ in range(2)]
+        return np.stack(steps, axis=1)
     return post(policy.predict_action_chunk(pre(observation), noise=noise)).numpy()
 
 
@@ -128,9 +134,9 @@ def test_a_trained_smolvla_tenant_exports_what_lerobot_loads_with_equal_actions(
     assert (out / "joynexus_export.json").is_file()  # the manifest and digests, as for every export
     sample = tenant.batch(2, seed=21)
     seeds = [SEED, SEED]
-    np.testing.assert_allclose(
-        our_actions(api, tenant, sample, seeds, version), lerobot_actions(out, sample, seeds), atol=1e-4, rtol=1e-4
-    )
+    ours = our_actions(api, tenant, sample, seeds, version)
+    np.testing.assert_allclose(ours, lerobot_actions(out, sample, seeds), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(ours, lerobot_actions(out, sample, seeds, select_action=True), atol=1e-4, rtol=1e-4)
 
 
 def test_a_checkpoint_over_another_base_is_refused_naming_the_field(api, tmp_path):
@@ -149,3 +155,27 @@ def test_a_checkpoint_whose_dims_differ_from_the_spec_is_refused(api, base_backb
     )
     _, response = smolvla_tenant(api, root)
     assert response.status_code == 422 and "observation.state_dim" in response.text, response.text
+
+
+def test_the_openpi_endpoint_and_the_policy_stream_serve_a_smolvla_tenant(api, live_server, base_backbone, tmp_path):
+    """A robot drives the SmolVLA tenant with the stock openpi client and with the /v1/stream protocol:
+    the same actions as predict (and so as LeRobot's)."""
+    openpi = pytest.importorskip("openpi_client.websocket_client_policy")
+    from tests.api.test_openpi_serving import http_predict, openpi_obs, url
+    from tests.api.test_streaming import obs_frame, recv, stream
+
+    tenant, response = smolvla_tenant(api, checkpoint_over(base_backbone, tmp_path / "smolvla", seed=4))
+    assert response.status_code == 201, response.text
+    assert api.client.post("/v1/weights/load", json={}, headers=tenant.headers).status_code == 200
+    policy = openpi.WebsocketClientPolicy(url(live_server), api_key=tenant.api_key)
+    for seed in range(2):
+        obs = openpi_obs(tenant, seed)
+        actions = policy.infer(obs)["actions"]
+        assert actions.shape == (2, 3)
+        np.testing.assert_allclose(actions, http_predict(api, tenant, obs), rtol=1e-5, atol=1e-5)
+    with stream(live_server, tenant.api_key) as ws:
+        assert recv(ws)["type"] == "ready"
+        ws.send(obs_frame(0, tenant.batch(1, seed=3)))
+        answer = recv(ws)
+        assert answer["type"] == "actions", answer
+        assert Tensor.model_validate(answer["actions"]).to_numpy().shape == (1, 2, 3)
