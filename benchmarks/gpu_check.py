@@ -16,6 +16,8 @@
 5. `benchmarks/real_size.py` at each real-size preset (smolvlm-256m, smolvlm-500m: published dimensions,
    random weights) at their published 512 px with JOYNEXUS_DEVICE=cuda, so the first run on a GPU
    reports them (on the CPU only when `--real-size` asks for it, at 64 px).
+6. `benchmarks/smolvla_grouped.py`: 8 SmolVLA tenants over one shared prefix at SmolVLA's published
+   dimensions and 512 px on a GPU (grouped vs serial, the bare-prefix bound, memory); `--quick` on the CPU.
 """
 
 from __future__ import annotations
@@ -277,6 +279,7 @@ def main() -> None:
         run_real_size(gpu, [p for p in args.real_size_presets.split(",") if p])
     else:
         print("(real_size.py skipped: no GPU; pass --real-size to run it on the CPU at 64 px)")
+    run_smolvla(gpu)
     if not gpu:
         print("\nNO GPU PRESENT: only the CPU path was checked.")
 
@@ -294,6 +297,18 @@ def run_real_size(gpu: bool, presets: list[str]) -> None:
         done = subprocess.run(command, env=env, check=False)
         if done.returncode != 0:
             raise SystemExit(f"real_size.py --preset {preset} failed with exit code {done.returncode}")
+
+
+def run_smolvla(gpu: bool) -> None:
+    """Part 6: benchmarks/smolvla_grouped.py (8 SmolVLA tenants over one prefix: grouped vs serial, the
+    bound, memory) at SmolVLA's published dimensions and 512 px on a GPU; its --quick on the CPU."""
+    device = "cuda" if gpu else "cpu"
+    script = Path(__file__).with_name("smolvla_grouped.py")
+    command = [sys.executable, str(script)] + (["--image-size", "512", "--repeats", "5"] if gpu else ["--quick"])
+    print(f"\n== benchmarks/smolvla_grouped.py {' '.join(command[2:])} with JOYNEXUS_DEVICE={device} ==", flush=True)
+    done = subprocess.run(command, env={**os.environ, "JOYNEXUS_DEVICE": device}, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"smolvla_grouped.py failed with exit code {done.returncode}")
 
 
 if __name__ == "__main__":

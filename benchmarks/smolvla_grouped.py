@@ -12,7 +12,9 @@ tokens per camera after the pixel-shuffle connector; the published 512 px gives 
   and the bound it implies for the whole predict, (N P1 + N E) / (P_N + N E), with the share reached;
 - memory: parameter bytes of one prefix + N experts vs N whole SmolVLA policies (prefix + expert each).
 
-Interleaved repeats, medians and min-max printed; ratios are measured side by side in one run.
+The device is the backbone placement's (``JOYNEXUS_DEVICE``; `benchmarks/gpu_check.py` runs this on
+cuda at the published 512 px). Interleaved repeats, medians and min-max printed; ratios are measured
+side by side in one run.
 ``--quick``: tiny backbone, 2 layers, 2 tenants, 2 repeats (a smoke run).
 """
 
@@ -50,14 +52,16 @@ def build(args: argparse.Namespace) -> tuple[ResidentBackbone, list[SmolVLAActio
     modules = []
     for seed in range(args.tenants):
         torch.manual_seed(seed)
-        modules.append(build_action_module(config).eval())
+        modules.append(build_action_module(config).to(backbone.device).eval())
     return backbone, modules
 
 
-def rows(modules: list[SmolVLAActionModule], side: int) -> list[SmolVLARows]:
+def rows(modules: list[SmolVLAActionModule], side: int, device: torch.device) -> list[SmolVLARows]:
     g = torch.Generator().manual_seed(0)
     return [
-        SmolVLARows(m, [[torch.rand(3, side, side, generator=g)]], ["pick up the red cube"], torch.randn(1, 6))
+        SmolVLARows(
+            m, [[torch.rand(3, side, side, generator=g)]], ["pick up the red cube"], torch.randn(1, 6, device=device)
+        )
         for m in modules
     ]
 
@@ -72,13 +76,15 @@ def predict(backbone: ResidentBackbone, members: list[SmolVLARows]) -> None:
 def timed(fn: Any) -> float:
     started = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     backbone, modules = build(args)
-    members = rows(modules, args.image_size or backbone.image_size)
+    members = rows(modules, args.image_size or backbone.image_size, backbone.device)
     n = len(members)
     with torch.inference_mode():
         kept = SmolVLAActionModule.layer_prefixes(backbone, members)
