@@ -167,3 +167,26 @@ def test_a_refused_spec_from_the_command_line_is_one_line_not_a_traceback(handle
     assert "Traceback" not in output, output
     failed = [line for line in captured.err.splitlines() if line.startswith("tenant-lifecycle failed: ")]
     assert len(failed) == 1 and "dataset" in failed[0], captured.err
+
+
+def test_the_lifecycle_runs_a_lerobot_smolvla_tenant(handles, tmp_path):
+    """A lab's LeRobot SmolVLA checkpoint (over the deployment's tiny VLM) through the whole
+    lifecycle flow: created, fine-tuned, evaluated in PushT-reach, registered, promoted."""
+    from flows.tenant_lifecycle import tenant_lifecycle
+    from joynexus.artifacts.lerobot_smolvla import build_lerobot_smolvla_checkpoint
+    from joynexus.models.backbone import ResidentBackbone
+
+    small = dict(chunk_size=1, n_action_steps=1, num_steps=2, num_vlm_layers=2, max_state_dim=8, max_action_dim=4)
+    checkpoint = build_lerobot_smolvla_checkpoint(
+        tmp_path / "smolvla", ResidentBackbone.build_tiny(), camera_shapes={"observation.images.top": (3, 32, 32)},
+        state_dim=4, action_dim=2, tokenizer_max_length=16, resize_imgs_with_padding=(32, 32), **small,
+    )  # fmt: skip
+    spec = reach_spec("smolvla-reacher", tmp_path / "ds")
+    write_dataset_for(spec, episodes=2, length=8)
+    spec["action_module"] = {"kind": "smolvla", "checkpoint": str(checkpoint)}
+    state = tenant_lifecycle(spec, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["training"]["state"] == "completed" and result["training"]["registered_version"] == 1
+    assert result["evaluation"]["policy_version"] == result["training"]["version"]
+    assert handles.tracker.alias_version("smolvla-reacher", CANDIDATE_ALIAS) == 1
