@@ -33,6 +33,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from joynexus.models.action_modules.base import ActionModule, ActionModuleConfig, PrefixRows, register_action_module
+from joynexus.models.action_modules.flow_rl import bounded_std, chain_entropy, gaussian_log_density
 from joynexus.models.backbone.layer_prefix import LayerPrefix, PrefixGeometry, apply_rope, eager_attention
 
 __all__ = [
@@ -84,8 +85,10 @@ class SmolVLAConfig(ActionModuleConfig):
             raise ValueError(
                 f"num_expert_layers={self.num_expert_layers} must divide num_vlm_layers={self.num_vlm_layers}"
             )
-        if self.stochastic or self.value_head:
-            raise ValueError("kind='smolvla' is served and fine-tuned by SFT; stochastic / value_head are not offered")
+        if self.value_head:
+            raise ValueError(
+                "kind='smolvla' has no critic over the prefix cache: an RL tenant takes rl.advantage: grpo"
+            )
         return self
 
     @property
@@ -145,6 +148,10 @@ class SmolVLAActionModule(ActionModule):
 
     kind: ClassVar[str] = "smolvla"
     uses_noise: ClassVar[bool] = True
+    # RL through the flow-RL path (`flow_rl`): learned Gaussian noise in every Euler step, the
+    # density over the recorded chain.
+    supports_rl: ClassVar[bool] = True
+    rl_record_field: ClassVar[str] = "chain"
     config_class: ClassVar[type[ActionModuleConfig]] = SmolVLAConfig
     # The services give this kind a `LayerPrefix` (made by `layer_prefixes`) instead of token features.
     feature_form: ClassVar[str] = "layers"
@@ -179,6 +186,8 @@ class SmolVLAActionModule(ActionModule):
         self.action_time_mlp_in = nn.Linear(2 * width, width)
         self.action_time_mlp_out = nn.Linear(width, width)
         self.geometry = PrefixGeometry(cfg.feature_dim, cfg.vlm_num_heads, cfg.vlm_num_kv_heads, cfg.vlm_head_dim)
+        if cfg.stochastic:  # one raw step std per (padded) action dim, through flow_rl's bounds
+            self.log_std = nn.Parameter(torch.zeros(cfg.max_action_dim))
 
     def _self_attention_layer(self, index: int) -> bool:
         every = self.config.self_attn_every_n_layers
@@ -369,6 +378,54 @@ class SmolVLAActionModule(ActionModule):
         x_t = t * noise + (1 - t) * target_actions
         losses = F.mse_loss(noise - target_actions, self.velocity(features, x_t, time), reduction="none")
         return self._masked_mean(losses, action_is_pad)
+
+    # -------------------------------------------------------------- RL (the flow-RL path)
+    def sample_noise_shape(self) -> tuple[int, ...]:
+        """x at t=1 and one draw per Euler step: (num_steps + 1, chunk, max_action_dim)."""
+        return (self.config.num_steps + 1, self.config.action_chunk, self.config.max_action_dim)
+
+    def _step_std(self) -> torch.Tensor:
+        if self.log_std is None:
+            raise RuntimeError("SmolVLAActionModule was built with stochastic=False; it injects no noise")
+        return bounded_std(self.log_std)
+
+    def sample_policy(
+        self, features: Any, state: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LeRobot's Euler steps (t from 1 to 0) with learned Gaussian noise injected in each (ReinFlow,
+        as `flow_rl`): (actions (B, chunk, action_dim), log p(chain) (B,), chain (B, K+1, chunk, max_A))."""
+        self._check_prefix(features, state)
+        b, steps = features.batch_size, self.config.num_steps
+        if noise.shape != (b, *self.sample_noise_shape()):
+            raise ValueError(f"noise: expected {(b, *self.sample_noise_shape())}, got {tuple(noise.shape)}")
+        dt, std = -1.0 / steps, self._step_std()
+        x = noise[:, 0]
+        chain, density = [x], gaussian_log_density(x, 0.0, 1.0).sum(dim=(-1, -2))
+        for k in range(steps):
+            time = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=x.device)
+            mean = x + dt * self.velocity(features, x, time)
+            x = mean + std * noise[:, k + 1]
+            chain.append(x)
+            density = density + gaussian_log_density(x, mean, std).sum(dim=(-1, -2))
+        return x[:, :, : self.config.action_dim], density, torch.stack(chain, dim=1)
+
+    def record_log_prob(
+        self, features: Any, state: torch.Tensor, record: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(chain) of recorded chains under the current parameters (differentiable through the
+        expert, the step std and, via the prefix cache, the state token), and the transitions' entropy."""
+        self._check_prefix(features, state)
+        b, steps = features.batch_size, self.config.num_steps
+        if record.shape != (b, *self.sample_noise_shape()):
+            raise ValueError(f"chain: expected {(b, *self.sample_noise_shape())}, got {tuple(record.shape)}")
+        dt, std = -1.0 / steps, self._step_std()
+        density = gaussian_log_density(record[:, 0], 0.0, 1.0).sum(dim=(-1, -2))
+        for k in range(steps):
+            time = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=record.device)
+            mean = record[:, k] + dt * self.velocity(features, record[:, k], time)
+            density = density + gaussian_log_density(record[:, k + 1], mean, std).sum(dim=(-1, -2))
+        entropy = chain_entropy(std).sum() * steps * self.config.action_chunk
+        return density, entropy.expand(b)
 
     @torch.no_grad()
     def predict(

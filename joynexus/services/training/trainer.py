@@ -313,8 +313,9 @@ class SlotTrainer:
                 data = queue.get_data(meta)
                 check_annotations(data, job.tenant_id, slot.config.schema_signature)
                 batch = self.prepare(slot, data)
-                if slot.adapter is not None:
-                    # The features depend on the adapter, which every step changes: no reuse.
+                if slot.adapter is not None or uses_layer_prefix(module):
+                    # The features depend on the adapter (a layer-wise expert's prefix on its state
+                    # token), which every step changes: no reuse.
                     features = self.encode_slot(slot, batch)
                 else:
                     features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
@@ -356,7 +357,7 @@ class SlotTrainer:
             check_annotations(data, job.tenant_id, slot.config.schema_signature)
             batch = self.prepare(slot, data)
             with torch.no_grad():
-                if slot.adapter is not None:
+                if slot.adapter is not None or uses_layer_prefix(module):
                     features = self.encode_slot(slot, batch)
                 else:
                     features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
