@@ -18,7 +18,7 @@ from joynexus.artifacts.lerobot_smolvla import build_lerobot_smolvla_checkpoint
 from joynexus.models.backbone import BackboneSource, ResidentBackbone
 from joynexus.models.placement import DevicePlacement
 from joynexus.protocol.wire import Tensor
-from tests.api.conftest import TenantHandle, wire
+from tests.api.conftest import TenantHandle, free_port, wire
 
 TASK = "pick up the cube"
 CAMERAS = ("front", "wrist")  # the "arm" schema of tests/api/conftest.py: 32 x 32, state 4, action 3, chunk 2
@@ -179,3 +179,48 @@ def test_the_openpi_endpoint_and_the_policy_stream_serve_a_smolvla_tenant(api, l
         answer = recv(ws)
         assert answer["type"] == "actions", answer
         assert Tensor.model_validate(answer["actions"]).to_numpy().shape == (1, 2, 3)
+
+
+def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_backbone, tmp_path):
+    """LeRobot's async-inference `PolicyServer` loads the export from the instructions a
+    `RobotClient` sends (policy type smolvla, the directory) with its own code, and answers a raw
+    robot observation with our predict's actions (the same noise: its policy draws x0 from torch's
+    global generator, seeded as our predict seeds its own)."""
+    import pickle
+
+    from lerobot.async_inference.configs import PolicyServerConfig
+    from lerobot.async_inference.helpers import RemotePolicyConfig, TimedObservation
+    from lerobot.async_inference.policy_server import PolicyServer
+    from lerobot.datasets.utils import hw_to_dataset_features
+    from lerobot_policy_joynexus import write_lerobot_policy
+
+    tenant, response = smolvla_tenant(api, checkpoint_over(base_backbone, tmp_path / "smolvla", seed=6))
+    assert response.status_code == 201, response.text
+    version = api.client.post("/v1/weights/load", json={}, headers=tenant.headers).json()["version"]
+    exported = api.client.get(f"/v1/versions/{version}/export", headers=tenant.headers)
+    out = write_lerobot_policy(
+        exported.content, tmp_path / "export", base_backbone, camera_keys=[f"observation.images.{c}" for c in CAMERAS]
+    )
+    joints = [f"joint{i}.pos" for i in range(4)]
+    features = hw_to_dataset_features(
+        {**{j: float for j in joints}, **{c: (32, 32, 3) for c in CAMERAS}}, "observation", use_video=False
+    )
+    server = PolicyServer(PolicyServerConfig(host="127.0.0.1", port=free_port()))  # never bound: called directly
+
+    class Peer:  # the gRPC context: the server only asks who is calling
+        @staticmethod
+        def peer() -> str:
+            return "ipv4:127.0.0.1:1"
+
+    setup = RemotePolicyConfig("smolvla", str(out), features, actions_per_chunk=2, device="cpu")
+    server.SendPolicyInstructions(type("Request", (), {"data": pickle.dumps(setup)})(), Peer())
+
+    sample = tenant.batch(1, seed=31)
+    images = (sample["images"][0] * 255).round().astype(np.uint8)  # what a camera sends
+    raw = {j: float(v) for j, v in zip(joints, sample["state"][0], strict=True)}
+    raw |= {c: images[i].transpose(1, 2, 0) for i, c in enumerate(CAMERAS)} | {"task": TASK}
+    torch.manual_seed(SEED)
+    served = server._predict_action_chunk(TimedObservation(timestamp=0.0, timestep=0, observation=raw))
+    theirs = torch.stack([a.get_action() for a in served]).numpy()
+    ours = our_actions(api, tenant, {"images": images[None] / 255.0, "state": sample["state"]}, [SEED], version)[0]
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-4)
