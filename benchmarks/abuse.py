@@ -247,7 +247,10 @@ def main() -> None:
     parser.add_argument("--abandoned", type=int, default=100)
     parser.add_argument("--samples", type=int, default=512, help="observations per abandoned predict")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 s windows, small floods")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.flood, args.abandoned, args.samples = 1.0, 50, 5, 64
 
     with tempfile.TemporaryDirectory(prefix="joynexus-abuse-") as tmp:
         cluster, server, url = start_server(Path(tmp))

@@ -264,7 +264,10 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--kill-every-s", type=float, default=45.0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 tenants, 1 minute, a kill every 20 s")
     args = parser.parse_args()
+    if args.quick:
+        args.tenants, args.minutes, args.kill_every_s = 3, 1.0, 20.0
     with tempfile.TemporaryDirectory(prefix="joynexus-soak-") as tmp:
         seconds = args.minutes * 60
         result = run(tenants=args.tenants, seconds=seconds, kill_every_s=args.kill_every_s, data_dir=Path(tmp))

@@ -158,11 +158,18 @@ def measure(tree: Tree, repeat: int, flow: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, required=True, help="source tree to compare against")
+    parser.add_argument("--before", type=Path, default=None, help="source tree to compare against (required)")
     parser.add_argument("--after", type=Path, default=ROOT, help="source tree measured second (default: this one)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of the cheap status-without-deployment")
     parser.add_argument("--no-flow", action="store_true", help="skip the lifecycle flow's overhead")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: one status, no flow; --before defaults to this tree"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.repeat, args.no_flow, args.before = 1, True, args.before or ROOT
+    if args.before is None:
+        parser.error("--before is required (a source tree to compare against)")
     results = {}
     with tempfile.TemporaryDirectory(prefix="jnx-latency-") as work:
         for label, root in (("before", args.before.resolve()), ("after", args.after.resolve())):

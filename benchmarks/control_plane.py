@@ -234,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["threads", "processes"], choices=["threads", "processes"])
     parser.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     parser.add_argument("--shared-policy", action="store_true", help="all workers reserve for ONE tenant policy")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 40 cycles per worker, 1 and 2 workers")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.cycles, args.workers = 40, [1, 2]
 
     backends = list(args.backends)
     if "postgresql" in backends and not postgres_reachable():

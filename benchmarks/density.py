@@ -350,7 +350,12 @@ def main() -> None:
     )
     parser.add_argument("--module-size", default="tiny", choices=["tiny", "small", "base"], help="action module size")
     parser.add_argument("--out", type=Path, default=None, help="folder for density.json")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 16 resident of 32 registered tenants, 5 latency pairs"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.resident, args.registered, args.serving_registered, args.samples, args.max_active = 16, 32, 32, 5, 4
     if not 1 <= args.resident < min(args.registered, args.serving_registered):
         parser.error("--resident must be >= 1 and below --registered and --serving-registered")
     if not 1 <= args.max_active < args.resident:

@@ -104,7 +104,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 environments, 5 steps, 1 rollout")
     args = parser.parse_args()
+    if args.quick:
+        args.envs, args.steps, args.rollouts = 2, 5, 1
     torch.set_num_threads(1)
     n = args.envs
     print(f"{n} environments; {args.steps} service steps each; {args.rollouts} rollouts of horizon 16")

@@ -101,7 +101,12 @@ def main() -> None:
     parser.add_argument("--envs", type=int, default=8, help="environments in the session's one worker")
     parser.add_argument("--rl-rounds", type=int, default=3, help="rounds of part 2 (0: skip it)")
     parser.add_argument("--rl-jobs", type=int, default=2, help="RL jobs per round in part 2")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: gym-pusht, 2 sessions of 2 envs, one pair, no part 2"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.task, args.cycles, args.repeats, args.envs, args.rl_rounds = "pusht", 2, 1, 2, 0
     sim = {**TASKS[args.task], "num_envs": args.envs}
     results: dict[str, list[dict]] = {"fresh workers": [], "warm worker": []}
     for _ in range(args.repeats):

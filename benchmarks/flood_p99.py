@@ -199,7 +199,10 @@ def main() -> None:
     parser.add_argument("--noisy-requests-per-s", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per server, alternating, pooled")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: one 1 s round per server")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.rounds = 1.0, 1
 
     import torch
 

@@ -34,7 +34,10 @@ def main() -> None:
     parser.add_argument("--std", type=float, default=float(np.exp(-0.5)))
     parser.add_argument("--gamma", type=float, default=0.99)
     parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 groups of 2 attempts, horizon 8")
     args = parser.parse_args()
+    if args.quick:
+        args.groups, args.group_size, args.horizon = 2, 2, 8
     rng = np.random.default_rng(0)
     sim = build_simulator(SimulatorConfig(simulator="pusht", task="PushT-v0"))
     low, high = np.asarray(sim.spec.action_low, np.float32), np.asarray(sim.spec.action_high, np.float32)

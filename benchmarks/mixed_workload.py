@@ -274,16 +274,9 @@ class OpenDeployment:
         return cpu
 
     def inference_batching(self) -> tuple[int, float]:
-        """(B, T) of the Inference Model Service: its attributes, read in its own process on Ray."""
-        from joynexus.actors import handle_of
-
-        handle = handle_of(self.cluster.inference)
-        if not handle.is_remote:
-            return int(self.cluster.inference.max_batch_size), float(self.cluster.inference.max_wait_s)
-        import ray
-
-        b, t = ray.get(handle.target.__ray_call__.remote(lambda service: (service.max_batch_size, service.max_wait_s)))
-        return int(b), float(t)
+        """(B, T) of the Inference Model Service, from its `stats()` (in process or on Ray alike)."""
+        stats = self.cluster.inference.stats()
+        return int(stats["max_batch_size"]), float(stats["max_wait_s"])
 
 
 @contextlib.contextmanager
@@ -315,9 +308,10 @@ def open_deployment(mode: str, data_dir: Path) -> Iterator[OpenDeployment]:
     store = None
     try:
         cluster = ray_cluster(settings)
+        # Each role's process, from its own liveness answer (the Master's is `ping`).
         pids = {
-            role: int(ray.get(ray.get_actor(name, namespace=settings.ray_namespace).__ray_call__.remote(
-                lambda _actor: os.getpid()), timeout=60))
+            role: int(ray.get(getattr(ray.get_actor(name, namespace=settings.ray_namespace),
+                                      "ping" if role == "master" else "heartbeat").remote(), timeout=60)["pid"])
             for role, name in RAY_ACTORS.items()
         }  # fmt: skip
         # The Master holds the store's writer; the driver only reads job rows (SQLite WAL: readers

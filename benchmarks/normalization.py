@@ -57,7 +57,10 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--samples", type=int, default=32, help="samples per job (one microbatch)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 jobs of 8 samples per tenant")
     args = parser.parse_args()
+    if args.quick:
+        args.jobs, args.every, args.samples = 2, 1, 8
 
     tmp = Path(tempfile.mkdtemp(prefix="joynexus-norm-bench-"))
     root = write_scaled_dataset(tmp / "scaled", "bench/scaled")

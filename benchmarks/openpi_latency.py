@@ -103,7 +103,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100, help="round trips per robot per point")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two protocols per point")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 robot, 10 round trips, 1 round")
     args = parser.parse_args()
+    if args.quick:
+        args.robots, args.requests, args.rounds = [1], 10, 1
     with tempfile.TemporaryDirectory(prefix="joynexus-openpi-bench-") as tmp:
         cluster, server, url, thread = start_server(Path(tmp))
         try:

@@ -96,7 +96,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--client-work-ms", type=float, nargs="+", default=[0.0, 20.0])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 2 iterations, no client work")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.iterations, args.client_work_ms = 1, 2, [0.0]
 
     from joynexus.client import JoyNexusClient
 

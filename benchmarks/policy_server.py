@@ -243,7 +243,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8, help="action chunk length of every tenant")
     parser.add_argument("--threshold", type=int, default=4, help="request the next chunk at this many actions left")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 and 4 robots, 1 s windows")
     args = parser.parse_args()
+    if args.quick:
+        args.robots, args.seconds, args.warmup, args.tenants = [1, 4], 1.0, 0.5, 2
 
     from joynexus.actors import handle_of
 

@@ -124,7 +124,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="max_batch_size B of the service")
     parser.add_argument("--chunk", type=int, default=DEFAULT_MAX_CHUNK_SAMPLES, help="max_chunk_samples when on")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 s per mode, 128-sample predicts")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.big = 1.0, 128
     torch.set_num_threads(1)  # stable timings, as in group_batching.py
 
     with tempfile.TemporaryDirectory(prefix="joynexus-fairness-") as tmp:

@@ -166,7 +166,10 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (replicas part)")
     parser.add_argument("--skip-nodes", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 s, 4 callers, 1 round, no 2-node part")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.callers, args.rounds, args.skip_nodes = 1.0, 4, 1, True
     torch.set_num_threads(1)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -127,7 +127,12 @@ def main() -> None:
     defaults = cube_defaults()
     for name, value in defaults.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 seed, 1 round of 1 job, 2 envs, 2 evaluation episodes"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.rounds, args.jobs_per_round, args.eval_episodes, args.envs = [0], 1, 1, 2, 2
     torch.set_num_threads(1)
     knobs = {name: getattr(args, name) for name in defaults}
     state_dim, action_dim = probe(args.task)

@@ -86,13 +86,13 @@ def measure(dep: Deployment, tenants: list[str], rollouts: int) -> tuple[float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 sessions per tenant, short horizons")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    num_envs = 4
+    num_envs = 2 if args.quick else 4
     print(f"env steps/s through the service, {num_envs} sessions per tenant, action chunk 1")
     for label, task in TASKS.items():
-        horizon = 8 if "maniskill" in label else 32
+        horizon = (4 if args.quick else 8) if "maniskill" in label else (8 if args.quick else 32)
         rollouts = 1 if args.quick or "maniskill" in label else 3
         with tempfile.TemporaryDirectory() as tmp:
             dep = Deployment.in_process(Settings(data_dir=Path(tmp), torch_threads=1))

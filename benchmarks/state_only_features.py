@@ -41,7 +41,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: the tiny preset, 3 calls of 2 samples")
     args = parser.parse_args()
+    if args.quick:
+        args.presets, args.batch, args.calls = ["tiny"], 2, 3
     torch.set_num_threads(args.threads)
     images, instructions = [[]] * args.batch, [INSTRUCTION] * args.batch
     print(f"encode of {args.batch} image-free samples of one instruction, {args.threads} thread(s), ms per call")

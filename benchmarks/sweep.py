@@ -134,7 +134,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 variants x 1 job")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.variants, args.jobs = 2, 1
     if not 1 <= args.variants <= len(LEARNING_RATES):
         parser.error(f"--variants must be in [1, {len(LEARNING_RATES)}]")
 

@@ -178,7 +178,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--repeats", type=int, default=1, help="pairs per N, alternating which setting goes first")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 tenants, 2 jobs each")
     args = parser.parse_args()
+    if args.quick:
+        args.tenants, args.jobs = "2", 2
     counts = [int(x) for x in args.tenants.split(",")]
     run_dir = (args.out / f"training-throughput-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     dataset = write_dataset(run_dir / "dataset")

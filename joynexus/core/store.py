@@ -23,12 +23,14 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    Sequence,
     String,
     Text,
     bindparam,
     create_engine,
     event,
     inspect,
+    select,
     text,
     update,
 )
@@ -37,6 +39,11 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 SEQUENCE_NAMES = ("created_seq", "ready_seq")
+# On PostgreSQL the counters are server sequences: nextval takes no row lock, whereas bumping a
+# `sequences` row held it until the transaction's commit, so every concurrent reserve queued behind
+# the one in flight (the 8-thread control-plane benchmark spent most of its backends' time waiting
+# on it). SQLite keeps the table: its writers are serialized by BEGIN IMMEDIATE anyway.
+POSTGRES_SEQUENCES = {name: Sequence(f"joynexus_{name}") for name in SEQUENCE_NAMES}
 
 
 def utcnow() -> dt.datetime:
@@ -270,6 +277,8 @@ class ControlPlaneStore:
         self._read_sessions = sessionmaker(self.engine.execution_options(**{_READ_ONLY: True}), expire_on_commit=False)
         for name in SEQUENCE_NAMES:
             self._ensure_sequence(name)
+        if not self.is_sqlite:
+            _ensure_postgres_sequences(self.engine)
 
     def _ensure_sequence(self, name: str) -> None:
         try:
@@ -346,15 +355,22 @@ class ControlPlaneStore:
         self.engine.dispose()
 
     def next_sequence(self, conn: Connection | Session | FastConnection, name: str) -> int:
-        """Allocate the next value of a named counter inside the caller's transaction: one
-        UPDATE ... RETURNING, whose row lock serializes allocations until commit."""
-        if isinstance(conn, FastConnection):
-            row = conn.first(NEXT_SEQUENCE, {"b_name": name})
-            value = None if row is None else row[0]
-        else:
-            value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
-        if value is None:
+        """Allocate the next value of a named counter inside the caller's transaction. SQLite: one
+        UPDATE ... RETURNING on the `sequences` table (allocations are serialized by the write lock
+        anyway); PostgreSQL: nextval of its server sequence (no lock; a rolled-back allocation
+        leaves a gap, which keeps the order)."""
+        if name not in SEQUENCE_NAMES:
             raise KeyError(f"unknown sequence {name!r}; known: {SEQUENCE_NAMES}")
+        if isinstance(conn, FastConnection):
+            prepared = NEXT_SEQUENCE if self.is_sqlite else _NEXTVAL[name]
+            row = conn.first(prepared, {"b_name": name})
+            value = None if row is None else row[0]
+        elif self.is_sqlite:
+            value = conn.execute(_NEXT_SEQUENCE, {"b_name": name}).scalar_one_or_none()
+        else:
+            value = conn.execute(_NEXTVAL[name].statement).scalar_one_or_none()
+        if value is None:
+            raise KeyError(f"sequence {name!r} has no row in this store")
         return value
 
 
@@ -445,6 +461,30 @@ class FastConnection:
             cursor.close()
         return None if row is None else compiled.process_row(row)
 
+    def script(self, steps: list[tuple[Prepared, Mapping[str, Any]]]) -> list[tuple[tuple | None, int]]:
+        """PostgreSQL only: the statements sent as ONE query string (one round trip), parameters
+        bound on the client by psycopg's quoting; outside a transaction the server runs them as one
+        implicit transaction, each statement with its own snapshot. Returns (first row or None,
+        rowcount) per statement. Bind names must not clash across the statements."""
+        import psycopg
+
+        compiled = [(prepared.for_dialect(self.dialect), params) for prepared, params in steps]
+        merged: dict[str, Any] = {}
+        for statement, params in compiled:
+            merged.update(statement.parameters(params))
+        self.last_sql = ";\n".join(statement.sql for statement, _ in compiled)
+        cursor = psycopg.ClientCursor(self.dbapi_connection)
+        results: list[tuple[tuple | None, int]] = []
+        try:
+            cursor.execute(self.last_sql, merged)
+            for statement, _ in compiled:
+                row = cursor.fetchone() if cursor.pgresult is not None and cursor.pgresult.nfields else None
+                results.append((None if row is None else statement.process_row(row), cursor.rowcount))
+                cursor.nextset()
+        finally:
+            cursor.close()
+        return results
+
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> int:
         """Run a statement without a result; returns its rowcount."""
         compiled = prepared.for_dialect(self.dialect)
@@ -465,6 +505,30 @@ _NEXT_SEQUENCE = (
     .returning(_SEQUENCES.c.value)
 )  # built once: the scheduler allocates on every reserve and ready
 NEXT_SEQUENCE = Prepared(_NEXT_SEQUENCE)
+_NEXTVAL = {name: Prepared(select(sequence.next_value())) for name, sequence in POSTGRES_SEQUENCES.items()}
+# Any constant: the transaction-scoped advisory lock that serializes creating the server sequences.
+_SEQUENCES_LOCK_KEY = 0x6A6E5F736571
+
+
+def _ensure_postgres_sequences(engine: Engine) -> None:
+    """Create the counters' server sequences if absent, each starting after every number its
+    `sequences` row (the counter before them) or a job row already holds, so numbers keep rising
+    across the upgrade. Under an advisory lock, so concurrent first starts create each once; a
+    sequence is visible (and drawn from) only after the transaction that created it committed."""
+    with engine.begin() as conn:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SEQUENCES_LOCK_KEY})
+        for name, sequence in POSTGRES_SEQUENCES.items():
+            if conn.execute(text("SELECT to_regclass(:name)"), {"name": sequence.name}).scalar() is not None:
+                continue
+            # `name` is a column of training_jobs and a row of sequences (constants of this module).
+            floor = conn.execute(
+                text(
+                    "SELECT GREATEST(COALESCE((SELECT value FROM sequences WHERE name = :name), 0), "
+                    f"COALESCE((SELECT MAX({name}) FROM training_jobs), 0))"
+                ),
+                {"name": name},
+            ).scalar_one()
+            conn.execute(text(f"CREATE SEQUENCE {sequence.name} START WITH {int(floor) + 1}"))
 
 
 def add_missing_columns(engine: Engine) -> list[str]:

@@ -11,8 +11,9 @@ across processes on SQLite (writers serialized by BEGIN IMMEDIATE) and PostgreSQ
 The hot calls (reserve, mark, lease_*, complete / fail / drop) run statements compiled once per
 dialect straight on the DBAPI connection (`ControlPlaneStore.fast`); on PostgreSQL each of mark,
 lease and complete is ONE autocommit statement (ready_seq drawn in the same UPDATE), and reserve is
-one transaction of three statements: a reserve -> ready -> lease -> complete cycle takes 8 round trips
-(it took 21, 4 of them pool pre-pings).
+two statements (lock the policy; insert the job if admitted) sent as one script: a reserve -> ready
+-> lease -> complete cycle takes 4 round trips (it took 21, 4 of them pool pre-pings; then 8). The
+counters are server sequences there, so concurrent reserves do not queue on a counter row until commit.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, func, insert, literal, select, update
+from sqlalchemy import and_, bindparam, case, func, insert, literal, select, true, update
 from sqlalchemy.orm import Session
 
 from joynexus.core.store import (
+    POSTGRES_SEQUENCES,
     ControlPlaneStore,
     FastConnection,
     Prepared,
-    SequenceRecord,
     TrainingJobRecord,
     TrainingPolicyRecord,
     utcnow,
@@ -173,12 +174,15 @@ class TrainingScheduler:
         if sample_count < 1:
             raise ValueError(f"sample_count must be >= 1, got {sample_count}")
         key = policy_key(tenant_id, task_type)
+        values = _new_job_values(
+            key, tenant_id, task_type, sample_count, domain, metadata, behavior_policy_version, producer_role,
+            consumer_role,
+        )  # fmt: skip
+        if not self.store.is_sqlite:
+            return self._reserve_postgres(key, values)
         with self.store.fast() as conn:
-            # The write that serializes concurrent reservations of this policy (its row lock on
-            # PostgreSQL; SQLite holds the write lock since BEGIN IMMEDIATE), returning the policy.
-            # The count is a statement of its own: on PostgreSQL (READ COMMITTED) it then sees the
-            # jobs of a reservation that held the lock before us, which a statement started before
-            # the lock wait would not.
+            # The write that serializes concurrent reservations of this policy (SQLite holds the
+            # write lock since BEGIN IMMEDIATE), returning the policy.
             policy = conn.first(_RESERVE_POLICY, {"key": key})
             if policy is None:
                 raise SchedulerError(f"no training policy {key!r}: create the tenant first")
@@ -190,41 +194,25 @@ class TrainingScheduler:
                 return None
             if completion_target is not None and completed + in_flight >= completion_target:
                 return None
-            job_id = uuid.uuid4().hex
-            now = utcnow()
-            values: dict[str, Any] = dict(
-                job_id=job_id,
-                policy_key=key,
-                tenant_id=tenant_id,
-                task_type=task_type,
-                partition_id=partition_id_for(job_id, domain, tenant_id, task_type),
-                sample_count=sample_count,
-                domain=domain,
-                metadata=dict(metadata or {}),
-                priority=priority,
-                created_seq=None,
-                ready_seq=None,
-                behavior_policy_version=behavior_policy_version,
-                max_policy_staleness=max_policy_staleness,
-                producer_role=producer_role,
-                consumer_role=consumer_role,
-                state=RESERVED,
-                lease_owner=None,
-                attempts=0,
-                terminal_reason=None,
-                result=None,
-                created_at=now,
-                updated_at=now,
-                ready_at=None,
-                leased_at=None,
-                finished_at=None,
-            )
-            if self.store.is_sqlite:
-                values["created_seq"] = self.store.next_sequence(conn, "created_seq")
-                conn.execute(_INSERT_JOB, values)
-            else:  # the counter bumped in the INSERT itself (a data-modifying CTE): one round trip less
-                (values["created_seq"],) = conn.first(_INSERT_JOB_NEXT_CREATED_SEQ, values)
+            values.update(priority=priority, max_policy_staleness=max_policy_staleness)
+            values["created_seq"] = self.store.next_sequence(conn, "created_seq")
+            conn.execute(_INSERT_JOB, values)
             return TrainingJob.from_mapping(values)
+
+    def _reserve_postgres(self, key: str, values: dict[str, Any]) -> TrainingJob | None:
+        """PostgreSQL: lock the policy, then insert the job if the policy admits it, the two
+        statements sent as ONE script (one round trip, one implicit transaction). Each statement of
+        it takes its own snapshot (READ COMMITTED), so the INSERT's count, which starts once the
+        UPDATE holds the policy's row lock, sees the jobs of every reservation that held the lock
+        before this one. created_seq is nextval of its server sequence (no lock until commit)."""
+        with self.store.fast(single_statement=True) as conn:
+            (policy, _), (inserted, _) = conn.script([(_RESERVE_POLICY, {"key": key}), (_INSERT_IF_ADMITTED, values)])
+        if policy is None:
+            raise SchedulerError(f"no training policy {key!r}: create the tenant first")
+        if inserted is None:
+            return None  # the in-flight bound or the completion target is reached
+        values["created_seq"], values["priority"], values["max_policy_staleness"] = inserted
+        return TrainingJob.from_mapping(values)
 
     def mark(
         self, job_id: str, state: str, *, owner: str | None = None, behavior_policy_version: int | None = None
@@ -238,8 +226,8 @@ class TrainingScheduler:
         values: dict[str, Any] = dict(state=state, lease_owner=None, updated_at=now)
         if behavior_policy_version is not None:
             values["behavior_policy_version"] = behavior_policy_version
-        # On PostgreSQL, ready_seq comes from the sequence in the same UPDATE (a data-modifying CTE):
-        # one autocommit statement. A refused transition still consumed a number: gaps keep the order.
+        # On PostgreSQL, ready_seq is nextval of its server sequence in the same UPDATE: one autocommit
+        # statement. A refused transition still consumed a number: gaps keep the order.
         ready_from_cte = state == READY and not self.store.is_sqlite
         with self.store.fast(single_statement=state != READY or ready_from_cte) as conn:
             if state == READY:
@@ -584,27 +572,53 @@ _COUNT_IN_FLIGHT_COMPLETED = Prepared(
 )
 # Every column named, so the compiled INSERT binds each one by its column name.
 _INSERT_JOB = Prepared(insert(_JOBS).values({c.name: bindparam(c.name, type_=c.type) for c in _JOBS.c}))
-_SEQUENCES = SequenceRecord.__table__
-_NEXT_CREATED_SEQ = (
-    update(_SEQUENCES)
-    .where(_SEQUENCES.c.name == "created_seq")
-    .values(value=_SEQUENCES.c.value + 1)
-    .returning(_SEQUENCES.c.value)
-    .cte("next_created_seq")
-)
-_INSERT_JOB_NEXT_CREATED_SEQ = Prepared(  # PostgreSQL only
-    insert(_JOBS)
-    .values(
-        {
-            c.name: select(_NEXT_CREATED_SEQ.c.value).scalar_subquery()
-            if c.name == "created_seq"
-            else bindparam(c.name, type_=c.type)
-            for c in _JOBS.c
-        }
+
+
+def _insert_if_admitted() -> Prepared:
+    """PostgreSQL's reserve INSERT: the job's row only if its policy admits it (in flight below
+    max_in_flight and, under a completion target, completed + in flight below it), with the
+    policy's priority and staleness bound and created_seq from its server sequence. Returns
+    (created_seq, priority, max_policy_staleness), or no row when refused or the policy is absent."""
+    policy = _POLICIES
+    of_policy = _JOBS.c.policy_key == bindparam("policy_key")
+    in_flight = select(func.count()).where(of_policy, _JOBS.c.state.in_(NONTERMINAL_STATES)).scalar_subquery()
+    completed = select(func.count()).where(of_policy, _JOBS.c.state == COMPLETED).scalar_subquery()
+    # CASE evaluates only the branch it takes: completed jobs are counted only under a target.
+    under_target = case(
+        (policy.c.completion_target.is_(None), true()), else_=in_flight + completed < policy.c.completion_target
     )
-    .add_cte(_NEXT_CREATED_SEQ)
-    .returning(_JOBS.c.created_seq)
-)
+    from_policy = {"priority": policy.c.priority, "max_policy_staleness": policy.c.max_policy_staleness,
+                   "created_seq": POSTGRES_SEQUENCES["created_seq"].next_value()}  # fmt: skip
+    row = (
+        select(*[from_policy.get(c.name, bindparam(c.name, type_=c.type)) for c in _JOBS.c])
+        .select_from(policy)
+        .where(policy.c.policy_key == bindparam("policy_key"), in_flight < policy.c.max_in_flight, under_target)
+    )
+    returned = (_JOBS.c.created_seq, _JOBS.c.priority, _JOBS.c.max_policy_staleness)
+    return Prepared(insert(_JOBS).from_select([c.name for c in _JOBS.c], row).returning(*returned))
+
+
+_INSERT_IF_ADMITTED = _insert_if_admitted()
+
+
+def _new_job_values(
+    key: str, tenant_id: str, task_type: str, sample_count: int, domain: str, metadata: dict[str, Any] | None,
+    behavior_policy_version: int | None, producer_role: str, consumer_role: str,
+) -> dict[str, Any]:  # fmt: skip
+    """A new job's columns; created_seq, priority and max_policy_staleness come with the reservation."""
+    job_id = uuid.uuid4().hex
+    now = utcnow()
+    return dict(
+        job_id=job_id, policy_key=key, tenant_id=tenant_id, task_type=task_type,
+        partition_id=partition_id_for(job_id, domain, tenant_id, task_type), sample_count=sample_count,
+        domain=domain, metadata=dict(metadata or {}), priority=None, created_seq=None, ready_seq=None,
+        behavior_policy_version=behavior_policy_version, max_policy_staleness=None,
+        producer_role=producer_role, consumer_role=consumer_role, state=RESERVED, lease_owner=None, attempts=0,
+        terminal_reason=None, result=None, created_at=now, updated_at=now, ready_at=None, leased_at=None,
+        finished_at=None,
+    )  # fmt: skip
+
+
 _LOCK_JOB = Prepared(
     select(_JOBS.c.job_id, _JOBS.c.state, _JOBS.c.lease_owner)
     .where(_JOBS.c.job_id == bindparam("b_job_id"))
@@ -632,8 +646,8 @@ def _transition_statement(
 ) -> Prepared:
     """The compare-and-set UPDATE of `_transition`, per shape: from `sources` (None: any nonterminal
     state), with no owner check (None), an owner "" (lease_owner IS NULL) or a named owner. With
-    `ready_seq_from_sequence` (PostgreSQL only) it also sets ready_seq from the `ready_seq` counter,
-    bumped by a data-modifying CTE of the same statement (its row lock held until commit)."""
+    `ready_seq_from_sequence` (PostgreSQL only) it also sets ready_seq to nextval of the `ready_seq`
+    server sequence (no lock: a refused transition leaves a gap, which keeps the order)."""
     key = ("transition", sources, named_owner, columns, ready_seq_from_sequence)
     statement = _STATEMENTS.get(key)
     if statement is None:
@@ -645,15 +659,7 @@ def _transition_statement(
         values: dict[str, Any] = {name: bindparam(f"v_{name}") for name in columns}
         core = update(_JOBS).where(and_(*guard))
         if ready_seq_from_sequence:
-            bumped = (
-                update(_SEQUENCES)
-                .where(_SEQUENCES.c.name == "ready_seq")
-                .values(value=_SEQUENCES.c.value + 1)
-                .returning(_SEQUENCES.c.value)
-                .cte("next_ready_seq")
-            )
-            values["ready_seq"] = select(bumped.c.value).scalar_subquery()
-            core = core.add_cte(bumped)
+            values["ready_seq"] = POSTGRES_SEQUENCES["ready_seq"].next_value()
         statement = _STATEMENTS[key] = Prepared(core.values(values).returning(*_JOBS.c))
     return statement
 

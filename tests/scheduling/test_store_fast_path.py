@@ -94,3 +94,66 @@ def test_idle_pooled_connection_killed_by_the_server_is_replaced_at_checkout(sto
         assert len(sched.jobs()) == 3
     finally:
         store.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_counters_continue_after_the_numbers_an_older_store_drew(store_url):
+    # A database made before the server sequences: its counters are rows of `sequences` (and the
+    # numbers its jobs hold). Opening it creates the sequences past both, so FIFO order survives.
+    if not store_url.startswith("postgresql"):
+        pytest.skip("the counters are server sequences only on PostgreSQL")
+    from joynexus.core.store import POSTGRES_SEQUENCES, ControlPlaneStore
+
+    store = ControlPlaneStore(store_url)
+    sched = TrainingScheduler(store)
+    sched.register_policy("t1", "sft", max_in_flight=10)
+    old = sched.mark(sched.reserve(tenant_id="t1", task_type="sft", sample_count=1).job_id, READY)
+    with store.connection() as conn:  # back to the older schema, its counters moved on meanwhile
+        for sequence in POSTGRES_SEQUENCES.values():
+            conn.execute(text(f"DROP SEQUENCE {sequence.name}"))
+        conn.execute(text("UPDATE sequences SET value = 41 WHERE name = 'created_seq'"))
+    store.dispose()
+
+    store = ControlPlaneStore(store_url)
+    try:
+        sched = TrainingScheduler(store)
+        new = sched.mark(sched.reserve(tenant_id="t1", task_type="sft", sample_count=1).job_id, READY)
+        assert new.created_seq == 42  # after the sequences row
+        assert new.ready_seq == old.ready_seq + 1  # after the highest number a job holds
+        assert [job.job_id for job in sched.jobs()] == [old.job_id, new.job_id]
+        assert sched.lease_next(owner="a").job_id == old.job_id  # FIFO across the upgrade
+        ControlPlaneStore(store_url).dispose()  # opening it again leaves the sequences as they are
+        assert sched.reserve(tenant_id="t1", task_type="sft", sample_count=1).created_seq == 43
+    finally:
+        store.dispose()
+
+
+@pytest.mark.postgres
+def test_concurrent_reservations_draw_distinct_increasing_numbers(store_url):
+    import threading
+
+    from joynexus.core.store import ControlPlaneStore
+
+    store = ControlPlaneStore(store_url)
+    try:
+        sched = TrainingScheduler(store)
+        for i in range(4):
+            sched.register_policy(f"t{i}", "sft", max_in_flight=100)
+        drawn: list[tuple[int, int]] = []
+
+        def produce(tenant: str) -> None:
+            for _ in range(20):
+                job = sched.reserve(tenant_id=tenant, task_type="sft", sample_count=1)
+                drawn.append((job.created_seq, sched.mark(job.job_id, READY).ready_seq))
+
+        threads = [threading.Thread(target=produce, args=(f"t{i}",)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        created, ready = zip(*drawn, strict=True)
+        assert len(set(created)) == len(set(ready)) == 80
+        leased = [sched.lease_next(owner="a").ready_seq for _ in range(80)]
+        assert leased == sorted(ready)  # FIFO by ready_seq
+    finally:
+        store.dispose()

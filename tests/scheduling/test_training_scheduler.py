@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing as mp
 import threading
 
@@ -171,6 +172,34 @@ def test_reserve_refuses_at_the_in_flight_limit_and_the_completion_target(store)
     sched.complete(d.job_id)
     assert reserve(sched) is None  # target reached
     assert sched.counts("t1") == {COMPLETED: 3, FAILED: 1}
+
+
+def test_concurrent_reservations_never_exceed_the_in_flight_limit_or_the_target(store_url):
+    # Admission counts the jobs of every reservation that held the policy's lock before it: 8
+    # threads racing (each with its own connection) admit exactly the bound, then the target.
+    store = ControlPlaneStore(store_url)
+    try:
+        sched = TrainingScheduler(store)
+        sched.register_policy("t1", "sft", max_in_flight=3, completion_target=5)
+        start = threading.Barrier(8)
+
+        def race() -> list:
+            start.wait()
+            return [job for _ in range(4) if (job := reserve(sched)) is not None]
+
+        def admitted_by_racers() -> list:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                return [job for jobs in pool.map(lambda _: race(), range(8)) for job in jobs]
+
+        first = admitted_by_racers()
+        assert len(first) == 3  # the in-flight bound
+        for job in first:
+            sched.mark(job.job_id, READY)
+            sched.complete(sched.lease_next().job_id)
+        assert len(admitted_by_racers()) == 2  # 3 completed + 2 in flight = the target
+        assert sched.counts("t1") == {COMPLETED: 3, RESERVED: 2}
+    finally:
+        store.dispose()
 
 
 def test_policies_are_per_tenant_and_task(store):

@@ -278,3 +278,16 @@ def test_an_unknown_version_error_survives_pickling_as_itself():
     assert (error.tenant_id, error.version, error.available) == ("alpha", 3, [1, 2])
     assert str(error) == str(UnknownPolicyVersion("alpha", 3, [1, 2]))
     assert "tenant 'alpha' has no version 3 (loaded: [1, 2])" in str(error)
+
+
+def test_stats_report_the_batching_bounds_of_the_service_and_of_the_replica_set():
+    # What benchmarks read through the public interface (not the service object's attributes).
+    factory = LocalReplicas(BackboneSource(preset="tiny"), {"num_threads": 1, "max_wait_ms": 3.0, "max_batch_size": 5})
+    replicas = InferenceReplicaSet(factory, policy=ScalingPolicy(min_replicas=1, max_replicas=2))
+    try:
+        stats = replicas.stats()
+        assert (stats["max_batch_size"], stats["max_wait_s"]) == (5, pytest.approx(0.003))
+        one = replicas._active()[0].handle.stats()
+        assert (one["max_batch_size"], one["max_wait_s"]) == (5, pytest.approx(0.003))
+    finally:
+        replicas.close()

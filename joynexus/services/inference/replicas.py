@@ -518,7 +518,11 @@ class InferenceReplicaSet(PredictBySubmit):
                 "mean_batch_samples": samples / total["batches"] if total["batches"] else 0.0,
                 "max_batch_samples": max((s.get("max_batch_samples", 0) for s in answers), default=0),
                 "tenants": {t: self.versions(t) for t in self.tenants()},
-                "max_chunk_samples": answers[0].get("max_chunk_samples") if answers else None,
+                # One config for every replica: the first answer's B, T and chunk size are the set's.
+                **{
+                    key: answers[0].get(key) if answers else None
+                    for key in ("max_chunk_samples", "max_batch_size", "max_wait_s")
+                },
                 "latency_seconds": _merge_histograms([s.get("latency_seconds") for s in answers]),
                 "batch_samples": _merge_histograms([s.get("batch_samples") for s in answers]),
                 "rss_bytes": _sum_known([s.get("rss_bytes") for s in answers]),

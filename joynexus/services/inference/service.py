@@ -520,6 +520,8 @@ class InferenceModelService(PredictBySubmit):
             "max_batch_samples": max(sizes) if sizes else 0,
             "tenants": {t: self.versions(t) for t in self.tenants()},
             "max_chunk_samples": self.chunk_samples(),
+            "max_batch_size": self.max_batch_size,  # B and T as the worker reads them now
+            "max_wait_s": self.max_wait_s,
             "recent_batches": list(self._recent_batches),
             "backbone_instances_created": type(self.backbone).instances_created,
             "latency_seconds": self._latency.snapshot(),
