@@ -11,11 +11,11 @@ from joynexus.actors import service_handle
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities
 from joynexus.master.loops.actor_loop import ActorLoop, training_group_max_from_env
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, FAILED, LEASED, READY, TrainingScheduler
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TrainingModelService
 from tests.helpers import assert_trained_state_close, sft_spec, write_dataset_for
 

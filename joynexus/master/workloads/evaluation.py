@@ -28,7 +28,6 @@ from joynexus.artifacts import encode_tenant_payload
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
 from joynexus.envs import available_simulators
-from joynexus.master.loops.rollout import EnvGroup, EpisodeStats, predict_many
 from joynexus.master.workloads.base import RUNNING, WORKLOAD_COMPLETED, WORKLOAD_FAILED, WorkloadBase
 from joynexus.master.workloads.evaluation_report import check_suite, log_report, run_suite, video_workdir
 from joynexus.master.workloads.evaluation_stats import (
@@ -37,6 +36,7 @@ from joynexus.master.workloads.evaluation_stats import (
     wilson_interval,
 )
 from joynexus.protocol.schemas import WorkloadInfo
+from joynexus.services.producers.rollout import EnvGroup, EpisodeStats, predict_many
 from joynexus.spec import EnvironmentSpec
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from joynexus.core.tenants import Tenant
-from joynexus.master.loops.rollout import predict_many
 from joynexus.scheduling.inference_queue import Observation
+from joynexus.services.producers.rollout import predict_many
 
 HELDOUT_METRIC = "eval/heldout_loss"
 _BATCH = 32  # observations in flight at once (one Inference Queue batch at most)
