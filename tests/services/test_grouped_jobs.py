@@ -92,6 +92,9 @@ def test_several_tenants_train_as_one_group_equal_to_one_at_a_time(world):
         assert (g.job.tenant_id, s.job.tenant_id) == (name, name + SERIAL)
         assert g.metrics["version"] == s.metrics["version"] == 1  # one version per job, as train_job
         assert g.metrics["samples"] == s.metrics["samples"] == 24
+        # one wrap-up for both paths: the same fields, the learning rate the steps ran at included
+        assert set(g.metrics) - {"group_size", "group_seconds"} == set(s.metrics)
+        assert g.metrics["learning_rate"] == s.metrics["learning_rate"]
         assert g.metrics["optimizer_steps"] == s.metrics["optimizer_steps"] == (3 if name == "arm-a" else 2)
         torch.testing.assert_close(torch.tensor(g.metrics["losses"]), torch.tensor(s.metrics["losses"]))
         g_state, s_state = service.tenant_state(name), service.tenant_state(name + SERIAL)
