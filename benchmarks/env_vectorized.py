@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from joynexus.actors import handle_of  # noqa: E402
 from joynexus.master.deployment import Deployment  # noqa: E402
-from joynexus.master.loops.rollout import RolloutProducer  # noqa: E402
 from joynexus.services.environment.sessions import EnvironmentService  # noqa: E402
+from joynexus.services.producers.rollout import RolloutProducer  # noqa: E402
 from joynexus.settings import Settings  # noqa: E402
 
 TASKS = {

@@ -481,8 +481,8 @@ def fit_affine(points: list[tuple[int, float]]) -> tuple[float, float, float]:
 def measure_batch_model(cluster: Any, tenant_id: str, repeats: int, max_batch: int) -> dict[str, Any]:
     """Shared-forward time of b single-observation requests (the rollout pattern), read as the
     Inference Model Service's busy-seconds delta of a round that formed exactly one batch."""
-    from joynexus.master.loops.rollout import predict_many
     from joynexus.scheduling.inference_queue import Observation
+    from joynexus.services.producers.rollout import predict_many
 
     rng = np.random.default_rng(0)
     config = cluster.master.get_tenant(tenant_id).backend_config

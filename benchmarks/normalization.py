@@ -33,13 +33,13 @@ from joynexus.actors import service_handle  # noqa: E402
 from joynexus.core.store import ControlPlaneStore  # noqa: E402
 from joynexus.core.tenants import BackendCapabilities  # noqa: E402
 from joynexus.master.loops.actor_loop import ActorLoop  # noqa: E402
-from joynexus.master.loops.sft_producer import SFTProducer  # noqa: E402
 from joynexus.master.tenant_creator import TenantCreator  # noqa: E402
 from joynexus.models.backbone import BackboneSource  # noqa: E402
 from joynexus.scheduling.inference_queue import Observation  # noqa: E402
 from joynexus.scheduling.training_queue import TrainingQueue  # noqa: E402
 from joynexus.scheduling.training_scheduler import COMPLETED, TrainingScheduler  # noqa: E402
 from joynexus.services.inference.service import InferenceModelService  # noqa: E402
+from joynexus.services.producers.sft import SFTProducer  # noqa: E402
 from joynexus.services.training.service import TrainingModelService  # noqa: E402
 from tests.data.scaled_dataset import dataset_frames, write_scaled_dataset  # noqa: E402
 from tests.helpers import sft_spec  # noqa: E402

@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from joynexus.master.deployment import Deployment  # noqa: E402
-from joynexus.master.loops.rollout import RolloutProducer  # noqa: E402
 from joynexus.models.backbone import BackboneSource
 from joynexus.services.inference.service import InferenceModelService  # noqa: E402
+from joynexus.services.producers.rollout import RolloutProducer  # noqa: E402
 from joynexus.settings import Settings
 
 TASKS = {

@@ -135,7 +135,7 @@ def run_tier(
 ) -> Measure:
     """N fresh tenants with `jobs` ready jobs each; the actor loop's wall to finish them all."""
     from joynexus.master.loops.actor_loop import ActorLoop
-    from joynexus.master.loops.sft_producer import SFTProducer
+    from joynexus.services.producers.sft import SFTProducer
 
     model_id = path.service.backbone_info()["model_id"]
     all_jobs = []

@@ -1,2 +1,4 @@
 """The execution plane: the Ray-resident services (Training / Inference Model Service, Environment
-Service) and what they share (tenant residency). The Master's threads live in `joynexus.master.loops`."""
+Service), what they share (tenant residency), and the data loops (`producers/`: SFT and rollout
+producers, advantage stage; the Master runs them as threads of its process). The Master's own control
+loop (the actor loop) is in `joynexus.master.loops`."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from joynexus.algorithms.rl import attempt_returns, gae, grpo_advantages
-from joynexus.master.loops.advantage_stage import compute_advantages
+from joynexus.services.producers.advantages import compute_advantages
 from joynexus.spec import RLSpec
 
 

@@ -16,11 +16,11 @@ from joynexus.actors import init_ray, service_handle
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
 from joynexus.services.configs import TrainingQueueConfig, TrainingServiceConfig
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TrainingModelService
 from joynexus.settings import Settings
 from tests.helpers import sft_spec, write_dataset_for

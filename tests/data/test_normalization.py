@@ -120,13 +120,13 @@ def _train_and_predict(tmp_path: Path, scaled: Path) -> dict[str, dict[str, np.n
     from joynexus.core.store import ControlPlaneStore
     from joynexus.core.tenants import BackendCapabilities
     from joynexus.master.loops.actor_loop import ActorLoop
-    from joynexus.master.loops.sft_producer import SFTProducer
     from joynexus.master.tenant_creator import TenantCreator
     from joynexus.models.backbone import BackboneSource
     from joynexus.scheduling.inference_queue import Observation
     from joynexus.scheduling.training_queue import TrainingQueue
     from joynexus.scheduling.training_scheduler import COMPLETED, TrainingScheduler
     from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.producers.sft import SFTProducer
     from joynexus.services.training.service import TrainingModelService
 
     queue = TrainingQueue()

@@ -28,9 +28,9 @@ from joynexus.artifacts import CheckpointStore
 from joynexus.connect import Cluster, in_process
 from joynexus.core.store import ControlPlaneStore, TrainingJobRecord, WorkloadEventRecord, WorkloadRecord, utcnow
 from joynexus.master.deployment import Deployment
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.master.service import MasterService
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES, TrainingScheduler
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.settings import Settings
 from tests.helpers import sft_spec, write_dataset_for
 from tests.master.chaos_worker import export_digest, weights_digest

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from joynexus.actors import service_handle
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueue
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TenantSlotError, TrainingModelService, UnknownTenant
 from tests.helpers import assert_state_close as _assert_close
 from tests.helpers import assert_trained_state_close

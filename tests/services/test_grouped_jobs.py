@@ -11,11 +11,11 @@ from joynexus.actors import service_handle
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities
 from joynexus.master.loops.actor_loop import ActorLoop, training_group_max_from_env
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, FAILED, LEASED, READY, TrainingScheduler
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TrainingModelService
 from tests.helpers import assert_trained_state_close, sft_spec, write_dataset_for
 
@@ -92,6 +92,9 @@ def test_several_tenants_train_as_one_group_equal_to_one_at_a_time(world):
         assert (g.job.tenant_id, s.job.tenant_id) == (name, name + SERIAL)
         assert g.metrics["version"] == s.metrics["version"] == 1  # one version per job, as train_job
         assert g.metrics["samples"] == s.metrics["samples"] == 24
+        # one wrap-up for both paths: the same fields, the learning rate the steps ran at included
+        assert set(g.metrics) - {"group_size", "group_seconds"} == set(s.metrics)
+        assert g.metrics["learning_rate"] == s.metrics["learning_rate"]
         assert g.metrics["optimizer_steps"] == s.metrics["optimizer_steps"] == (3 if name == "arm-a" else 2)
         torch.testing.assert_close(torch.tensor(g.metrics["losses"]), torch.tensor(s.metrics["losses"]))
         g_state, s_state = service.tenant_state(name), service.tenant_state(name + SERIAL)

@@ -10,10 +10,10 @@ import torch
 from joynexus.actors import service_handle
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import BackboneSource, ResidentBackbone
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, FAILED
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TenantSlotError, TrainingModelService
 
 

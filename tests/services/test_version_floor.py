@@ -12,10 +12,10 @@ from joynexus.actors import service_handle
 from joynexus.artifacts import ACTION_MODULE_FILE, CheckpointError, CheckpointStore, decode_tenant_payload
 from joynexus.artifacts.blobs import LocalBlobStore
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TrainingModelService, UnknownTenant
 
 

@@ -1,1 +1,2 @@
-"""The Master's threads: SFT and rollout producers, the advantage stage and the actor loop."""
+"""The Master's control loop: the actor loop (leases, staleness check, train by handle, complete / fail /
+drop). The data loops it supervises live in `joynexus.services.producers`."""

@@ -17,10 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from joynexus.actors import role_unavailable
 from joynexus.scheduling.training_scheduler import InvalidTransition, TrainingJob, TrainingScheduler
+
+if TYPE_CHECKING:  # names the type only: the Master never imports the service's model stack
+    from joynexus.services.training.service import TrainingModelService
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class ActorLoop:
     def __init__(
         self,
         scheduler: TrainingScheduler,
-        training_service: Any,  # TrainingModelService or its Ray actor handle
+        training_service: TrainingModelService,  # the service or its handle (local or a Ray actor)
         *,
         owner: str = "actor-0",
         domains: tuple[str, ...] = ("vla",),

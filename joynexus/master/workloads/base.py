@@ -24,10 +24,10 @@ from joynexus.core.store import WorkloadEventRecord, WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
 from joynexus.master.errors import UnknownWorkload
 from joynexus.master.loops.actor_loop import ActorOutcome
-from joynexus.master.loops.producer import Producer
-from joynexus.master.loops.rollout import NoServingVersion
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.services.environment.service import SessionLimitExceeded
+from joynexus.services.producers.base import Producer
+from joynexus.services.producers.rollout import NoServingVersion
 from joynexus.services.training.errors import UnknownTenant
 
 if TYPE_CHECKING:

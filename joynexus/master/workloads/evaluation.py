@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import ValidationError
@@ -28,7 +28,6 @@ from joynexus.artifacts import encode_tenant_payload
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
 from joynexus.envs import available_simulators
-from joynexus.master.loops.rollout import EnvGroup, EpisodeStats, predict_many
 from joynexus.master.workloads.base import RUNNING, WORKLOAD_COMPLETED, WORKLOAD_FAILED, WorkloadBase
 from joynexus.master.workloads.evaluation_report import check_suite, log_report, run_suite, video_workdir
 from joynexus.master.workloads.evaluation_stats import (
@@ -37,7 +36,12 @@ from joynexus.master.workloads.evaluation_stats import (
     wilson_interval,
 )
 from joynexus.protocol.schemas import WorkloadInfo
+from joynexus.services.inference.endpoint import InferenceEndpoint
+from joynexus.services.producers.rollout import EnvGroup, EpisodeStats, predict_many
 from joynexus.spec import EnvironmentSpec
+
+if TYPE_CHECKING:  # names the type only: the session module is not needed in the Master
+    from joynexus.services.environment.sessions import EnvironmentService
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +320,8 @@ class EpisodeProgress:
 
 def evaluate_policy(
     config: TenantBackendConfig,
-    environment: Any,
-    inference: Any,
+    environment: EnvironmentService,
+    inference: InferenceEndpoint,
     *,
     version: int | str = "latest",
     episodes: int = 4,

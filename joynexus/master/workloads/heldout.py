@@ -10,13 +10,13 @@ frame of those episodes, padded chunk steps excluded. Lower is better.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from joynexus.core.tenants import Tenant
-from joynexus.master.loops.rollout import predict_many
 from joynexus.scheduling.inference_queue import Observation
+from joynexus.services.inference.endpoint import InferenceEndpoint
+from joynexus.services.producers.rollout import predict_many
 
 HELDOUT_METRIC = "eval/heldout_loss"
 _BATCH = 32  # observations in flight at once (one Inference Queue batch at most)
@@ -34,7 +34,7 @@ class HeldoutResult:
         return {HELDOUT_METRIC: self.heldout_loss, "eval/heldout_frames": float(self.frames)}
 
 
-def heldout_loss(tenant: Tenant, inference: Any, policy_version: int) -> HeldoutResult:
+def heldout_loss(tenant: Tenant, inference: InferenceEndpoint, policy_version: int) -> HeldoutResult:
     """The held-out loss of `policy_version` (which `inference` must serve) on the tenant's
     validation episodes; ValueError("dataset.validation_episodes: ...") if it holds none out."""
     from joynexus.data.lerobot_dataset import LeRobotDemoSource

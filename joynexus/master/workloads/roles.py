@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.loops.advantage_stage import AdvantageStage
 from joynexus.master.workloads.base import WorkloadBase
+from joynexus.services.producers.advantages import AdvantageStage
 
 log = logging.getLogger(__name__)
 

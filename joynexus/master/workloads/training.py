@@ -18,9 +18,6 @@ from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
 from joynexus.master.loops.actor_loop import POLICY_STALE, ActorOutcome
-from joynexus.master.loops.producer import Producer
-from joynexus.master.loops.rollout import RolloutProducer
-from joynexus.master.loops.sft_producer import SFTProducer
 from joynexus.master.workloads.base import (
     FINAL_WORKLOAD_STATES,
     RUNNING,
@@ -30,6 +27,9 @@ from joynexus.master.workloads.base import (
     _RunningWorkload,
 )
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, TERMINAL_STATES, TrainingJob
+from joynexus.services.producers.base import Producer
+from joynexus.services.producers.rollout import RolloutProducer
+from joynexus.services.producers.sft import SFTProducer
 from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)

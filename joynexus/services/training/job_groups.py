@@ -34,6 +34,7 @@ class _Running:
     job: TrainingJob
     slot: TenantSlot
     start_version: int = 0
+    learning_rate: float = 0.0  # the rate its steps ran at (the slot's schedule at the job's start)
     losses: list[float] = field(default_factory=list)
     samples: int = 0
     error: str | None = None
@@ -68,17 +69,11 @@ class JobGroupTrainer:
                 results[job.job_id] = self._alone(job)
                 continue
             try:
-                slot = self.table.slot(job.tenant_id)
-                if job.schema_signature != slot.config.schema_signature:
-                    raise TenantSlotError(
-                        f"job {job.job_id} carries schema signature {job.schema_signature}, "
-                        f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
-                    )
+                slot = self.trainer.job_slot(job)
             except Exception as exc:
                 results[job.job_id] = _failed(job, exc)
                 continue
-            slot.schedule_learning_rate()
-            running.append(_Running(job, slot, slot.version))
+            running.append(_Running(job, slot, slot.version, slot.schedule_learning_rate()))
         group_size = len(running)
         while True:
             batch = [(run, data) for run in running if (data := self._next_microbatch(queue, run)) is not None]
@@ -140,32 +135,24 @@ class JobGroupTrainer:
 
     def _finish(self, run: _Running, group_size: int, seconds: float, group_seconds: float) -> dict[str, Any]:
         job, slot = run.job, run.slot
-        if run.losses:
-            # Steps taken changed the parameters: number them, even when the job failed later on.
-            self.table.issue_version(slot)
         if run.error is not None:
+            if run.losses:  # steps taken changed the parameters: number them, though the job failed
+                self.table.issue_version(slot)
             return {"job_id": job.job_id, "tenant_id": job.tenant_id, "error": run.error}
-        if run.samples == 0:
-            return _failed(job, TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples"))
-        slot.jobs_completed += 1
-        if job.task_type != "rl":
-            slot.note_dataset(job.metadata)
-        every = slot.config.checkpoint_every_jobs
-        manifest = self.table.save(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
-        result = {
-            "job_id": job.job_id,
-            "tenant_id": job.tenant_id,
-            "version": slot.version,
-            "losses": run.losses,
-            "samples": run.samples,
-            "optimizer_steps": slot.optimizer_steps,
-            "seconds": seconds,
-            "checkpoint_version": manifest.policy_version if manifest else None,
-            "group_size": group_size,
-            "group_seconds": group_seconds,
-        }
-        service_metrics().observe_job(job, result, run.start_version)
-        return result
+        try:
+            return self.trainer.finish_job(
+                slot,
+                job,
+                run.losses,
+                run.samples,
+                start_version=run.start_version,
+                seconds=seconds,
+                learning_rate=run.learning_rate,
+                group_size=group_size,
+                group_seconds=group_seconds,
+            )
+        except TenantSlotError as exc:  # an empty partition: this job fails, the others stand
+            return _failed(job, exc)
 
 
 def _failed(job: TrainingJob, exc: Exception) -> dict[str, Any]:

@@ -226,12 +226,7 @@ class SlotTrainer:
         if self.queue is None:
             raise TenantSlotError("this Training Model Service was started without a Training Queue")
         job = job if isinstance(job, TrainingJob) else TrainingJob(**job)
-        slot = self.table.slot(job.tenant_id)
-        if job.schema_signature != slot.config.schema_signature:
-            raise TenantSlotError(
-                f"job {job.job_id} carries schema signature {job.schema_signature}, "
-                f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
-            )
+        slot = self.job_slot(job)
         started, start_version = time.perf_counter(), slot.version
         extra: dict[str, Any] = {"learning_rate": slot.schedule_learning_rate()}
         if job.task_type == "rl":
@@ -239,11 +234,41 @@ class SlotTrainer:
             extra.update(rl_extra)
         else:
             losses, samples = self._train_sft_partition(self.queue, slot, job)
-            slot.note_dataset(job.metadata)
+        return self.finish_job(
+            slot, job, losses, samples, start_version=start_version, seconds=time.perf_counter() - started, **extra
+        )
+
+    def job_slot(self, job: TrainingJob) -> TenantSlot:
+        """The slot a leased job trains; refused when the job was made for another schema."""
+        slot = self.table.slot(job.tenant_id)
+        if job.schema_signature != slot.config.schema_signature:
+            raise TenantSlotError(
+                f"job {job.job_id} carries schema signature {job.schema_signature}, "
+                f"tenant {job.tenant_id!r} has {slot.config.schema_signature}"
+            )
+        return slot
+
+    def finish_job(
+        self,
+        slot: TenantSlot,
+        job: TrainingJob,
+        losses: list[float],
+        samples: int,
+        *,
+        start_version: int,
+        seconds: float,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """The one wrap-up of a job that trained without error, serial (`train_job`) or grouped
+        (`JobGroupTrainer.train_jobs`): ONE new version for the job's steps, the job counted, an SFT
+        job's dataset noted, the periodic checkpoint, the job's metrics; its result. A job whose
+        partition held no samples is refused (it stepped nothing)."""
         if samples == 0:
             raise TenantSlotError(f"job {job.job_id}: partition {job.partition_id} holds no samples")
         self.table.issue_version(slot)
         slot.jobs_completed += 1
+        if job.task_type != "rl":
+            slot.note_dataset(job.metadata)
         every = slot.config.checkpoint_every_jobs
         manifest = self.table.save(slot, include_optim=True) if every and slot.jobs_completed % every == 0 else None
         result = {
@@ -253,7 +278,7 @@ class SlotTrainer:
             "losses": losses,
             "samples": samples,
             "optimizer_steps": slot.optimizer_steps,
-            "seconds": time.perf_counter() - started,
+            "seconds": seconds,
             "checkpoint_version": manifest.policy_version if manifest else None,
             **extra,
         }

@@ -10,9 +10,9 @@ import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.data.normalization import Normalizer
-from joynexus.master.loops.producer import Producer
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import READY, TrainingJob, TrainingScheduler
+from joynexus.services.producers.base import Producer
 
 
 class SFTProducer(Producer):

@@ -5,7 +5,8 @@ envs x horizon), runs the rollout — every env step's observation goes through 
 where it is group-batched with other tenants' requests — writes the trajectory partition with
 tenant, schema and behavior-version annotations, and marks it for the advantage stage.
 
-Evaluation (`joynexus.master.workloads.evaluation`) runs episodes in the same `EnvGroup`.
+Evaluation (`joynexus.master.workloads.evaluation`) runs episodes in the same `EnvGroup`. Handles are
+typed with the services' interfaces (`InferenceEndpoint` imports no model stack).
 """
 
 from __future__ import annotations
@@ -14,22 +15,26 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from joynexus.actors import handle_of
 from joynexus.core.tenants import TenantBackendConfig, simulator_config
 from joynexus.envs.base import unit_to_bounds
-from joynexus.master.loops.producer import Producer
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import NEEDS_ADVANTAGES, TrainingJob, TrainingScheduler
+from joynexus.services.inference.endpoint import InferenceEndpoint
+from joynexus.services.producers.base import Producer
 from joynexus.spec import MAX_ENVIRONMENT_SEED
+
+if TYPE_CHECKING:  # the session class only names the type: its module is not needed at run time
+    from joynexus.services.environment.sessions import EnvironmentService
 
 
 def predict_many(
-    inference: Any,
+    inference: InferenceEndpoint,
     tenant_id: str,
     observations: list[Observation],
     *,
@@ -41,14 +46,12 @@ def predict_many(
     """One request per observation, all in flight at once, so the Inference Scheduler can batch
     them with each other and with other tenants' requests. `operation` names the use in the
     service's metering ("rollout", "evaluate")."""
-    from joynexus.services.inference.service import InferenceModelService
-
     sessions = session_ids or [None] * len(observations)
     request = {"policy_version": policy_version, "sample": sample, "operation": operation}
     handle = handle_of(inference)
     if handle.is_remote:
         futures = [
-            handle.start(InferenceModelService.predict, tenant_id, [obs], session_id=sid, **request)
+            handle.start(InferenceEndpoint.predict, tenant_id, [obs], session_id=sid, **request)
             for obs, sid in zip(observations, sessions, strict=True)
         ]
     else:  # in process the service's own queue hands out futures: no thread per request
@@ -106,7 +109,13 @@ class EnvGroup:
     """A tenant's `n` environment sessions with their running episodes."""
 
     def __init__(
-        self, env: Any, config: TenantBackendConfig, rollout_id: str, n: int, seed_offset: int = 0, record: int = 0
+        self,
+        env: EnvironmentService,
+        config: TenantBackendConfig,
+        rollout_id: str,
+        n: int,
+        seed_offset: int = 0,
+        record: int = 0,
     ):
         self.env, self.config = env, config
         self.ids: list[str] = []
@@ -233,8 +242,8 @@ class RolloutProducer(Producer):
         config: TenantBackendConfig,
         scheduler: TrainingScheduler,
         queue: TrainingQueue,
-        environment: Any,  # EnvironmentService or its Ray actor handle
-        inference: Any,  # InferenceModelService or its Ray actor handle
+        environment: EnvironmentService,  # the service or its handle (local or a Ray actor)
+        inference: InferenceEndpoint,
         *,
         job_metadata: dict[str, Any] | None = None,
         rollout_slots: threading.Semaphore | None = None,  # the global concurrent-rollout limit
