@@ -181,7 +181,7 @@ def test_the_openpi_endpoint_and_the_policy_stream_serve_a_smolvla_tenant(api, l
         assert Tensor.model_validate(answer["actions"]).to_numpy().shape == (1, 2, 3)
 
 
-def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_backbone, tmp_path):
+def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_backbone, tmp_path, monkeypatch):
     """LeRobot's async-inference `PolicyServer` loads the export from the instructions a
     `RobotClient` sends (policy type smolvla, the directory) with its own code, and answers a raw
     robot observation with our predict's actions (the same noise: its policy draws x0 from torch's
@@ -205,6 +205,7 @@ def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_back
     features = hw_to_dataset_features(
         {**{j: float for j in joints}, **{c: (32, 32, 3) for c in CAMERAS}}, "observation", use_video=False
     )
+    monkeypatch.chdir(tmp_path)  # the server writes its log under ./logs
     server = PolicyServer(PolicyServerConfig(host="127.0.0.1", port=free_port()))  # never bound: called directly
 
     class Peer:  # the gRPC context: the server only asks who is calling

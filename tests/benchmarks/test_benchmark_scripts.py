@@ -48,6 +48,7 @@ SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "rl_reliability.py": (["--quick"], r"^improved in [01] of 1 seeds"),
     "rollout_throughput.py": (["--quick"], r"^  2 tenant\(s\): grouped .* -> [\d.]+x"),
     "state_only_features.py": (["--quick"], r"^tiny +[\d,]+ +[\d.]+ +[\d.]+ +\d+x"),
+    "smolvla_grouped.py": (["--quick"], r"whole policies [\d.]+ GiB \([\d.]+x\)"),
     "sweep.py": (["--quick"], r"sequential / side by side = [\d.]+x"),
     "training_throughput.py": (["--quick"], r"^ +2 +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+$"),
 }
