@@ -225,3 +225,32 @@ def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_back
     theirs = torch.stack([a.get_action() for a in served]).numpy()
     ours = our_actions(api, tenant, {"images": images[None] / 255.0, "state": sample["state"]}, [SEED], version)[0]
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_one_batch_of_two_smolvla_checkpoints_and_another_family_equals_each_served_alone(api, base_backbone, tmp_path):
+    """Requests of two SmolVLA tenants (different LeRobot checkpoints of one base) and an oft_mlp
+    tenant in ONE Inference Model Service batch: the SmolVLA rows share one prefix forward, the
+    oft rows the token forward, and each SmolVLA request's actions equal LeRobot's."""
+    from joynexus.scheduling.inference_queue import Observation
+
+    roots = [checkpoint_over(base_backbone, tmp_path / f"smolvla{i}", seed=10 + i) for i in range(2)]
+    tenants = []
+    for root in roots:
+        tenant, response = smolvla_tenant(api, root)
+        assert response.status_code == 201, response.text
+        tenants.append(tenant)
+    other = api.tenant("svla-oft", "arm")
+    for t in (*tenants, other):
+        assert api.client.post("/v1/weights/load", json={}, headers=t.headers).status_code == 200
+    sample = tenants[0].batch(1, seed=41)
+    obs = [Observation(images=list(sample["images"][0]), state=sample["state"][0], instruction=TASK)]
+    service = api.cluster.inference
+    for _ in range(5):  # the service's worker collects what is queued within its wait: usually all three
+        futures = [service.submit(t.tenant_id, obs, seeds=[SEED]) for t in (*tenants, other)]
+        results = [f.result(timeout=60) for f in futures]
+        if {r["batch_samples"] for r in results} == {3}:
+            break
+    assert {r["batch_samples"] for r in results} == {3}, "the three requests never shared a batch"
+    for root, result in zip(roots, results, strict=False):
+        np.testing.assert_allclose(result["actions"], lerobot_actions(root, sample, [SEED]), atol=1e-4, rtol=1e-4)
+    assert np.asarray(results[2]["actions"]).shape == (1, 2, 3)

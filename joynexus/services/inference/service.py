@@ -381,11 +381,14 @@ class InferenceModelService(PredictBySubmit):
                     settle_future(request.future, exception=InferenceError(f"shared backbone forward failed: {error}"))
             else:
                 served = self._decode_live(tokens, slices, features, images)
+        samples = sum(r.size for r in batch)
         if layered:
-            served += self._decode_layered(layered, sum(r.size for r in batch))
+            served += self._decode_layered(layered, samples)
+            for _, result in served:  # every request reports the whole batch it was served in
+                result["batch_samples"] = samples
         busy = time.perf_counter() - started
         self._release(batch, served, busy)
-        self._record_batch(batch, sum(r.size for r in batch), busy)
+        self._record_batch(batch, samples, busy)
 
     def _decode_live(
         self, batch: list[InferenceRequest], slices: list[slice], features: BackboneFeatures, images: list
