@@ -99,6 +99,23 @@ def test_uploads_are_refused_when_unsafe_invalid_or_over_quota(api, arm_dataset,
     assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
 
 
+def test_malformed_archives_answer_422_naming_the_member_and_no_server_path(api, arm_dataset):
+    """Issue 41.4 / 41.7: these answered 500 (and dropped the connection), or named a staging path."""
+    from tests.data.test_upload_archives import MALFORMED
+
+    tenant = api.tenant("up-malformed")
+    for case in ("tar file then folder", "truncated tar.gz", "zip corrupt member", "zip file then folder", "garbage"):
+        body, expected = MALFORMED[case]
+        answer = _upload(api, tenant, body)
+        assert answer.status_code == 422, (case, answer.text)
+        problem = answer.json()["problems"][0]
+        assert problem["field"] == "archive" and expected in problem["reason"], (case, answer.text)
+        assert str(api.data_dir) not in answer.text and ".upload-" not in answer.text, (case, answer.text)
+    wrong = _upload(api, api.tenant("up-wrong", "flow"), _tar(arm_dataset))  # validation names files inside it
+    assert wrong.status_code == 422 and str(api.data_dir) not in wrong.text, wrong.text
+    assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
+
+
 def _wait(api, tenant, workload_id: str, timeout_s: float = 90.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
