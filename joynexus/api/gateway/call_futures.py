@@ -135,8 +135,10 @@ class FutureOperations(GatewayBase):
             loss_config = None if request.loss_config is None else request.loss_config.model_dump(exclude_none=True)
             args: dict[str, Any] = {"batch": columns, "loss": request.loss, "loss_config": loss_config}
         elif kind == "optim_step":
+            assert request is None or isinstance(request, s.OptimStepRequest)
             self.tenant(tenant_id)
-            args = {}
+            adamw = None if request is None else request.model_dump(exclude_none=True)
+            args = {"adamw": adamw or None}
         elif kind == "predict":
             assert isinstance(request, s.PredictRequest)
             args = InferenceOperations.predict_arguments(self, tenant_id, request)  # type: ignore[arg-type]
@@ -212,7 +214,8 @@ def forward_backward_result(raw: dict[str, Any]) -> s.ForwardBackwardResult:
 
 def optim_step_result(raw: dict[str, Any]) -> s.OptimStepResult:
     fields = ("loss", "grad_norm", "microbatches", "samples", "optimizer_steps", "version")
-    return s.OptimStepResult(**{k: raw[k] for k in fields}, device_seconds=raw.get("seconds", 0.0))
+    used = {k: raw.get(k) for k in ("lr", "betas", "weight_decay", "grad_clip")}  # the step's hyperparameters
+    return s.OptimStepResult(**{k: raw[k] for k in fields}, **used, device_seconds=raw.get("seconds", 0.0))
 
 
 def sample_result(gateway: GatewayBase, tenant_id: str, raw: dict[str, Any]) -> ss.SampleResult:

@@ -70,8 +70,11 @@ async def forward_backward_async(
 
 
 @router.post("/futures/optim_step", response_model=ss.FutureInfo, status_code=202)
-async def optim_step_async(request: Request, tenant_id: Tenant, gateway: Gateway) -> Response:
-    return await _submit(request, tenant_id, gateway, "optim_step", None, 0)
+async def optim_step_async(
+    request: Request, tenant_id: Tenant, gateway: Gateway, body: s.OptimStepRequest | None = None
+) -> Response:
+    """The blocking optim_step's body (this step's lr, betas, weight_decay, grad_clip), applied."""
+    return await _submit(request, tenant_id, gateway, "optim_step", body, 0)
 
 
 @router.post("/futures/predict", response_model=ss.FutureInfo, status_code=202)
