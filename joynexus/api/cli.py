@@ -113,6 +113,7 @@ def serve(
         console.print(f"[red]--services: {services!r} is not one of ['ray', 'in-process']")
         raise typer.Exit(code=2)
     settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+    _refuse_an_unservable_backbone(settings)
     console.log(f"connecting to the services ({services}) of {settings.data_dir}")
     from joynexus.ops.role_follower import outlive_ray_restarts
 
@@ -130,6 +131,16 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         cluster.close()
+
+
+def _refuse_an_unservable_backbone(settings: Any) -> None:
+    """Exit 2 with one line when JOYNEXUS_BACKBONE_PATH names a model_type no family serves."""
+    from joynexus.ops.backbone_check import backbone_directory_problem
+
+    problem = backbone_directory_problem(settings)
+    if problem is not None:
+        typer.echo(problem, err=True)
+        raise typer.Exit(code=2)
 
 
 # -- tenants (admin) ------------------------------------------------------------------------------
