@@ -97,6 +97,16 @@ class _Unpacking:
         self.files: set[str] = set()
         self.folders: set[str] = {"."}
         self.written = 0
+        self.declared = 0
+
+    def declare(self, total: int) -> None:
+        """Refuse once the sizes the archive declares pass the bound, before their bytes are
+        unpacked (what is written is counted too: declared sizes can lie)."""
+        self.declared = total
+        if total > self.max_unpacked_bytes:
+            raise DatasetUploadError(
+                "archive", f"declares more than {self.max_unpacked_bytes:,} bytes unpacked ({total:,})"
+            )
 
     def folder(self, name: str) -> None:
         if name in self.files:
@@ -142,6 +152,7 @@ def _extract(data: bytes, dest: Path, max_unpacked_bytes: int) -> None:
                 members = archive.infolist()
                 if len(members) > MAX_UPLOAD_MEMBERS:
                     raise DatasetUploadError("archive", f"more than {MAX_UPLOAD_MEMBERS} members")
+                unpacking.declare(sum(info.file_size for info in members))  # the central directory: before any byte
                 for info in members:
                     member = info.filename
                     _zip_member(archive, info, unpacking)
@@ -151,6 +162,7 @@ def _extract(data: bytes, dest: Path, max_unpacked_bytes: int) -> None:
                 member = info.name
                 if count > MAX_UPLOAD_MEMBERS:
                     raise DatasetUploadError("archive", f"more than {MAX_UPLOAD_MEMBERS} members")
+                unpacking.declare(unpacking.declared + max(info.size, 0))  # each header, before its data
                 _tar_member(archive, info, unpacking)
     except DatasetUploadError:
         raise
