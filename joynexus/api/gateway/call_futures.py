@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from joynexus.actors import handle_of, running_actor, service_handle
-from joynexus.api.errors import ApiError, QuotaExceeded
+from joynexus.api.errors import ApiError, InvalidInput, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.inference import InferenceOperations, predict_result
 from joynexus.api.gateway.service_errors import service_errors
@@ -82,10 +82,17 @@ class FutureOperations(GatewayBase):
         images, state, instructions = observation_arrays(
             tenant, obs.images, obs.state, obs.instructions, self.limits.max_samples_per_request
         )
+        n = images.shape[0]
+        bound = self.limits.max_sampled_chunks_per_request
+        if n * request.n > bound:
+            raise InvalidInput(
+                "n",
+                f"{n} observations x n={request.n} are {n * request.n:,} chunks to draw, above the {bound:,} one "
+                "sampling call may draw (max_sampled_chunks_per_request): split the call",
+            )
         normalizer = _normalizer(self, tenant_id)
         if normalizer is not None:
             state = normalizer.normalize_state(state)
-        n = images.shape[0]
         columns = {
             "images": images,
             "state": state,
