@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from joynexus.data.digests import content_digest
+
 if TYPE_CHECKING:
     from joynexus.data.validation import DatasetExpectation
 
@@ -46,6 +48,7 @@ __all__ = [
 
 MAX_UPLOAD_MEMBERS = 100_000
 DATASET_ID_PATTERN = r"^[0-9a-f]{64}$"  # an upload's id: the sha256 of its archive
+CONTENT_KEY = "content_sha256"  # in an upload's record: the digest of its files (data.digests)
 _DATASET_ID_RE = re.compile(DATASET_ID_PATTERN)
 
 
@@ -218,13 +221,16 @@ def store_uploaded_dataset(
     expectation: DatasetExpectation,
     max_unpacked_bytes: int,
 ) -> UploadedDataset:
-    """Unpack, validate and keep an uploaded dataset (the same archive again is the same dataset)."""
+    """Unpack, validate and keep an uploaded dataset. The same archive again is the same dataset,
+    and so is another archive of the same files (a gzip's new time stamp, another packer): the
+    tenant's upload with that content answers, stored and billed once (issue 41.18)."""
     from joynexus.data.validation import validate_dataset  # pandas and Great Expectations: only to store one
 
     digest = hashlib.sha256(data).hexdigest()
     home = Path(datasets_dir) / "tenants" / tenant_id
     entry = home / digest
     home.mkdir(parents=True, exist_ok=True)
+    content: str | None = None
     if not entry.is_dir():
         with tempfile.TemporaryDirectory(dir=home, prefix=".upload-") as tmp:
             staging = Path(tmp) / "unpacked"
@@ -235,6 +241,10 @@ def store_uploaded_dataset(
             if report.failures:
                 failure = report.failures[0]
                 raise DatasetUploadError(failure.field, _inside_archive(failure.reason, staging))
+            content = content_digest(root)
+            same = _upload_with_content(home, content)
+            if same is not None:
+                return same
             try:
                 os.rename(root, entry)
             except OSError:
@@ -244,12 +254,28 @@ def store_uploaded_dataset(
     if recorded is not None:
         return recorded
     nbytes = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-    record = {"dataset_id": digest, "repo_id": repo_id, "bytes": nbytes}
+    content = content or content_digest(entry)
+    record = {"dataset_id": digest, "repo_id": repo_id, "bytes": nbytes, CONTENT_KEY: content}
     sidecar = entry.with_name(f"{digest}.json")
     staging_record = sidecar.with_name(f".{digest}.json.tmp")
     staging_record.write_text(json.dumps(record, sort_keys=True) + "\n")
     os.replace(staging_record, sidecar)
     return UploadedDataset(digest, repo_id, entry, nbytes)
+
+
+def _upload_with_content(home: Path, content: str) -> UploadedDataset | None:
+    """The tenant's kept upload whose files digest to `content` (its record says), or None."""
+    for sidecar in sorted(home.glob("*.json")):
+        entry = sidecar.with_suffix("")
+        if not _DATASET_ID_RE.fullmatch(entry.name) or not entry.is_dir():
+            continue
+        try:
+            recorded = json.loads(sidecar.read_text()).get(CONTENT_KEY)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded == content:
+            return _entry(entry)
+    return None
 
 
 def _inside_archive(reason: str, staging: Path) -> str:

@@ -99,6 +99,25 @@ def test_uploads_are_refused_when_unsafe_invalid_or_over_quota(api, arm_dataset,
     assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
 
 
+def test_the_same_files_in_another_archive_are_the_same_upload_stored_and_billed_once(api, arm_dataset):
+    """Issue 41.18: the same folder uploaded twice (another archive format, a gzip's new time stamp)
+    was stored and billed twice under two ids."""
+    tenant = api.tenant("up-same")
+    first = _upload(api, tenant, _tar(arm_dataset, gz=False))
+    assert first.status_code == 201, first.text
+    bytes_once = api.client.get("/v1/usage", headers=tenant.headers).json()["dataset_bytes"]
+    for body in (_zip(arm_dataset), _tar(arm_dataset, gz=True)):
+        again = _upload(api, tenant, body)
+        assert again.status_code == 201 and again.json()["dataset_id"] == first.json()["dataset_id"], again.text
+    assert [d["dataset_id"] for d in api.client.get("/v1/datasets", headers=tenant.headers).json()] == [
+        first.json()["dataset_id"]
+    ]
+    assert api.client.get("/v1/usage", headers=tenant.headers).json()["dataset_bytes"] == bytes_once
+    other = api.tenant("up-same-other")  # per tenant: another tenant's copy is its own
+    assert _upload(api, other, _zip(arm_dataset)).status_code == 201
+    assert len(api.client.get("/v1/datasets", headers=other.headers).json()) == 1
+
+
 def test_malformed_archives_answer_422_naming_the_member_and_no_server_path(api, arm_dataset):
     """Issue 41.4 / 41.7: these answered 500 (and dropped the connection), or named a staging path."""
     from tests.data.test_upload_archives import MALFORMED
