@@ -222,8 +222,8 @@ def store_uploaded_dataset(
     max_unpacked_bytes: int,
 ) -> UploadedDataset:
     """Unpack, validate and keep an uploaded dataset. The same archive again is the same dataset,
-    and so is another archive of the same files (a gzip's new time stamp, another packer): the
-    tenant's upload with that content answers, stored and billed once (issue 41.18)."""
+    and so is another archive of the same files under the same repo id (a gzip's new time stamp,
+    another packer): the tenant's upload with that content answers, stored and billed once (issue 41.18)."""
     from joynexus.data.validation import validate_dataset  # pandas and Great Expectations: only to store one
 
     digest = hashlib.sha256(data).hexdigest()
@@ -242,7 +242,7 @@ def store_uploaded_dataset(
                 failure = report.failures[0]
                 raise DatasetUploadError(failure.field, _inside_archive(failure.reason, staging))
             content = content_digest(root)
-            same = _upload_with_content(home, content)
+            same = _upload_with_content(home, content, repo_id)
             if same is not None:
                 return same
             try:
@@ -263,17 +263,19 @@ def store_uploaded_dataset(
     return UploadedDataset(digest, repo_id, entry, nbytes)
 
 
-def _upload_with_content(home: Path, content: str) -> UploadedDataset | None:
-    """The tenant's kept upload whose files digest to `content` (its record says), or None."""
+def _upload_with_content(home: Path, content: str, repo_id: str) -> UploadedDataset | None:
+    """The tenant's kept upload of `repo_id` whose files digest to `content` (its record says), or
+    None. The same files under another repo id are another dataset (a workload names both)."""
     for sidecar in sorted(home.glob("*.json")):
         entry = sidecar.with_suffix("")
         if not _DATASET_ID_RE.fullmatch(entry.name) or not entry.is_dir():
             continue
         try:
-            recorded = json.loads(sidecar.read_text()).get(CONTENT_KEY)
+            record = json.loads(sidecar.read_text())
+            same = record.get(CONTENT_KEY) == content and record.get("repo_id") == repo_id
         except (OSError, ValueError, AttributeError):
             continue
-        if recorded == content:
+        if same:
             return _entry(entry)
     return None
 

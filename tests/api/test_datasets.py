@@ -113,6 +113,8 @@ def test_the_same_files_in_another_archive_are_the_same_upload_stored_and_billed
         first.json()["dataset_id"]
     ]
     assert api.client.get("/v1/usage", headers=tenant.headers).json()["dataset_bytes"] == bytes_once
+    renamed = api.client.post("/v1/datasets?repo_id=team/arm2", content=_zip(arm_dataset), headers=tenant.headers)
+    assert renamed.json()["dataset_id"] != first.json()["dataset_id"]  # another repo id: another dataset
     other = api.tenant("up-same-other")  # per tenant: another tenant's copy is its own
     assert _upload(api, other, _zip(arm_dataset)).status_code == 201
     assert len(api.client.get("/v1/datasets", headers=other.headers).json()) == 1
