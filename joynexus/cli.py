@@ -46,10 +46,15 @@ def up(
 
     Services the environment already points at (JOYNEXUS_RAY_ADDRESS, PREFECT_API_URL,
     JOYNEXUS_MLFLOW_TRACKING_URI) are used, not started. `joynexus down` stops what this started."""
+    from joynexus.ops.backbone_check import backbone_directory_problem
     from joynexus.ops.supervisor import DeployError
     from joynexus.ops.supervisor import up as deploy_up
 
     settings = _deploy_settings(data_dir)
+    problem = backbone_directory_problem(settings)
+    if problem is not None:
+        typer.echo(problem, err=True)
+        raise typer.Exit(code=2)
     try:
         state = deploy_up(settings, timeout_s=timeout, on_stage=console.log)
     except DeployError as error:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from joynexus.data.normalization import check_modes
 from joynexus.envs.base import image_size_problem
+from joynexus.protocol.spec_yaml import load_spec_yaml
 from joynexus.schema import VLASchema
 
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -42,10 +43,55 @@ class TaskType(StrEnum):
     EVAL = "eval"
 
 
+_NUMBERS = (int, float, bool)
+
+
+def _scalar_types(annotation: Any) -> tuple[set[type], bool]:
+    """(the number / bool types a field or its items take, whether they are items of a list or
+    tuple); `int | None`, `tuple[int, int]` and `list[float]` are looked through."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, UnionType):
+        found = [_scalar_types(arg) for arg in args if arg is not type(None)]
+        return set().union(*(types for types, _ in found)), any(items for _, items in found)
+    if origin in (list, tuple):
+        return {arg for arg in args if arg in _NUMBERS}, True
+    return ({annotation} if annotation in _NUMBERS else set()), False
+
+
+def _coerced(value: Any, types: set[type]) -> str | None:
+    """Why `value` would only pass by coercion (a string for a number or bool, a bool for a
+    number); None: it is what the field takes, or not a scalar at all (the field's own checks)."""
+    if isinstance(value, str):
+        wanted = "true or false" if types == {bool} else "a number"
+        if value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+            wanted = "a finite number"
+        return f"expected {wanted}, not the string {value!r} (write it without quotes)"
+    if isinstance(value, bool) and bool not in types:
+        return f"expected a number, not {value!r}"
+    return None
+
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: `Infinity` / `NaN` (JSON, YAML's .inf, the strings) is refused in every
     # float field of a spec, naming it; a bound like `ge=0` alone lets +inf through.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_coerced_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        """Numbers and flags are taken as written (`state_dim: "4"` is refused, not read as 4):
+        pydantic's lax mode would coerce them, and a quoted number is usually a mistake elsewhere."""
+        if info.field_name is None:
+            return value
+        types, items = _scalar_types(cls.model_fields[info.field_name].annotation)
+        if not types:
+            return value
+        values = value if items and isinstance(value, (list, tuple)) else [] if items else [value]
+        for item in values:
+            reason = _coerced(item, types)
+            if reason is not None:
+                raise ValueError(reason)
+        return value
 
 
 class ActionModuleSpec(_Strict):
@@ -131,6 +177,13 @@ class DatasetSpec(_Strict):
     # The last N episodes are held out of training: the dataset-only tenant's promotion metric
     # (held-out loss, joynexus.master.workloads.heldout) is measured on them. 0: none held out.
     validation_episodes: int = Field(default=0, ge=0, le=100_000)
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_a_path(cls, root: str | None) -> str | None:
+        if root is not None and "\x00" in root:
+            raise ValueError(f"{root!r} holds a NUL byte: a path cannot (give the dataset folder's path)")
+        return root
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -322,7 +375,7 @@ def parse_workload_spec(data: dict[str, Any] | str | Path) -> WorkloadSpec:
         path = Path(data)
         if not path.is_file():
             raise SpecError([("spec", f"file {str(path)!r} does not exist")])
-        data = yaml.safe_load(path.read_text())
+        data = load_spec_yaml(path.read_text())
         if not isinstance(data, dict):
             raise SpecError([("spec", f"file {str(path)!r} does not hold a mapping")])
     try:

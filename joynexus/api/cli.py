@@ -31,6 +31,9 @@ workload_app = typer.Typer(
 dataset_app = typer.Typer(
     help="Datasets your tenant uploaded: upload, list, delete.", no_args_is_help=True, context_settings=HELP_SETTINGS
 )
+spec_app = typer.Typer(
+    help="Workload specs: write one from a LeRobot dataset.", no_args_is_help=True, context_settings=HELP_SETTINGS
+)
 
 URL = typer.Option(None, "--url", envvar="JOYNEXUS_URL", help="API base URL.", show_default="http://127.0.0.1:8765")
 API_KEY = typer.Option(None, "--api-key", envvar="JOYNEXUS_API_KEY", help="Your tenant's API key.")
@@ -113,6 +116,7 @@ def serve(
         console.print(f"[red]--services: {services!r} is not one of ['ray', 'in-process']")
         raise typer.Exit(code=2)
     settings = Settings(data_dir=data_dir.resolve()) if data_dir is not None else Settings()
+    _refuse_an_unservable_backbone(settings)
     console.log(f"connecting to the services ({services}) of {settings.data_dir}")
     from joynexus.ops.role_follower import outlive_ray_restarts
 
@@ -130,6 +134,16 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         cluster.close()
+
+
+def _refuse_an_unservable_backbone(settings: Any) -> None:
+    """Exit 2 with one line when JOYNEXUS_BACKBONE_PATH names a model_type no family serves."""
+    from joynexus.ops.backbone_check import backbone_directory_problem
+
+    problem = backbone_directory_problem(settings)
+    if problem is not None:
+        typer.echo(problem, err=True)
+        raise typer.Exit(code=2)
 
 
 # -- tenants (admin) ------------------------------------------------------------------------------
@@ -584,12 +598,42 @@ def fork(
         console.print(f"API key (shown once): {forked.key.api_key}", markup=False)
 
 
+@spec_app.command("from-dataset")
+def spec_from_dataset_command(
+    root: Path = typer.Argument(..., help="A LeRobot dataset folder (with meta/info.json)."),
+    tenant: str = typer.Option("my-tenant", help="The tenant id the spec names."),
+    base_model: str = typer.Option("joynexus/tiny-smolvlm", help="The server's base model (GET /v1/base_model)."),
+    action_chunk: int = typer.Option(4, min=1, help="Actions predicted per step."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write here.", show_default="stdout"),
+) -> None:
+    """Write the SFT spec a LeRobot dataset needs: its cameras, image size, state and action dims.
+    Then `joynexus tenant create` it (or create the tenant first and `joynexus dataset upload` the
+    folder: the upload is checked against the same observation block)."""
+    import yaml
+
+    from joynexus.data.dataset_spec import DatasetSpecError, spec_from_dataset
+    from joynexus.data.lerobot_dataset import NotALeRobotDatasetError
+
+    try:
+        spec = spec_from_dataset(root, tenant=tenant, base_model=base_model, action_chunk=action_chunk)
+    except (DatasetSpecError, NotALeRobotDatasetError) as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(code=2) from None
+    text = yaml.safe_dump(spec, sort_keys=False)
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        console.print(f"wrote {output}")
+
+
 def register(app: typer.Typer) -> None:
     """Add the tenant-API commands to the main `joynexus` app."""
     app.command("serve", context_settings=HELP_SETTINGS)(serve)
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(workload_app, name="workload")
     app.add_typer(dataset_app, name="dataset")
+    app.add_typer(spec_app, name="spec")
     app.command("versions", context_settings=HELP_SETTINGS)(versions)
     app.command("export", context_settings=HELP_SETTINGS)(export)
     app.command("delete-version", context_settings=HELP_SETTINGS)(delete_version)

@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from joynexus.api.auth import ApiKeyStore
+from joynexus.api.errors import InvalidInput
 from joynexus.protocol.wire import MSGPACK_MEDIA_TYPES, msgpack_loads
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -278,16 +279,39 @@ def refuse_unread_if_told_to_wait(request: Request) -> None:
         limiter.refuse_unread(principal.tenant_id, request.scope["path"])
 
 
+_EMPTY_BODIES = (None, {})  # what a client may send to a route that takes no body (e.g. `json={}`)
+
+
+async def refuse_an_unread_body(request: Request, media: str) -> None:
+    """422 on `body` for a route that takes none but was sent one: its fields would be dropped
+    without a word (a futures optim_step ignored `lr` and answered 202)."""
+    raw = await request.body()
+    if not raw.strip():
+        return
+    try:
+        decoded = msgpack_loads(raw) if media in MSGPACK_MEDIA_TYPES else json.loads(raw)
+    except Exception:  # undecodable: still a body the route would not read
+        decoded = raw
+    if decoded in _EMPTY_BODIES:
+        return
+    named = f" (fields {sorted(map(str, decoded))})" if isinstance(decoded, dict) else ""
+    route = f"{request.method} {request.scope['path']}"
+    raise InvalidInput("body", f"{route} takes no body, and would not read the one sent{named}: send none")
+
+
 class WireRoute(APIRoute):
     """An APIRoute whose JSON body may also arrive as msgpack (same model, raw tensor bytes), and
     whose body is not read for a tenant told to wait (`refuse_unread_if_told_to_wait`)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        takes_no_body = self.body_field is None
 
         async def route(request: Request) -> Response:
             refuse_unread_if_told_to_wait(request)
             media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if takes_no_body and request.method in _BODY_METHODS:
+                await refuse_an_unread_body(request, media)
             if media in MSGPACK_MEDIA_TYPES:
                 body = await request.body()
                 scope = dict(request.scope)

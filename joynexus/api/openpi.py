@@ -7,9 +7,14 @@ with ``"actions"``. Arrays travel in openpi's msgpack-numpy form (`protocol.open
 is a TEXT frame (openpi's client raises ``RuntimeError("Error in inference server:\\n<text>")``);
 unlike openpi's server ours keeps the connection open after a bad observation.
 
+The same server also answers at ``/`` (`OPENPI_DEFAULT_PATH`), where openpi's own example form
+``WebsocketClientPolicy(host="<server>", port=8765)`` connects (it appends no path).
+
 Authentication: the tenant's API key as ``Authorization: Api-Key <key>`` (what
-``WebsocketClientPolicy(..., api_key=key)`` sends) or ``Bearer <key>``, or a first frame
-``{"type": "hello", "api_key": key}``. Refusals close with 1008 before any metadata. The limits
+``WebsocketClientPolicy(..., api_key=key)`` sends) or ``Bearer <key>``. A connection without one is
+refused at once: an openpi client waits for the metadata and sends nothing first, so waiting for a
+hello frame (as `/v1/stream` does) only delayed its refusal by `auth_timeout_s`. Refusals close
+with 1008 before any metadata. The limits
 are `/v1/stream`'s (`StreamSettings`): frame size, the connection count per tenant (shared with
 /v1/stream), auth and request timeouts; a connection has one request in flight (openpi's protocol
 is request / answer). Every request goes through the gateway's predict, i.e. the shared Inference
@@ -41,6 +46,7 @@ from pydantic import ValidationError
 
 from joynexus.actors import role_unavailable_errors
 from joynexus.api.abandoned import keyed_predict
+from joynexus.api.auth import Principal
 from joynexus.api.errors import ApiError, role_away, validation_problems
 from joynexus.api.streaming import CLOSE_POLICY, PolicyStream, _Refused, tenant_interface
 from joynexus.core.tenants import TenantBackendConfig
@@ -49,6 +55,10 @@ from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import tensor
 
 OPENPI_PATH = "/v1/openpi"
+OPENPI_DEFAULT_PATH = "/"  # where WebsocketClientPolicy(host=, port=) connects
+MISSING_KEY = (  # a close reason: at most 120 bytes
+    "missing API key: pass WebsocketClientPolicy(..., api_key=<tenant key>) (header 'Authorization: Api-Key <key>')"
+)
 _IMAGE_PREFIXES = ("observation/images/", "images/")
 _KNOWN = {"images", "state", "observation/state", "prompt", "policy_version", "seed"}
 
@@ -175,7 +185,13 @@ class OpenPiStream(PolicyStream):
     def router(self) -> APIRouter:
         router = APIRouter()
         router.add_api_websocket_route(OPENPI_PATH, self.serve, name="openpi_policy_server")
+        router.add_api_websocket_route(OPENPI_DEFAULT_PATH, self.serve, name="openpi_policy_server_default_path")
         return router
+
+    async def _authenticate(self, websocket: WebSocket) -> Principal:
+        if websocket.headers.get("authorization") is None:
+            raise _Refused(CLOSE_POLICY, MISSING_KEY)
+        return await super()._authenticate(websocket)
 
     def _decode(self, data: bytes) -> Any:
         return openpi_wire.unpack(data)
@@ -242,4 +258,6 @@ class OpenPiStream(PolicyStream):
         }
 
 
-__all__ = ["OPENPI_PATH", "ObservationError", "OpenPiStream", "predict_request", "server_metadata"]
+__all__ = [
+    "OPENPI_DEFAULT_PATH", "OPENPI_PATH", "ObservationError", "OpenPiStream", "predict_request", "server_metadata",
+]  # fmt: skip

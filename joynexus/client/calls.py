@@ -14,6 +14,7 @@ from joynexus.client.errors import InvalidArgument, SpecFileError
 from joynexus.client.transport import Call
 from joynexus.protocol import schemas as s
 from joynexus.protocol import state_control as sc
+from joynexus.protocol.spec_yaml import load_spec_yaml
 from joynexus.protocol.wire import (
     Tensor,
     TensorKind,
@@ -75,7 +76,7 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
             raise SpecFileError(path, f"JSON syntax error: {error.msg}", error.lineno, error.colno) from None
     else:
         try:
-            data = yaml.safe_load(text)
+            data = load_spec_yaml(text)
         except yaml.MarkedYAMLError as error:
             mark = error.problem_mark or error.context_mark
             reason = ": ".join(part for part in (error.context, error.problem) if part) or "not valid YAML"

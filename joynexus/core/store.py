@@ -244,6 +244,22 @@ class TenantTombstoneRecord(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     reason: Mapped[str] = mapped_column(Text)
     deleted_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantForkRecord(Base):
+    """A tenant made by `fork` (issue 41.3). `owner_tenant_id` is the tenant whose key made the
+    first fork of the line (a fork of a fork has its source's owner): the line's spend and storage
+    count against the owner's quotas, and the owner lists and deletes its forks."""
+
+    __tablename__ = "tenant_forks"
+
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner_tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    source_tenant_id: Mapped[str] = mapped_column(String(64))
+    source_version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ServingSetRecord(Base):
     """What the Inference Model Service serves for one tenant (`core/serving_sets.py`): its loaded
     versions and the one a request without a version gets, restored on every restart path."""

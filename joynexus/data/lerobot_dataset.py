@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -365,6 +366,12 @@ def _chw(feature: dict[str, Any]) -> tuple[int, int, int]:
 def _load_metadata(root: Path, repo_id: str | None):  # -> LeRobotDatasetMetadata
     _check_dataset_root(root)
     from lerobot.datasets.lerobot_dataset import LeRobotDatasetMetadata
+
+    info = root / "meta" / "info.json"
+    try:  # named here: lerobot's own error says neither the file nor that it is not JSON
+        json.loads(info.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise NotALeRobotDatasetError(f"{info} is not valid JSON: {exc}") from None
 
     try:
         return LeRobotDatasetMetadata(repo_id or _repo_id_from_root(root), root=root)

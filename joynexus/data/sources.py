@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from joynexus.artifacts.s3 import split_s3_uri
+from joynexus.data.digests import DATASET_MANIFEST_FILE, _pair_digest, content_digest
 from joynexus.data.uploads import find_tenant_dataset
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ __all__ = [
     "resolve_dataset_source",
 ]
 
-DATASET_MANIFEST_FILE = "joynexus_dataset.json"
 MAX_DATASET_OBJECTS = 100_000  # a prefix with more objects than a LeRobot dataset has is refused
 
 
@@ -100,27 +100,6 @@ class FetchedDataset:
 
     def __repr__(self) -> str:
         return f"FetchedDataset(root={str(self.root)!r}, sha256={self.sha256!r})"
-
-
-def _pair_digest(files: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
-
-
-def content_digest(root: str | Path) -> str:
-    """The digest of a dataset folder's content, the one an S3 fetch records: sha256 over the
-    sorted (relative path, file sha256) pairs (hidden files and the cache manifest left out)."""
-    base = Path(root)
-    files: dict[str, str] = {}
-    for path in sorted(p for p in base.rglob("*") if p.is_file()):
-        relative = path.relative_to(base).as_posix()
-        if relative == DATASET_MANIFEST_FILE or any(part.startswith(".") for part in PurePosixPath(relative).parts):
-            continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        files[relative] = digest.hexdigest()
-    return _pair_digest(files)
 
 
 def _relative_key(key: str, prefix: str) -> str:

@@ -14,6 +14,7 @@ Failures carry spec-facing field names ("dataset.action_dim", "dataset.cameras",
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import time
@@ -136,6 +137,50 @@ def _schema_failures(info: DatasetInfo, exp: DatasetExpectation) -> list[Validat
 # --------------------------------------------------------------------------------------
 # Data checks (Great Expectations on the frame table)
 # --------------------------------------------------------------------------------------
+
+
+def _frame_image_failures(root: Path, info: DatasetInfo, exp: DatasetExpectation) -> list[ValidationFailure]:
+    """The first stored frame of each expected image camera against what info.json declares: a
+    dataset whose metadata says 32 px and whose frames hold 48 px passed every other check, and
+    only training found out. One PNG per camera is decoded (video cameras are not read here)."""
+    import pyarrow.parquet as pq
+    from PIL import Image, UnidentifiedImageError
+
+    files = sorted((root / "data").rglob("*.parquet"))
+    cameras = [c for c in exp.cameras if c in info.image_shapes and c not in info.stored_as_video]
+    if not files or not cameras:
+        return []
+    first = files[0]
+    shown = first.relative_to(root).as_posix()
+    names = set(pq.read_schema(first).names)
+    out = []
+    for camera in cameras:
+        column = f"observation.images.{camera}"
+        if column not in names:
+            out.append(ValidationFailure("dataset.cameras", f"camera {camera!r}: {shown} has no column {column!r}"))
+            continue
+        cell = pq.read_table(first, columns=[column]).slice(0, 1).to_pylist()
+        data = (cell[0][column] or {}).get("bytes") if cell and isinstance(cell[0][column], dict) else None
+        if not data:
+            continue  # stored by path (not embedded): lerobot reads it from there
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                channels = len(image.getbands())
+        except (UnidentifiedImageError, OSError) as error:
+            reason = f"camera {camera!r}: {shown} row 0 is not an image ({error})"
+            out.append(ValidationFailure("dataset.image_size", reason))
+            continue
+        declared = info.image_shapes[camera]
+        if (channels, height, width) != tuple(declared):
+            out.append(
+                ValidationFailure(
+                    "dataset.image_size",
+                    f"camera {camera!r}: meta/info.json declares {declared[1]}x{declared[2]} (HxW) with {declared[0]} "
+                    f"channels, but its first frame ({shown}, row 0) is {height}x{width} with {channels}",
+                )
+            )
+    return out
 
 
 def _read_frames(root: Path) -> pd.DataFrame:
@@ -316,6 +361,7 @@ def validate_dataset(
         failures.append(ValidationFailure("dataset.root", str(exc)))
     else:
         failures.extend(_schema_failures(info, expectation))
+        failures.extend(_frame_image_failures(root, info, expectation))
         try:
             frames = _read_frames(root)
         except (NotALeRobotDatasetError, OSError, ValueError) as exc:

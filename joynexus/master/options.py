@@ -25,6 +25,9 @@ class MasterOptions(BaseModel):
     default_max_storage_bytes: int | None = Field(
         default=None, ge=0, description="checkpoint bytes per tenant; None: no quota"
     )
+    # Forks one tenant may own (forks of its forks count against it too): each is a tenant with a
+    # checkpoint copy and a training slot, made in a fraction of a second (issue 41.3).
+    max_forks_per_tenant: int = Field(default=16, ge=0)
     health: HealthOptions = Field(default_factory=HealthOptions)
     # Housekeeping (joynexus.master.tenant_lifecycle): checkpoint crash leftovers older than the
     # grace are swept at start and then this often; unhealthy tenants' slots are retried this often.

@@ -511,6 +511,21 @@ class MasterService:
 
         return fork_tenant(self, self.check_tenant(tenant_id), new_tenant, version=version, overrides=overrides)
 
+    def forks(self, owner_tenant_id: str) -> list[dict[str, Any]]:
+        """The forks the tenant owns (forks of its forks too), oldest first."""
+        self.get_tenant(owner_tenant_id)
+        return self.ledger.forks(owner_tenant_id)
+
+    def max_forks_per_tenant(self) -> int:
+        return self.options.max_forks_per_tenant
+
+    def delete_fork(self, owner_tenant_id: str, fork_tenant_id: str) -> dict[str, Any]:
+        """Delete a fork the tenant owns with its artifacts (KeyError when it owns no such fork)."""
+        self.get_tenant(owner_tenant_id)
+        if fork_tenant_id not in {fork["tenant_id"] for fork in self.ledger.forks(owner_tenant_id)}:
+            raise KeyError(f"tenant {owner_tenant_id!r} owns no fork {fork_tenant_id!r}")
+        return self.delete_tenant(fork_tenant_id, delete_artifacts=True)
+
     # -- evaluation declarations (paper 4.2) --------------------------------------------------------
     def declare_evaluation(
         self,

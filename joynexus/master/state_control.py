@@ -13,6 +13,9 @@ fork that fails at any step leaves neither a tenant nor a checkpoint behind.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from joynexus.artifacts import VERSION_CREATED_AT_KEY
@@ -21,7 +24,7 @@ from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORK_OVERRIDES", "fork_spec", "fork_tenant", "load_state"]
+__all__ = ["FORK_OVERRIDES", "ForkLimitReached", "fork_spec", "fork_tenant", "load_state"]
 
 # What a fork may change; everything else is the source's (a fork keeps its schema).
 FORK_OVERRIDES = ("learning_rate", "seed")
@@ -85,38 +88,102 @@ def _copy_checkpoint(checkpoints: Any, source_id: str, version: int, new_tenant:
     )
 
 
+class ForkLimitReached(RuntimeError):
+    """The owner of a fork line has `max_forks_per_tenant` forks already."""
+
+
+# New tenant ids being forked right now, per deployment: a second fork racing for the same id is
+# refused at once (TenantExists, 409) instead of colliding with the first one's checkpoint write.
+_forking: set[tuple[int, str]] = set()
+_forking_lock = threading.Lock()
+
+
+@contextmanager
+def _claim_fork_name(deployment: Any, new_tenant: str) -> Iterator[None]:
+    from joynexus.master.tenant_creator import TenantExists
+
+    key = (id(deployment), new_tenant)
+    with _forking_lock:
+        if key in _forking:
+            raise TenantExists([("new_tenant", f"tenant {new_tenant!r} is being created by another fork right now")])
+        _forking.add(key)
+    try:
+        yield
+    finally:
+        with _forking_lock:
+            _forking.discard(key)
+
+
+def _check_fork_bound(master: Any, source: Tenant) -> None:
+    limit = master.options.max_forks_per_tenant
+    owner, line = master.ledger.fork_line(source.tenant_id)
+    if len(line) - 1 >= limit:
+        raise ForkLimitReached(
+            f"tenant {owner!r} already owns {len(line) - 1} forks (max_forks_per_tenant is {limit}; forks of "
+            "forks count against the first fork's owner); delete one (DELETE /v1/forks/{tenant_id}) first"
+        )
+
+
 def fork_tenant(
     master: Any, source: Tenant, new_tenant: str, *, version: int | None = None, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Create `new_tenant` from `source`'s `version` (module docstring). Returns the new Tenant, the
-    source version forked and the new tenant's version (0). Raises SpecError naming the field
-    (`new_tenant`, `version`, `overrides.*`), TenantExists if the id is taken."""
-    from joynexus.master.tenant_creator import TenantExists
-
+    source version forked, the new tenant's version (0) and the owner of its fork line. Raises
+    SpecError naming the field (`new_tenant`, `version`, `overrides.*`), TenantExists if the id is
+    taken or being forked, ForkLimitReached past `max_forks_per_tenant`."""
     deployment = master.deployment
     spec = fork_spec(source, new_tenant, overrides)
+    with _claim_fork_name(deployment, new_tenant):
+        _check_new_id(deployment, new_tenant)
+        _check_fork_bound(master, source)
+        forked = _source_version(deployment, source, version)
+        _copy_checkpoint(deployment.checkpoints, source.tenant_id, forked, new_tenant)
+        try:
+            # An upload the source trains on (dataset.id) stays the source's: the fork names it from there.
+            tenant = master.create_tenant(spec, starts_from_checkpoint=True, dataset_owner=source.tenant_id)
+            owner = master.ledger.record_fork(new_tenant, source.tenant_id, forked)
+        except BaseException:
+            _undo_fork(master, new_tenant)
+            raise
+    return {
+        "tenant": tenant,
+        "forked_from": {"tenant_id": source.tenant_id, "version": forked},
+        "version": 0,
+        "owner": owner,
+    }
+
+
+def _check_new_id(deployment: Any, new_tenant: str) -> None:
+    from joynexus.master.tenant_creator import TenantExists
+    from joynexus.master.tenant_lifecycle import check_id_reusable
+
     try:
         deployment.creator.get(new_tenant)
     except KeyError:
         pass
     else:
         raise TenantExists([("new_tenant", f"tenant {new_tenant!r} already exists")])
-    from joynexus.master.tenant_lifecycle import check_id_reusable
-
     check_id_reusable(deployment, new_tenant)  # a retired id, or an earlier tenant's leftovers
     checkpoints = deployment.checkpoints
     if checkpoints.versions(new_tenant) or checkpoints.latest_version(new_tenant) is not None:
         raise SpecError([("new_tenant", f"checkpoints of an earlier tenant {new_tenant!r} remain; choose another id")])
-    forked = _source_version(deployment, source, version)
-    _copy_checkpoint(checkpoints, source.tenant_id, forked, new_tenant)
+
+
+def _undo_fork(master: Any, new_tenant: str) -> None:
+    """A fork failed after its checkpoint was written: remove the tenant (if it was created) and
+    the checkpoint; reported, the original error is the one raised."""
+    deployment = master.deployment
     try:
-        # An upload the source trains on (dataset.id) stays the source's: the fork names it from there.
-        tenant = master.create_tenant(spec, starts_from_checkpoint=True, dataset_owner=source.tenant_id)
-    except BaseException:
+        deployment.creator.get(new_tenant)
+    except KeyError:
+        pass
+    else:
         try:
-            checkpoints.delete_tenant(new_tenant)
-        except Exception:  # reported, the original error is the one to raise
-            log.warning("fork %s: its checkpoint could not be removed after a failed create", new_tenant,
-                        exc_info=True)  # fmt: skip
-        raise
-    return {"tenant": tenant, "forked_from": {"tenant_id": source.tenant_id, "version": forked}, "version": 0}
+            master.delete_tenant(new_tenant, delete_artifacts=True)
+            return
+        except Exception:
+            log.warning("fork %s: the tenant could not be removed after a failed fork", new_tenant, exc_info=True)
+    try:
+        deployment.checkpoints.delete_tenant(new_tenant)
+    except Exception:
+        log.warning("fork %s: its checkpoint could not be removed after a failed create", new_tenant, exc_info=True)

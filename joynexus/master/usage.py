@@ -26,12 +26,19 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 
 from joynexus.core.metering import ENVIRONMENT, INFERENCE, TRAINING
-from joynexus.core.store import ControlPlaneStore, TenantQuotaRecord, TrainingJobRecord, UsageRecord, utcnow
+from joynexus.core.store import (
+    ControlPlaneStore,
+    TenantForkRecord,
+    TenantQuotaRecord,
+    TrainingJobRecord,
+    UsageRecord,
+    utcnow,
+)
 from joynexus.data.uploads import tenant_dataset_bytes
 from joynexus.protocol.schemas import DeviceSeconds, Quota, QuotaUpdate, Usage
 
@@ -144,30 +151,97 @@ class UsageLedger:
     def check_spend(self, tenant_id: str, *, storage: bool = True) -> None:
         """Raise SpendCapReached when the tenant has used up its device-seconds, and (unless
         `storage=False`, for calls that write no checkpoint) StorageQuotaReached when its
-        checkpoints take its whole storage quota."""
-        cap = self.quota(tenant_id).max_device_seconds
-        if cap is not None:
-            spent = self.device_seconds(tenant_id).total
+        checkpoints take its whole storage quota. A tenant of a fork line (an owner with forks, or
+        a fork) is also held to the owner's quotas over the whole line, so a fork made before its
+        source reached a quota stops with it."""
+        owner, line = self.fork_line(tenant_id)
+        checks = [(tenant_id, [tenant_id])] + ([(owner, line)] if len(line) > 1 else [])
+        for quota_of, members in checks:
+            cap = self.quota(quota_of).max_device_seconds
+            if cap is None:
+                continue
+            spent = sum(self.device_seconds(member).total for member in members)
             if spent >= cap:
+                whose = _whose(tenant_id, quota_of, members)
                 raise SpendCapReached(
-                    f"tenant {tenant_id!r} has spent {spent:.3f} of its {cap:.3f} device-seconds "
-                    "(quota.max_device_seconds); no new work is admitted until an admin raises the quota"
+                    f"{whose} has spent {spent:.3f} of {cap:g} device-seconds (quota.max_device_seconds); "
+                    "no new work is admitted until an admin raises the quota"
                 )
         if storage:
-            self.check_storage(tenant_id)
+            for quota_of, members in checks:
+                self._check_storage(tenant_id, quota_of, members)
 
     def check_storage(self, tenant_id: str) -> None:
         """Raise StorageQuotaReached when the tenant's checkpoint and dataset bytes reach its storage quota."""
-        allowed = self.max_storage_bytes(tenant_id)
+        self._check_storage(tenant_id, tenant_id, [tenant_id])
+
+    def _check_storage(self, tenant_id: str, quota_of: str, members: list[str]) -> None:
+        allowed = self.max_storage_bytes(quota_of)
         if allowed is None:
             return  # no quota: no listing of the tenant's checkpoints either
-        used = self.storage_bytes(tenant_id)
+        used = sum(self.storage_bytes(member) for member in members)
         if used >= allowed:
             raise StorageQuotaReached(
-                f"tenant {tenant_id!r} stores {used:,} bytes of checkpoints and datasets, at or above its quota "
-                f"of {allowed:,} bytes (quota.max_storage_bytes); no new work is admitted until old "
-                "checkpoints are pruned or deleted (or uploads deleted), or an admin raises the quota"
+                f"{_whose(tenant_id, quota_of, members)} stores {used:,} bytes of checkpoints and datasets, at or "
+                f"above the quota of {allowed:,} bytes (quota.max_storage_bytes); no new work is admitted until old "
+                "checkpoints are pruned or deleted (or uploads or forks deleted), or an admin raises the quota"
             )
+
+    # -- fork lines (issue 41.3) --------------------------------------------------------------
+    def fork_line(self, tenant_id: str) -> tuple[str, list[str]]:
+        """(the owner of the tenant's fork line, [owner, *its forks]); a tenant outside any line is
+        its own owner, alone."""
+        with self.store.read() as session:
+            record = session.get(TenantForkRecord, tenant_id)
+            owner = tenant_id if record is None else record.owner_tenant_id
+            forks = session.scalars(
+                select(TenantForkRecord.tenant_id).where(TenantForkRecord.owner_tenant_id == owner)
+            ).all()
+        return owner, [owner, *sorted(forks)]
+
+    def forks(self, owner_tenant_id: str) -> list[dict[str, Any]]:
+        """The forks the tenant owns (forks of its forks too), oldest first."""
+        query = (
+            select(TenantForkRecord)
+            .where(TenantForkRecord.owner_tenant_id == owner_tenant_id)
+            .order_by(TenantForkRecord.created_at, TenantForkRecord.tenant_id)
+        )
+        with self.store.read() as session:
+            return [
+                {
+                    "tenant_id": r.tenant_id,
+                    "source_tenant_id": r.source_tenant_id,
+                    "source_version": r.source_version,
+                    "created_at": r.created_at.timestamp(),
+                }
+                for r in session.scalars(query)
+            ]
+
+    def record_fork(self, tenant_id: str, source_tenant_id: str, source_version: int) -> str:
+        """Record `tenant_id` as a fork of `source_tenant_id` with a copy of the source's own quota
+        row (its limits, not the server defaults, which the fork gets anyway); returns the owner."""
+        with self.store.transaction() as session:
+            source_fork = session.get(TenantForkRecord, source_tenant_id)
+            owner = source_tenant_id if source_fork is None else source_fork.owner_tenant_id
+            session.add(
+                TenantForkRecord(
+                    tenant_id=tenant_id,
+                    owner_tenant_id=owner,
+                    source_tenant_id=source_tenant_id,
+                    source_version=source_version,
+                )
+            )
+            quota = session.get(TenantQuotaRecord, source_tenant_id)
+            if quota is not None:
+                session.merge(
+                    TenantQuotaRecord(
+                        tenant_id=tenant_id,
+                        max_device_seconds=quota.max_device_seconds,
+                        max_queued_workloads=quota.max_queued_workloads,
+                        max_storage_bytes=quota.max_storage_bytes,
+                    )
+                )
+        return owner
 
     # -- reading ------------------------------------------------------------------------------
     def device_seconds(self, tenant_id: str) -> DeviceSeconds:
@@ -252,3 +326,10 @@ class UsageLedger:
                     seconds += float(result.get("seconds") or 0.0)
                     samples += int(result.get("samples") or 0)
         return seconds, samples
+
+
+def _whose(tenant_id: str, quota_of: str, members: list[str]) -> str:
+    """Who a refusal is about: the tenant alone, or its fork line under the owner's quota."""
+    if members == [tenant_id]:
+        return f"tenant {tenant_id!r}"
+    return f"tenant {tenant_id!r}'s fork line (owner {quota_of!r} and its forks {members[1:]})"

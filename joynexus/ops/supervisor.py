@@ -274,6 +274,7 @@ def up(
 def _refuse_busy_ports(settings: Settings) -> None:
     """Fail before starting anything when a port `up` would listen on is taken, or the Ray head's
     ports overlap Ray's worker range or the other services (`ray_ports`)."""
+    _refuse_an_unreachable_ray_address(settings)
     block = None
     if not settings.ray_address:  # the settings themselves first: an overlap is refused even when free
         _refuse_long_ray_temp_dir(settings)
@@ -292,6 +293,23 @@ def _refuse_busy_ports(settings: Settings) -> None:
             f"{settings.ray_port + BLOCK_SIZE - 1}; in use on {HOST}: {listed} (another deployment?); "
             "choose another JOYNEXUS_RAY_PORT"
         )
+
+
+def _refuse_an_unreachable_ray_address(settings: Settings) -> None:
+    """A JOYNEXUS_RAY_ADDRESS nothing answers at is refused at once (issue 41.15): a shell that
+    sourced an earlier deployment's env.sh keeps it after `down`, and `up` then started no head
+    and waited out its timeout for the one named."""
+    address = settings.ray_address
+    if not address or "://" in address or address == "auto":
+        return  # a Ray Client address, or Ray's own lookup: Ray says what it finds
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or _port_open(host or HOST, int(port)):
+        return
+    raise DeployError(
+        f"JOYNEXUS_RAY_ADDRESS is {address!r} and nothing answers there (inherited from a shell that sourced "
+        "the env.sh of a deployment since stopped?); unset it (`unset JOYNEXUS_RAY_ADDRESS`) to start a Ray "
+        "head here, or point it at a running one"
+    )
 
 
 # What Ray puts under the head's temp dir: session_<date>_<time>_<microseconds>_<pid up to 7 digits>/

@@ -63,3 +63,22 @@ class TenantForked(BaseModel):
     key: IssuedKey | None = None
     forked_from: ForkedFrom
     version: int  # the new tenant's version holding the forked weights (0)
+    owner: str | None = None  # the tenant whose quotas the fork counts against (GET /v1/forks lists it)
+
+
+class ForkInfo(BaseModel):
+    """A fork the caller owns (GET /v1/forks): made from `source_tenant_id` at `source_version`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tenant_id: str
+    source_tenant_id: str
+    source_version: int
+    created_at: float  # unix seconds
+
+
+class ForkList(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    forks: list[ForkInfo]
+    max_forks: int | None = None  # how many forks the caller may own (max_forks_per_tenant)

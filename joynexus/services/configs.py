@@ -9,13 +9,15 @@ the configs together.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from joynexus.actors import ActorName, handle_of, named_actor
 from joynexus.artifacts.s3 import export_endpoint
 from joynexus.artifacts.stores import checkpoint_blobs
-from joynexus.models.backbone import BackboneSource
+from joynexus.models.backbone import METADATA_FILE, BackboneSource
 from joynexus.models.placement import DevicePlacement
 from joynexus.scheduling.training_queue import TRAINING_QUEUE_ACTOR_NAME, TrainingQueue
 from joynexus.services.environment.service import (
@@ -41,12 +43,32 @@ from joynexus.settings import RoleResources, ScalingPolicy, Settings
 def backbone_source(settings: Settings) -> BackboneSource:
     """The resident backbone the settings name: a local checkpoint directory, else a preset."""
     if settings.backbone_path:
-        return BackboneSource(preset=None, path=settings.backbone_path, model_id=settings.backbone_id)
+        model_id = settings.backbone_id or directory_model_id(settings.backbone_path)
+        return BackboneSource(preset=None, path=settings.backbone_path, model_id=model_id)
     return BackboneSource(
         preset=settings.backbone_preset,
         image_size=settings.backbone_image_size,
         feature_layers=settings.backbone_feature_layers,
     )
+
+
+def directory_model_id(path: str | Path) -> str | None:
+    """The id a plain checkpoint directory is served under when JOYNEXUS_BACKBONE_ID is unset and
+    its config.json has no `_name_or_path` (transformers' save_pretrained writes none): the
+    directory's own name (e.g. `SmolVLM-256M-Instruct`), which a tenant's base_model can say,
+    instead of this server's absolute path (issue 41.11). None: the directory names its own id
+    (JoyNexus metadata, or `_name_or_path`), or it is not readable (the loader says why)."""
+    root = Path(path).expanduser()
+    if (root / METADATA_FILE).is_file():
+        return None
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name_or_path = config.get("_name_or_path") if isinstance(config, dict) else None
+    if isinstance(name_or_path, str) and name_or_path:
+        return None
+    return root.resolve().name or None
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,44 @@ def test_uploads_are_refused_when_unsafe_invalid_or_over_quota(api, arm_dataset,
     assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
 
 
+def test_the_same_files_in_another_archive_are_the_same_upload_stored_and_billed_once(api, arm_dataset):
+    """Issue 41.18: the same folder uploaded twice (another archive format, a gzip's new time stamp)
+    was stored and billed twice under two ids."""
+    tenant = api.tenant("up-same")
+    first = _upload(api, tenant, _tar(arm_dataset, gz=False))
+    assert first.status_code == 201, first.text
+    bytes_once = api.client.get("/v1/usage", headers=tenant.headers).json()["dataset_bytes"]
+    for body in (_zip(arm_dataset), _tar(arm_dataset, gz=True)):
+        again = _upload(api, tenant, body)
+        assert again.status_code == 201 and again.json()["dataset_id"] == first.json()["dataset_id"], again.text
+    assert [d["dataset_id"] for d in api.client.get("/v1/datasets", headers=tenant.headers).json()] == [
+        first.json()["dataset_id"]
+    ]
+    assert api.client.get("/v1/usage", headers=tenant.headers).json()["dataset_bytes"] == bytes_once
+    renamed = api.client.post("/v1/datasets?repo_id=team/arm2", content=_zip(arm_dataset), headers=tenant.headers)
+    assert renamed.json()["dataset_id"] != first.json()["dataset_id"]  # another repo id: another dataset
+    other = api.tenant("up-same-other")  # per tenant: another tenant's copy is its own
+    assert _upload(api, other, _zip(arm_dataset)).status_code == 201
+    assert len(api.client.get("/v1/datasets", headers=other.headers).json()) == 1
+
+
+def test_malformed_archives_answer_422_naming_the_member_and_no_server_path(api, arm_dataset):
+    """Issue 41.4 / 41.7: these answered 500 (and dropped the connection), or named a staging path."""
+    from tests.data.test_upload_archives import MALFORMED
+
+    tenant = api.tenant("up-malformed")
+    for case in ("tar file then folder", "truncated tar.gz", "zip corrupt member", "zip file then folder", "garbage"):
+        body, expected = MALFORMED[case]
+        answer = _upload(api, tenant, body)
+        assert answer.status_code == 422, (case, answer.text)
+        problem = answer.json()["problems"][0]
+        assert problem["field"] == "archive" and expected in problem["reason"], (case, answer.text)
+        assert str(api.data_dir) not in answer.text and ".upload-" not in answer.text, (case, answer.text)
+    wrong = _upload(api, api.tenant("up-wrong", "flow"), _tar(arm_dataset))  # validation names files inside it
+    assert wrong.status_code == 422 and str(api.data_dir) not in wrong.text, wrong.text
+    assert api.client.get("/v1/datasets", headers=tenant.headers).json() == []
+
+
 def _wait(api, tenant, workload_id: str, timeout_s: float = 90.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -109,6 +109,10 @@ def test_lerobot_loads_an_export_and_matches_our_predict(api, base_model_dir, tm
         assert Path(peft_config["base_model_name_or_path"]) == (out / "backbone").resolve()
     policy, pre, post = _lerobot_policy(out)
     assert policy.config.policy_version == version and policy.config.tenant_id == tenant.tenant_id
+    height, width = tenant.spec["observation"]["image_size"]  # issue 41.12: the tenant's, not the backbone's tile
+    assert {tuple(policy.config.input_features[f"observation.images.{c}"].shape) for c in cameras} == {
+        (3, height, width)
+    }
     observation = {f"observation.images.{c}": torch.from_numpy(sample["images"][:, i]) for i, c in enumerate(cameras)}
     observation |= {"observation.state": torch.from_numpy(sample["state"]), "task": [TASK] * n}
     chunk = post(policy.predict_action_chunk(pre(observation))).cpu().numpy()  # un-normalized: dataset units

@@ -133,3 +133,24 @@ def test_the_wire_refuses_dtypes_off_the_allow_list():
     short = openpi_wire.pack({"x": {b"__ndarray__": True, b"data": b"\0" * 3, b"dtype": "<f4", b"shape": [1]}})
     with pytest.raises(WireError, match="needs 4"):
         openpi_wire.unpack(short)
+
+
+def test_openpis_own_host_and_port_form_connects_at_the_default_path(api, live_server, tenants):
+    """Issue 41.8: `WebsocketClientPolicy(host=, port=)` appends no path; it got a bare HTTP 403."""
+    t = tenants[0]
+    host, port = live_server.removeprefix("http://").rsplit(":", 1)
+    policy = WebsocketClientPolicy(host=host, port=int(port), api_key=t.api_key)
+    assert policy.get_server_metadata()["tenant_id"] == t.tenant_id
+    obs = openpi_obs(t, 3)
+    np.testing.assert_allclose(policy.infer(obs)["actions"], http_predict(api, t, obs), rtol=1e-5, atol=1e-6)
+
+
+def test_a_missing_key_is_refused_at_once_naming_api_key(live_server, tenants):
+    """Issue 41.9: refused after auth_timeout_s (10 s) while a wrong key took milliseconds."""
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ConnectionClosed) as info:
+        WebsocketClientPolicy(url(live_server))
+    assert time.monotonic() - started < 3.0
+    assert info.value.rcvd is not None and info.value.rcvd.code == 1008 and "api_key=" in info.value.rcvd.reason

@@ -238,3 +238,28 @@ def test_training_calls_wait_for_the_training_service_by_tenant_priority_within_
     assert over.status_code == 429 and over.json()["code"] == "too_many_in_flight"
     assert over.json()["problems"][0]["field"] == "rate_limits.max_in_flight" and over.headers["retry-after"]
     assert finished == ["high", "low-1", "low-2"]  # the later high-priority call went first
+
+
+def test_futures_and_sampling_pay_the_same_samples_per_s_bucket_as_the_blocking_calls(api):
+    """Issue 41.2: eight futures of 4,096 samples were all accepted where blocking calls of that size
+    were refused after two. Every route doing the same work pays the same bucket: a future when it
+    is submitted, a sample its observations x n chunks."""
+    from tests.api.test_sampling_and_futures import observations, stochastic_tenant
+
+    sft, rl = api.tenant("rl-fut"), stochastic_tenant(api, "rl-samp")
+    small = TenantRateLimits(samples_per_s=4, burst_s=2)  # 8 samples in the bucket, 4 back per second
+    limits = RateLimitSettings(tenants={sft.tenant_id: small, rl.tenant_id: small})
+    with app_client(api, rate_limits=limits) as (app, http):
+        batch = wire(sft.batch(8))
+        assert http.post("/v1/futures/forward_backward", json=batch, headers=sft.headers).status_code == 202
+        for route in ("/v1/futures/forward_backward", "/v1/forward_backward", "/v1/futures/compute_logprobs"):
+            refused = http.post(route, json=wire(sft.batch(2)), headers=sft.headers)
+            assert refused.status_code == 429, (route, refused.text)
+            assert refused.json()["problems"][0]["field"] == "rate_limits.samples_per_s"
+        # 2 observations x n=4 are 8 samples: the whole bucket, for the blocking call and the future
+        sampled = http.post("/v1/sample", json={"observations": observations(rl, 2), "n": 4}, headers=rl.headers)
+        assert sampled.status_code == 200, sampled.text
+        for route in ("/v1/futures/sample", "/v1/futures/predict"):
+            refused = http.post(route, json={"observations": observations(rl, 1)}, headers=rl.headers)
+            assert refused.status_code == 429 and refused.json()["code"] == "rate_limited", (route, refused.text)
+        assert app.state.limiter.throttled(rl.tenant_id).samples_per_s == 2

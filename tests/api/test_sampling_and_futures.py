@@ -179,3 +179,17 @@ def test_a_pending_future_answers_202(api, wait_s):
     if last.status_code == 202:
         assert last.json()["state"] in ("pending", "running") and last.json()["kind"] == "forward_backward"
     assert collect(api, t, ids[-1]["future_id"]).json()["accumulated_microbatches"] == 3
+
+
+def test_one_sampling_call_is_bounded_in_chunks_drawn_blocking_and_as_a_future(api):
+    """Issue 41.1 (in part): 512 observations x n=64 ran 43 s and stalled other tenants' calls; one
+    call may draw at most max_sampled_chunks_per_request (1,024) chunks, refused naming `n`."""
+    t = stochastic_tenant(api, "samp-bound")
+    for route in ("/v1/sample", "/v1/futures/sample"):
+        refused = api.client.post(route, json={"observations": observations(t, 17), "n": 64}, headers=t.headers)
+        assert refused.status_code == 422, refused.text
+        reason = {p["field"]: p["reason"] for p in refused.json()["problems"]}["n"]
+        assert "1,088 chunks" in reason and "max_sampled_chunks_per_request" in reason
+    at_bound = api.client.post("/v1/sample", json={"observations": observations(t, 16), "n": 64}, headers=t.headers)
+    assert at_bound.status_code == 200, at_bound.text
+    assert array(at_bound.json(), "actions").shape[:2] == (16, 64)

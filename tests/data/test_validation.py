@@ -164,3 +164,21 @@ def test_report_summary_lists_one_line_per_failure() -> None:
     assert report.summary() == "dataset.cameras: missing 'top'\ndataset.action: NaN"
     err = DatasetValidationError(report)
     assert err.field == "dataset.cameras" and err.report is report
+
+
+def test_frames_that_are_not_the_size_info_json_declares_are_refused_naming_both(tmp_path: Path) -> None:
+    """Issue 41.6: a dataset whose info.json declares 16x20 while its frames hold 24x24 passed
+    validation; the first frame of each camera is read and compared with what info.json says."""
+    root = write_synthetic_dataset(tmp_path / "liar", REPO, cameras=GOOD.cameras, image_size=(24, 24), state_dim=3,
+                                   action_dim=2, num_episodes=1, episode_length=4)  # fmt: skip
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    for camera in GOOD.cameras:
+        feature = info["features"][f"observation.images.{camera}"]
+        names = [str(n).lower() for n in feature.get("names") or []]
+        feature["shape"] = [3, 16, 20] if names[:1] in (["channel"], ["channels"]) else [16, 20, 3]
+    info_path.write_text(json.dumps(info))
+    report = validate_dataset(root, REPO, GOOD, raise_on_error=False)
+    lying = [f for f in report.failures if f.field == "dataset.image_size"]
+    assert len(lying) == 2, report.failures
+    assert "declares 16x20" in lying[0].reason and "is 24x24" in lying[0].reason and "row 0" in lying[0].reason

@@ -74,3 +74,16 @@ def test_the_drivers_stage_lines_are_relayed_once_and_whole(tmp_path):
         more.write(" head (driver +3.1 s)\n")
     services_driver._relay(log, offset, relayed.append)
     assert relayed == ["importing (driver +0.0 s)", "waiting for the Ray head (driver +3.1 s)"]
+
+
+def test_up_refuses_at_once_an_inherited_ray_address_nothing_answers_at(tmp_path):
+    """Issue 41.15: after `down`, a shell that sourced env.sh keeps JOYNEXUS_RAY_ADDRESS; `up` started
+    nothing, waited 300 s and failed without naming it."""
+    stale = f"127.0.0.1:{_free_ray_block()}"
+    settings = Settings(data_dir=tmp_path, ray_address=stale)
+    started = time.monotonic()
+    with pytest.raises(deploy.DeployError) as refused:
+        deploy.up(settings, timeout_s=300)
+    assert time.monotonic() - started < 10
+    assert "JOYNEXUS_RAY_ADDRESS" in str(refused.value) and stale in str(refused.value)
+    assert deploy.read_state(settings) is None  # nothing was started or recorded

@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from joynexus.actors import handle_of, running_actor, service_handle
-from joynexus.api.errors import ApiError, QuotaExceeded
+from joynexus.api.errors import ApiError, InvalidInput, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.inference import InferenceOperations, predict_result
 from joynexus.api.gateway.service_errors import service_errors
@@ -82,10 +82,17 @@ class FutureOperations(GatewayBase):
         images, state, instructions = observation_arrays(
             tenant, obs.images, obs.state, obs.instructions, self.limits.max_samples_per_request
         )
+        n = images.shape[0]
+        bound = self.limits.max_sampled_chunks_per_request
+        if n * request.n > bound:
+            raise InvalidInput(
+                "n",
+                f"{n} observations x n={request.n} are {n * request.n:,} chunks to draw, above the {bound:,} one "
+                "sampling call may draw (max_sampled_chunks_per_request): split the call",
+            )
         normalizer = _normalizer(self, tenant_id)
         if normalizer is not None:
             state = normalizer.normalize_state(state)
-        n = images.shape[0]
         columns = {
             "images": images,
             "state": state,
@@ -135,8 +142,10 @@ class FutureOperations(GatewayBase):
             loss_config = None if request.loss_config is None else request.loss_config.model_dump(exclude_none=True)
             args: dict[str, Any] = {"batch": columns, "loss": request.loss, "loss_config": loss_config}
         elif kind == "optim_step":
+            assert request is None or isinstance(request, s.OptimStepRequest)
             self.tenant(tenant_id)
-            args = {}
+            adamw = None if request is None else request.model_dump(exclude_none=True)
+            args = {"adamw": adamw or None}
         elif kind == "predict":
             assert isinstance(request, s.PredictRequest)
             args = InferenceOperations.predict_arguments(self, tenant_id, request)  # type: ignore[arg-type]
@@ -212,7 +221,8 @@ def forward_backward_result(raw: dict[str, Any]) -> s.ForwardBackwardResult:
 
 def optim_step_result(raw: dict[str, Any]) -> s.OptimStepResult:
     fields = ("loss", "grad_norm", "microbatches", "samples", "optimizer_steps", "version")
-    return s.OptimStepResult(**{k: raw[k] for k in fields}, device_seconds=raw.get("seconds", 0.0))
+    used = {k: raw.get(k) for k in ("lr", "betas", "weight_decay", "grad_clip")}  # the step's hyperparameters
+    return s.OptimStepResult(**{k: raw[k] for k in fields}, **used, device_seconds=raw.get("seconds", 0.0))
 
 
 def sample_result(gateway: GatewayBase, tenant_id: str, raw: dict[str, Any]) -> ss.SampleResult:

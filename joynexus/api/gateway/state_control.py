@@ -5,11 +5,12 @@ the fork). Thin calls of the Master Service (`master/state_control.py`), its err
 
 from __future__ import annotations
 
-from joynexus.api.errors import ApiError, Conflict, NotFound
+from joynexus.api.errors import ApiError, Conflict, NotFound, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.service_errors import cause_of, invalid_from
 from joynexus.api.gateway.tenants import tenant_info
 from joynexus.master.errors import TenantUnavailable
+from joynexus.master.state_control import ForkLimitReached
 from joynexus.master.tenant_creator import TenantExists
 from joynexus.protocol import state_control as sc
 from joynexus.spec import SpecError
@@ -19,6 +20,8 @@ def _master_errors(error: BaseException, field: str) -> ApiError:
     cause = cause_of(error)
     if isinstance(cause, TenantUnavailable):
         return ApiError(str(cause), [("tenant", cause.reason)]).with_status(409, "tenant_unhealthy")
+    if isinstance(cause, ForkLimitReached):
+        return QuotaExceeded(str(cause), [("max_forks_per_tenant", str(cause))])
     if isinstance(cause, TenantExists):
         return Conflict(str(cause), list(cause.problems))
     if isinstance(cause, SpecError):
@@ -55,5 +58,21 @@ class StateControlOperations(GatewayBase):
         key = self.keys.issue(tenant.tenant_id, label=f"fork of {tenant_id} (by key {key_id})")
         return sc.TenantForked(
             tenant=tenant_info(tenant), key=key, forked_from=sc.ForkedFrom(**forked["forked_from"]),
-            version=forked["version"],
+            version=forked["version"], owner=forked.get("owner"),
         )  # fmt: skip
+
+    def forks(self, tenant_id: str) -> sc.ForkList:
+        self.tenant(tenant_id, healthy=False)
+        forks = [sc.ForkInfo(**fork) for fork in self.master.forks(tenant_id)]
+        return sc.ForkList(forks=forks, max_forks=self.master.max_forks_per_tenant())
+
+    def delete_fork(self, tenant_id: str, fork_tenant_id: str) -> dict:
+        """Delete a fork the caller owns, with its artifacts; another tenant's (or none) is 404."""
+        self.tenant(tenant_id, healthy=False)
+        try:
+            report = self.master.delete_fork(tenant_id, fork_tenant_id)
+        except KeyError:
+            raise NotFound("fork", fork_tenant_id, "tenant_id") from None
+        with self._lock:
+            self._tenants.pop(fork_tenant_id, None)
+        return report

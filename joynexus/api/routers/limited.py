@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from fastapi import Request, Response
 
+from joynexus.protocol import sampling_schemas as ss
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 
@@ -22,6 +23,11 @@ def rows(tensor: Tensor | None) -> int:
 
 def batch_samples(batch: s.SampleBatch | s.ObservationBatch) -> int:
     return rows(batch.state)
+
+
+def sampled_chunks(request: ss.SampleRequest) -> int:
+    """A sample call's work: `n` chunks drawn for each observation."""
+    return batch_samples(request.observations) * request.n
 
 
 def column_rows(put: s.QueuePut) -> int:

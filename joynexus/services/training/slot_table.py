@@ -19,6 +19,7 @@ import torch
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
     DATASET_SHA256_KEY,
+    OBSERVATION_KEY,
     OPTIMIZER_TENSORS_FILE,
     VERSION_CREATED_AT_KEY,
     CheckpointError,
@@ -302,6 +303,9 @@ def _extra(slot: TenantSlot) -> dict[str, Any]:
         "jobs_completed": slot.jobs_completed,
         "samples_trained": slot.samples_trained,
         VERSION_CREATED_AT_KEY: slot.version_created_at,
+        # The cameras and their (height, width) as the tenant trains on them: an export declares
+        # these, not the backbone's tile side (LeRobot resized frames to what it declared).
+        OBSERVATION_KEY: {"cameras": list(slot.config.cameras), "image_size": list(slot.config.image_size)},
     }
     if slot.adapter is not None:
         extra["adapter"] = slot.adapter.model_dump(mode="json")

@@ -81,8 +81,10 @@ def write_lerobot_policy(
         return _write_smolvla(root, backbone, camera_keys, device, backbone_dir)
     if len(camera_keys) > backbone.max_images:
         raise ValueError(f"camera_keys: {len(camera_keys)} cameras, the backbone takes at most {backbone.max_images}")
-    side = int(backbone.image_size)
-    inputs = {key: PolicyFeature(type=FeatureType.VISUAL, shape=(3, side, side)) for key in camera_keys}
+    inputs = {
+        key: PolicyFeature(type=FeatureType.VISUAL, shape=(3, *size))
+        for key, size in zip(camera_keys, _camera_sizes(info.manifest.extra, len(camera_keys), backbone), strict=True)
+    }
     if module["state_dim"] > 0:
         inputs[state_key] = PolicyFeature(type=FeatureType.STATE, shape=(module["state_dim"],))
     # The version's normalizer (action_module/normalization.json): LeRobot's own normalizer steps
@@ -149,3 +151,16 @@ def _write_smolvla(root: Path, backbone: Any, camera_keys: Sequence[str], device
         root, load_action_module(root), backbone, camera_keys=camera_keys, normalizer=normalizer,
         vlm_dir=backbone_dir, device=device,
     )  # fmt: skip
+
+
+def _camera_sizes(extra: Mapping[str, Any], cameras: int, backbone: Any) -> list[tuple[int, int]]:
+    """(height, width) of each camera as the tenant trained on it (the manifest's `observation`):
+    LeRobot resizes frames to what a config declares, and the backbone's square tile side would
+    have them differ from the frames the service sees. A version saved before manifests carried
+    it declares the tile side, as exports did."""
+    observation = extra.get("observation")
+    if isinstance(observation, Mapping) and len(observation.get("image_size") or ()) == 2:
+        height, width = (int(side) for side in observation["image_size"])
+        return [(height, width)] * cameras
+    side = int(backbone.image_size)
+    return [(side, side)] * cameras
