@@ -67,10 +67,8 @@ def rows(modules: list[SmolVLAActionModule], side: int, device: torch.device) ->
 
 
 def predict(backbone: ResidentBackbone, members: list[SmolVLARows]) -> None:
-    with torch.inference_mode():
-        prefixes = SmolVLAActionModule.layer_prefixes(backbone, members)
-        for member, prefix in zip(members, prefixes, strict=True):
-            member.module.predict(prefix, member.state, generator=torch.Generator().manual_seed(1))
+    """One predict: the members' ONE prefix forward, then each tenant's expert over its rows."""
+    _experts_only(members, _prefix_only(backbone, members))
 
 
 def timed(fn: Any) -> float:
@@ -86,8 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     backbone, modules = build(args)
     members = rows(modules, args.image_size or backbone.image_size, backbone.device)
     n = len(members)
-    with torch.inference_mode():
-        kept = SmolVLAActionModule.layer_prefixes(backbone, members)
+    kept = _prefix_only(backbone, members)
     cases = {
         "grouped": lambda: predict(backbone, members),
         "serial": lambda: [predict(backbone, [m]) for m in members],
@@ -128,9 +125,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _prefix_only(backbone: ResidentBackbone, members: list[SmolVLARows]) -> None:
+def _prefix_only(backbone: ResidentBackbone, members: list[SmolVLARows]) -> list[Any]:
+    """P: the prefix forward alone (what grouping shares)."""
     with torch.inference_mode():
-        SmolVLAActionModule.layer_prefixes(backbone, members)
+        return SmolVLAActionModule.layer_prefixes(backbone, members)
 
 
 def _experts_only(members: list[SmolVLARows], prefixes: list[Any]) -> None:

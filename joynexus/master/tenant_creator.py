@@ -86,7 +86,7 @@ class SpecCompiler:
             if value > limit:
                 problems.append((field, f"{value} exceeds this backend's limit of {limit}"))
         module_config = None
-        kind_fields = layer_expert_fields(spec, caps, problems)
+        kind_fields = _kind_backend_fields(spec, caps, problems)
         try:
             module_config = ActionModuleConfig(
                 **kind_fields,
@@ -422,54 +422,13 @@ def _supports_rl(kind: str) -> bool:
     return cls is not None and cls.supports_rl
 
 
-def layer_expert_fields(spec: WorkloadSpec, caps: Any, problems: list[tuple[str, str]]) -> dict[str, Any]:
-    """The config fields of a layer-wise expert (kind ``smolvla``): the backbone's decoder shape and,
-    with ``action_module.checkpoint``, the LeRobot policy's SmolVLA fields (read from its
-    config.json; its weights are loaded and its VLM checked by the Training Model Service)."""
-    module = spec.action_module
-    if module.kind != "smolvla":
-        if module.checkpoint:
-            problems.append(
-                (
-                    "action_module.checkpoint",
-                    f"only kind 'smolvla' starts from a LeRobot checkpoint, not {module.kind!r}",
-                )
-            )
-        return {}
-    if caps.prefix_geometry is None:
-        problems.append(("action_module.kind", f"backbone {caps.model_id!r} offers no layer-wise prefix for 'smolvla'"))
-        return {}
-    heads, kv_heads, head_dim, layers = caps.prefix_geometry
-    fields: dict[str, Any] = {"vlm_num_heads": heads, "vlm_num_kv_heads": kv_heads, "vlm_head_dim": head_dim}
-    # From scratch: SmolVLA's 16 layers (or all there are), cameras at the backbone's canonical side.
-    fields["num_vlm_layers"] = min(16, layers)
-    fields["resize_imgs_with_padding"] = (caps.image_size, caps.image_size)
-    if not module.checkpoint:
-        return fields
-    from joynexus.models.action_modules.smolvla_checkpoint import LeRobotCheckpointError, read_lerobot_smolvla
+def _kind_backend_fields(spec: WorkloadSpec, caps: Any, problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """What the kind's config takes from the backend (`ActionModuleConfig.backend_fields`: e.g. a
+    layer-wise expert's decoder shape and checkpoint fields); nothing for most kinds."""
+    from joynexus.models.action_modules import ACTION_MODULES, ActionModuleConfig
 
-    try:
-        checkpoint = read_lerobot_smolvla(module.checkpoint, weights=False)
-    except LeRobotCheckpointError as error:
-        problems.append(("action_module.checkpoint", str(error)))
-        return fields
-    obs = spec.observation
-    for field, ours, theirs in (
-        ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
-        ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
-        ("observation.action_chunk", obs.action_chunk, int(checkpoint.config.get("chunk_size", 0))),
-        ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
-    ):
-        if ours != theirs:
-            problems.append((field, f"{ours}, but the LeRobot checkpoint {module.checkpoint!r} has {theirs}"))
-    fields.update(checkpoint.module_config_fields())
-    fields.pop("action_chunk", None)
-    if fields["num_vlm_layers"] > layers:
-        problems.append(
-            ("action_module.checkpoint", f"num_vlm_layers={fields['num_vlm_layers']} > the backbone's {layers}")
-        )
-    fields["lerobot_checkpoint"] = str(Path(module.checkpoint).expanduser().resolve())
-    return fields
+    config_class = getattr(ACTION_MODULES.get(spec.action_module.kind, None), "config_class", ActionModuleConfig)
+    return config_class.backend_fields(spec, caps, problems)
 
 
 def lerobot_checkpoint_normalization(spec: WorkloadSpec) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:

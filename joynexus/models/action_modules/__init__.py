@@ -12,6 +12,7 @@ from joynexus.models.action_modules.base import (
     SizePreset,
     available_action_modules,
     build_action_module,
+    by_prefix_layout,
     register_action_module,
     uses_layer_prefix,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "SmolVLAConfig",
     "available_action_modules",
     "build_action_module",
+    "by_prefix_layout",
     "register_action_module",
     "timestep_embedding",
     "uses_layer_prefix",

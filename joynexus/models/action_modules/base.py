@@ -13,7 +13,7 @@ unit scale); the modules do not normalize.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -35,8 +35,10 @@ __all__ = [
     "PrefixRows",
     "SizePreset",
     "available_action_modules",
+    "by_prefix_layout",
     "build_action_module",
     "register_action_module",
+    "standard_normal",
     "uses_layer_prefix",
 ]
 
@@ -129,6 +131,16 @@ class ActionModuleConfig(pydantic.BaseModel):
         """This kind's own fields that must be equal for modules to run stacked (none here); a
         kind's config adds its knobs (`models.module_batching.architecture_key` reads this)."""
         return ()
+
+    @classmethod
+    def backend_fields(cls, spec: Any, caps: Any, problems: list[tuple[str, str]]) -> dict[str, Any]:
+        """The fields of this kind's config that the tenant creator fills from the workload spec and
+        the resident backbone's capabilities, appending (field, reason) for what it refuses. None
+        here; a kind that starts from a checkpoint (``action_module.checkpoint``) overrides it."""
+        if spec.action_module.checkpoint:
+            reason = f"kind {spec.action_module.kind!r} does not start from a checkpoint"
+            problems.append(("action_module.checkpoint", reason))
+        return {}
 
 
 def _config_class(cls: type[ActionModuleConfig], kind: Any) -> type[ActionModuleConfig]:
@@ -370,6 +382,29 @@ class PrefixRows:
 def uses_layer_prefix(module: Any) -> bool:
     """Whether the services give ``module`` a `LayerPrefix` (its kind's `feature_form`)."""
     return getattr(module, "feature_form", "tokens") == "layers"
+
+
+def by_prefix_layout(modules: Sequence[Any]) -> dict[tuple[Any, ...], list[int]]:
+    """Indices of layer-wise modules grouped by prefix layout: the kind (whose `layer_prefixes`
+    makes the group's ONE prefix forward) and its config's `prefix_group_key`, in first-seen order."""
+    layouts: dict[tuple[Any, ...], list[int]] = {}
+    for index, module in enumerate(modules):
+        layouts.setdefault((type(module), module.config.prefix_group_key()), []).append(index)
+    return layouts
+
+
+def standard_normal(
+    shape: tuple[int, ...],
+    generator: torch.Generator | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A standard-normal draw of ``shape`` on ``device``; a generator on another device (a CPU
+    generator for a CUDA module) draws on its own and the draw is moved, so a seed gives the same
+    values on any device."""
+    if generator is not None and generator.device != device:
+        return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype)
 
 
 # Filled by @register_action_module where each kind is defined.

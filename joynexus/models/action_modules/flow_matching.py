@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from joynexus.models.action_modules.base import ActionModule, ActionModuleConfig, register_action_module
+from joynexus.models.action_modules.base import (
+    ActionModule,
+    ActionModuleConfig,
+    register_action_module,
+    standard_normal,
+)
 from joynexus.models.action_modules.flow_rl import (
     FlowNoiseNet,
     bounded_std,
@@ -404,9 +409,7 @@ class FlowMatchingActionModule(ActionModule):
         cfg = self.config
         shape = (batch, cfg.action_chunk, cfg.action_dim)
         device = torch.device(device) if device is not None else next(self.parameters()).device
-        if generator is not None and generator.device != device:
-            return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
-        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        return standard_normal(shape, generator, device, dtype)
 
     def loss(
         self,

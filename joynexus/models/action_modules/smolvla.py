@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pydantic
@@ -32,7 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
-from joynexus.models.action_modules.base import ActionModule, ActionModuleConfig, PrefixRows, register_action_module
+from joynexus.models.action_modules.base import (
+    ActionModule,
+    ActionModuleConfig,
+    PrefixRows,
+    register_action_module,
+    standard_normal,
+)
 from joynexus.models.action_modules.flow_rl import bounded_std, chain_entropy, gaussian_log_density
 from joynexus.models.backbone.layer_prefix import LayerPrefix, PrefixGeometry, apply_rope, eager_attention
 
@@ -101,6 +108,46 @@ class SmolVLAConfig(ActionModuleConfig):
 
     def architecture_fields(self) -> tuple[Any, ...]:
         return (self.num_steps, self.num_vlm_layers, self.expert_layers, self.expert_width_multiplier)
+
+    @classmethod
+    def backend_fields(cls, spec: Any, caps: Any, problems: list[tuple[str, str]]) -> dict[str, Any]:
+        """The backbone's decoder shape and, with ``action_module.checkpoint``, the LeRobot policy's
+        SmolVLA fields (read from its config.json; its weights are loaded and its VLM checked by the
+        Training Model Service, `load_initial_state`). Dims that differ from the spec are refused."""
+        module = spec.action_module
+        if caps.prefix_geometry is None:
+            problems.append(("action_module.kind", f"backbone {caps.model_id!r} offers no layer-wise prefix"))
+            return {}
+        heads, kv_heads, head_dim, layers = caps.prefix_geometry
+        fields: dict[str, Any] = {"vlm_num_heads": heads, "vlm_num_kv_heads": kv_heads, "vlm_head_dim": head_dim}
+        # From scratch: SmolVLA's 16 layers (or all there are), cameras at the backbone's canonical side.
+        fields["num_vlm_layers"] = min(16, layers)
+        fields["resize_imgs_with_padding"] = (caps.image_size, caps.image_size)
+        if not module.checkpoint:
+            return fields
+        from joynexus.models.action_modules.smolvla_checkpoint import LeRobotCheckpointError, read_lerobot_smolvla
+
+        try:
+            checkpoint = read_lerobot_smolvla(module.checkpoint, weights=False)
+        except LeRobotCheckpointError as error:
+            problems.append(("action_module.checkpoint", str(error)))
+            return fields
+        obs = spec.observation
+        for field, ours, theirs in (
+            ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
+            ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
+            ("observation.action_chunk", obs.action_chunk, int(checkpoint.config.get("chunk_size", 0))),
+            ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
+        ):
+            if ours != theirs:
+                problems.append((field, f"{ours}, but the LeRobot checkpoint {module.checkpoint!r} has {theirs}"))
+        fields.update(checkpoint.module_config_fields())
+        fields.pop("action_chunk", None)
+        if fields["num_vlm_layers"] > layers:
+            reason = f"num_vlm_layers={fields['num_vlm_layers']} > the backbone's {layers}"
+            problems.append(("action_module.checkpoint", reason))
+        fields["lerobot_checkpoint"] = str(Path(module.checkpoint).expanduser().resolve())
+        return fields
 
     def prefix_group_key(self) -> tuple[Any, ...]:
         """Tenants with equal keys share one prefix forward: the same prefix layout over the same layers."""
@@ -323,20 +370,17 @@ class SmolVLAActionModule(ActionModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """x at t=1 for ``batch`` samples: (batch, chunk, max_action_dim), drawn on the generator's
-        device and moved (the same seed gives the same actions anywhere)."""
+        """x at t=1 for ``batch`` samples: (batch, chunk, max_action_dim) (the same seed gives the same
+        actions on any device)."""
         device = torch.device(device) if device is not None else self.action_out_proj.weight.device
-        draw_device = generator.device if generator is not None else device
         shape = (batch, self.config.action_chunk, self.config.max_action_dim)
-        return torch.randn(shape, generator=generator, device=draw_device, dtype=dtype).to(device)
+        return standard_normal(shape, generator, device, dtype)
 
     def sample_time(self, batch: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-        """t ~ Beta(1.5, 1) * 0.999 + 0.001 (LeRobot's `sample_time`), from ``generator``: a Beta is
-        two Gammas, drawn here as X / (X + Y) from torch's generator-aware standard gamma."""
-        draw_device = generator.device if generator is not None else device
-        x = torch._standard_gamma(torch.full((batch,), 1.5, device=draw_device), generator=generator)
-        y = torch._standard_gamma(torch.full((batch,), 1.0, device=draw_device), generator=generator)
-        return ((x / (x + y)) * 0.999 + 0.001).to(device)
+        """t ~ Beta(1.5, 1) * 0.999 + 0.001 (LeRobot's `sample_time`); Beta(a, 1) is U**(1/a), which a
+        torch.Generator can drive (torch.distributions cannot)."""
+        u = standard_uniform(batch, generator, device)
+        return u.pow(1.0 / 1.5) * 0.999 + 0.001
 
     def _check_prefix(self, prefix: Any, state: torch.Tensor) -> None:
         if not isinstance(prefix, LayerPrefix):
@@ -445,6 +489,12 @@ class SmolVLAActionModule(ActionModule):
             time = torch.full((b,), 1.0 + step * dt, dtype=torch.float32, device=x_t.device)
             x_t = x_t + dt * self.velocity(features, x_t, time)
         return x_t[:, :, : self.config.action_dim]
+
+
+def standard_uniform(batch: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(batch,) U[0, 1) drawn on the generator's device and moved (as `standard_normal`)."""
+    draw_device = generator.device if generator is not None else device
+    return torch.rand(batch, generator=generator, device=draw_device).to(device)
 
 
 def _embed_cameras(backbone: Any, images: list[list[torch.Tensor]], cfg: SmolVLAConfig) -> list[list[torch.Tensor]]:

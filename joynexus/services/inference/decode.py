@@ -76,7 +76,7 @@ class BatchDecoder:
         self, request: InferenceRequest, features: BackboneFeatures, images: list, rows: slice
     ) -> dict[str, Any] | Exception:
         try:
-            return self._decode(request, features.select(rows).trimmed(), images, rows)
+            return self._decode(request, features.select(rows).trimmed(), len(images))
         except Exception as error:
             return error
 
@@ -159,12 +159,12 @@ class BatchDecoder:
         """A layer-wise expert's request over its own rows of the grouped prefix cache (`LayerPrefix`),
         in the dataset's units; ``samples``: the batch's size (reported as `batch_samples`)."""
         try:
-            outcome = self._decode(request, prefix, [None] * samples, slice(0, request.size))
+            outcome = self._decode(request, prefix, samples)
         except Exception as error:
             return error
         return _in_dataset_units(request, outcome)
 
-    def _decode(self, request: InferenceRequest, features: Any, images: list, rows: slice) -> dict[str, Any]:
+    def _decode(self, request: InferenceRequest, features: Any, batch_samples: int) -> dict[str, Any]:
         pinned: Pinned = request.context
         module = pinned.state.module
         device = features.pad_mask.device if hasattr(features, "pad_mask") else features.tokens.device
@@ -194,7 +194,7 @@ class BatchDecoder:
             "log_probs": None if log_probs is None else log_probs.cpu().numpy(),
             # A flow head's sampled chains (its density's support), which rollouts record for PPO.
             "chains": records.cpu().numpy() if records is not None and module.rl_record_field == "chain" else None,
-            "batch_samples": len(images),
+            "batch_samples": batch_samples,
         }
 
 

@@ -50,7 +50,7 @@ from joynexus.core.histogram import BATCH_BOUNDS, LATENCY_BOUNDS, BucketHistogra
 from joynexus.core.metering import INFERENCE, UsageMeter, build_meter, split_group_seconds
 from joynexus.core.service_metrics import service_metrics, timed
 from joynexus.core.serving_sets import ServingSetStore
-from joynexus.models.action_modules import PrefixRows, uses_layer_prefix
+from joynexus.models.action_modules import PrefixRows, by_prefix_layout, uses_layer_prefix
 from joynexus.models.backbone import Backbone, BackboneFeatures, BackboneSource
 from joynexus.models.module_batching import StackedParameterCache
 from joynexus.models.placement import DevicePlacement
@@ -384,7 +384,7 @@ class InferenceModelService(PredictBySubmit):
         samples = sum(r.size for r in batch)
         if layered:
             served += self._decode_layered(layered, samples)
-            for _, result in served:  # every request reports the whole batch it was served in
+            for _, result in served:  # the token decode counted its own rows: report the whole batch
                 result["batch_samples"] = samples
         busy = time.perf_counter() - started
         self._release(batch, served, busy)
@@ -414,12 +414,9 @@ class InferenceModelService(PredictBySubmit):
         (each row's prefix token made by its tenant's module), then each request decoded by its own
         pinned version over its rows of the cache. A failed prefix fails only its own requests."""
         live = [r for r in batch if not r.future.done()]
-        layouts: dict[Any, list[InferenceRequest]] = {}
-        for request in live:
-            module = request.context.state.module
-            layouts.setdefault((type(module), module.config.prefix_group_key()), []).append(request)
         served: list[tuple[InferenceRequest, dict[str, Any]]] = []
-        for (kind, _), requests in layouts.items():
+        for (kind, _), indices in by_prefix_layout([r.context.state.module for r in live]).items():
+            requests = [live[i] for i in indices]
             try:
                 with torch.inference_mode():
                     rows = [_prefix_rows(r, self.backbone.device) for r in requests]

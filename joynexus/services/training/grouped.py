@@ -70,21 +70,14 @@ class GroupTrainer:
             check_annotations(data, tenant_id, slot.config.schema_signature)
             slots.append(slot)
         prepared = [self.trainer.prepare(slot, data) for slot, (_, data) in zip(slots, batches, strict=True)]
-        rows: list[slice] = []
-        offset = 0
         for slot, batch in zip(slots, prepared, strict=True):
             if len(batch) == 0:
                 raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: empty microbatch in a training group")
-            rows.append(slice(offset, offset + len(batch)))
-            offset += len(batch)
-
         if any(uses_layer_prefix(slot.module) for slot in slots):
-            return self._split_by_feature_form(slots, prepared, rows)
-        return self._token_group(slots, prepared, rows)
+            return self._split_by_feature_form(slots, prepared)
+        return self._token_group(slots, prepared)
 
-    def _split_by_feature_form(
-        self, slots: list[TenantSlot], prepared: list[Microbatch], rows: list[slice]
-    ) -> list[dict[str, Any]]:
+    def _split_by_feature_form(self, slots: list[TenantSlot], prepared: list[Microbatch]) -> list[dict[str, Any]]:
         """A group with layer-wise experts: their rows share ONE prefix forward (with the graph back
         to each tenant's prefix token), each takes its gradients from it, then all step; the other
         tenants go through the token-feature group. Results in the order of `slots`."""
@@ -92,11 +85,7 @@ class GroupTrainer:
         plain = [i for i in range(len(slots)) if i not in layered]
         results: list[dict[str, Any] | None] = [None] * len(slots)
         if plain:
-            own_rows, offset = [], 0
-            for i in plain:
-                own_rows.append(slice(offset, offset + len(prepared[i])))
-                offset += len(prepared[i])
-            updated = self._token_group([slots[i] for i in plain], [prepared[i] for i in plain], own_rows)
+            updated = self._token_group([slots[i] for i in plain], [prepared[i] for i in plain])
             for i, out in zip(plain, updated, strict=True):
                 results[i] = out
         started = time.perf_counter()
@@ -108,29 +97,15 @@ class GroupTrainer:
                 results[i] = _group_result(slots[i], None, time.perf_counter() - started, 0.0, error)
             return [r for r in results if r is not None]
         encode_seconds = time.perf_counter() - started
-        waiting: list[tuple[int, float, float]] = []
-        for i, prefix in zip(layered, prefixes, strict=True):
-            step_started = time.perf_counter()
-            try:
-                waiting.append(
-                    (i, self.trainer.gradients(slots[i], prefix, prepared[i]), time.perf_counter() - step_started)
-                )
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                results[i] = _group_result(slots[i], None, encode_seconds, time.perf_counter() - step_started, error)
-        for i, loss, seconds in waiting:
-            step_started = time.perf_counter()
-            self.trainer.apply_step(slots[i], prepared[i], loss)
-            self._issue_version(slots[i])
-            results[i] = _group_result(
-                slots[i], loss, encode_seconds, seconds + time.perf_counter() - step_started, None
-            )
+        self._gradients_then_steps(slots, prepared, list(zip(layered, prefixes, strict=True)), encode_seconds, results)
         return [r for r in results if r is not None]
 
-    def _token_group(
-        self, slots: list[TenantSlot], prepared: list[Microbatch], rows: list[slice]
-    ) -> list[dict[str, Any]]:
+    def _token_group(self, slots: list[TenantSlot], prepared: list[Microbatch]) -> list[dict[str, Any]]:
         """One shared token-feature forward for the group, then each tenant's update."""
+        rows, offset = [], 0
+        for batch in prepared:  # each tenant's rows of the shared forward
+            rows.append(slice(offset, offset + len(batch)))
+            offset += len(batch)
         started = time.perf_counter()
         images = [cams for batch in prepared for cams in batch.images]
         instructions = [text for batch in prepared for text in batch.instructions]
@@ -273,24 +248,35 @@ class GroupTrainer:
             )
             for i, out in zip(plain, updated, strict=True):
                 results[i] = out
+        adapted = [(i, features.select(rows[i]).trimmed()) for i, slot in enumerate(slots) if slot.adapter is not None]
+        self._gradients_then_steps(slots, prepared, adapted, encode_seconds, results)
+        return [r for r in results if r is not None]
+
+    def _gradients_then_steps(
+        self,
+        slots: list[TenantSlot],
+        prepared: list[Microbatch],
+        members: list[tuple[int, Any]],
+        encode_seconds: float,
+        results: list[dict[str, Any] | None],
+    ) -> None:
+        """Members (index, own rows of a graph they share) first all take their gradients from the
+        shared graph (a failure fails that member only), then all step; fills `results`."""
         waiting: list[tuple[int, float, float]] = []  # (index, loss, module seconds so far)
-        for index, (slot, batch, own_rows) in enumerate(zip(slots, prepared, rows, strict=True)):
-            if slot.adapter is None:
-                continue
+        for index, features in members:
             started = time.perf_counter()
             try:
-                own = features.select(own_rows).trimmed()
-                waiting.append((index, self.trainer.gradients(slot, own, batch), time.perf_counter() - started))
+                loss = self.trainer.gradients(slots[index], features, prepared[index])
+                waiting.append((index, loss, time.perf_counter() - started))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-                results[index] = _group_result(slot, None, encode_seconds, time.perf_counter() - started, error)
+                results[index] = _group_result(slots[index], None, encode_seconds, time.perf_counter() - started, error)
         for index, loss, seconds in waiting:
             slot = slots[index]
             started = time.perf_counter()
             self.trainer.apply_step(slot, prepared[index], loss)
             self._issue_version(slot)
             results[index] = _group_result(slot, loss, encode_seconds, seconds + time.perf_counter() - started, None)
-        return [r for r in results if r is not None]
 
 
 def _group_result(

@@ -20,7 +20,7 @@ import torch
 
 from joynexus.algorithms.rl import PPOLoss, ppo_loss
 from joynexus.core.service_metrics import service_metrics
-from joynexus.models.action_modules import ActionModule, PrefixRows, uses_layer_prefix
+from joynexus.models.action_modules import ActionModule, PrefixRows, by_prefix_layout, uses_layer_prefix
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
 from joynexus.models.backbone.layer_prefix import LayerPrefix
 from joynexus.scheduling.training_queue import TrainingQueue
@@ -122,10 +122,7 @@ class SlotTrainer:
         prefix layout over every member's rows, each member's prefix token made by its own module
         (with `grad`, the graph reaches it). In the order of `members`."""
         out: list[LayerPrefix | None] = [None] * len(members)
-        layouts: dict[Any, list[int]] = {}
-        for i, (slot, _) in enumerate(members):
-            layouts.setdefault((type(slot.module), slot.module.config.prefix_group_key()), []).append(i)
-        for (kind, _), indices in layouts.items():
+        for (kind, _), indices in by_prefix_layout([slot.module for slot, _ in members]).items():
             rows = [
                 PrefixRows(slot.module, batch.images, batch.instructions, batch.state)
                 for slot, batch in (members[i] for i in indices)
