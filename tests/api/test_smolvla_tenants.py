@@ -188,6 +188,7 @@ def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_back
     global generator, seeded as our predict seeds its own)."""
     import pickle
 
+    monkeypatch.chdir(tmp_path)  # lerobot's policy-server module opens its log under ./logs when imported
     from lerobot.async_inference.configs import PolicyServerConfig
     from lerobot.async_inference.helpers import RemotePolicyConfig, TimedObservation
     from lerobot.async_inference.policy_server import PolicyServer
@@ -205,7 +206,6 @@ def test_lerobots_async_policy_server_serves_the_export_unchanged(api, base_back
     features = hw_to_dataset_features(
         {**{j: float for j in joints}, **{c: (32, 32, 3) for c in CAMERAS}}, "observation", use_video=False
     )
-    monkeypatch.chdir(tmp_path)  # the server writes its log under ./logs
     server = PolicyServer(PolicyServerConfig(host="127.0.0.1", port=free_port()))  # never bound: called directly
 
     class Peer:  # the gRPC context: the server only asks who is calling
