@@ -33,14 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
-from joynexus.models.action_modules.base import (
-    ActionModule,
-    ActionModuleConfig,
-    PrefixRows,
-    register_action_module,
-    standard_normal,
-)
-from joynexus.models.action_modules.flow_rl import bounded_std, chain_entropy, gaussian_log_density
+from joynexus.models.action_modules.base import ActionModuleConfig, PrefixRows, register_action_module
+from joynexus.models.action_modules.prefix_flow import PrefixFlowExpert, sinusoidal_time_embedding
 from joynexus.models.backbone.layer_prefix import LayerPrefix, PrefixGeometry, apply_rope, eager_attention
 
 __all__ = [
@@ -177,31 +171,16 @@ def resize_with_pad(img: torch.Tensor, width: int, height: int, pad_value: float
     return F.pad(resized, (pad_width, 0, pad_height, 0), value=pad_value)
 
 
-def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: float, max_period: float) -> torch.Tensor:
-    """LeRobot's `create_sinusoidal_pos_embedding` (float64 where the device has it)."""
-    dtype = torch.float32 if time.device.type == "mps" else torch.float64
-    fraction = torch.linspace(0.0, 1.0, dimension // 2, dtype=dtype, device=time.device)
-    period = min_period * (max_period / min_period) ** fraction
-    sin_input = (1.0 / period * 2 * math.pi)[None, :] * time[:, None]
-    return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
-
-
 SmolVLARows = PrefixRows  # a member of `SmolVLAActionModule.layer_prefixes`
 
 
 @register_action_module("smolvla")
-class SmolVLAActionModule(ActionModule):
-    """SmolVLA's tenant-private part: the action expert and its projections (module docstring)."""
+class SmolVLAActionModule(PrefixFlowExpert):
+    """SmolVLA's tenant-private part: the action expert and its projections (module docstring). The
+    flow-matching loss, Euler integration and flow-RL path are `PrefixFlowExpert`'s."""
 
     kind: ClassVar[str] = "smolvla"
-    uses_noise: ClassVar[bool] = True
-    # RL through the flow-RL path (`flow_rl`): learned Gaussian noise in every Euler step, the
-    # density over the recorded chain.
-    supports_rl: ClassVar[bool] = True
-    rl_record_field: ClassVar[str] = "chain"
     config_class: ClassVar[type[ActionModuleConfig]] = SmolVLAConfig
-    # The services give this kind a `LayerPrefix` (made by `layer_prefixes`) instead of token features.
-    feature_form: ClassVar[str] = "layers"
     config: SmolVLAConfig
 
     def __init__(self, config: SmolVLAConfig) -> None:
@@ -327,8 +306,9 @@ class SmolVLAActionModule(ActionModule):
         fused = self.action_time_mlp_in(torch.cat([action, emb], dim=2))
         return self.action_time_mlp_out(F.silu(fused))
 
-    def velocity(self, prefix: LayerPrefix, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-        """v(x_t, t) over the prefix cache: the expert's layers beside the VLM's (module docstring)."""
+    def velocity(self, prefix: LayerPrefix, x_t: torch.Tensor, time: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """v(x_t, t) over the prefix cache: the expert's layers beside the VLM's (module docstring);
+        the state is in the prefix already (its token)."""
         hidden = self.embed_suffix(x_t, time)
         b, s = hidden.shape[:2]
         lp = prefix.length
@@ -360,141 +340,6 @@ class SmolVLAActionModule(ActionModule):
             hidden = layer.mlp(layer.post_attention_layernorm(hidden)) + hidden
         out = self.lm_expert.norm(hidden)[:, -self.config.action_chunk :]
         return self.action_out_proj(out.to(torch.float32))
-
-    # -------------------------------------------------------------- API
-    def draw_noise(
-        self,
-        batch: int,
-        generator: torch.Generator | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> torch.Tensor:
-        """x at t=1 for ``batch`` samples: (batch, chunk, max_action_dim) (the same seed gives the same
-        actions on any device)."""
-        device = torch.device(device) if device is not None else self.action_out_proj.weight.device
-        shape = (batch, self.config.action_chunk, self.config.max_action_dim)
-        return standard_normal(shape, generator, device, dtype)
-
-    def sample_time(self, batch: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-        """t ~ Beta(1.5, 1) * 0.999 + 0.001 (LeRobot's `sample_time`); Beta(a, 1) is U**(1/a), which a
-        torch.Generator can drive (torch.distributions cannot)."""
-        u = standard_uniform(batch, generator, device)
-        return u.pow(1.0 / 1.5) * 0.999 + 0.001
-
-    def _check_prefix(self, prefix: Any, state: torch.Tensor) -> None:
-        if not isinstance(prefix, LayerPrefix):
-            raise ValueError(
-                f"kind='smolvla' reads the prefix's per-layer cache (LayerPrefix), got {type(prefix).__name__}"
-            )
-        if prefix.num_layers != self.config.num_vlm_layers:
-            raise ValueError(f"prefix has {prefix.num_layers} layers, the expert needs {self.config.num_vlm_layers}")
-        if state.ndim != 2 or state.shape != (prefix.batch_size, self.config.state_dim):
-            raise ValueError(
-                f"state: expected shape ({prefix.batch_size}, {self.config.state_dim}), got {tuple(state.shape)}"
-            )
-
-    def loss(
-        self,
-        features: Any,
-        state: torch.Tensor,
-        actions: torch.Tensor,
-        action_is_pad: torch.Tensor | None = None,
-        *,
-        generator: torch.Generator | None = None,
-        noise: torch.Tensor | None = None,
-        time: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The flow-matching loss of LeRobot's `forward`: x_t = t noise + (1 - t) actions, target
-        noise - actions, over the padded max_action_dim; padded chunk steps left out."""
-        self._check_prefix(features, state)
-        b, cfg = features.batch_size, self.config
-        if actions.shape != (b, cfg.action_chunk, cfg.action_dim):
-            raise ValueError(
-                f"actions: expected ({b}, {cfg.action_chunk}, {cfg.action_dim}), got {tuple(actions.shape)}"
-            )
-        target_actions = F.pad(actions, (0, cfg.max_action_dim - cfg.action_dim))
-        if noise is None:
-            noise = self.draw_noise(b, generator, device=actions.device)
-        if time is None:
-            time = self.sample_time(b, generator, actions.device)
-        t = time[:, None, None]
-        x_t = t * noise + (1 - t) * target_actions
-        losses = F.mse_loss(noise - target_actions, self.velocity(features, x_t, time), reduction="none")
-        return self._masked_mean(losses, action_is_pad)
-
-    # -------------------------------------------------------------- RL (the flow-RL path)
-    def sample_noise_shape(self) -> tuple[int, ...]:
-        """x at t=1 and one draw per Euler step: (num_steps + 1, chunk, max_action_dim)."""
-        return (self.config.num_steps + 1, self.config.action_chunk, self.config.max_action_dim)
-
-    def _step_std(self) -> torch.Tensor:
-        if self.log_std is None:
-            raise RuntimeError("SmolVLAActionModule was built with stochastic=False; it injects no noise")
-        return bounded_std(self.log_std)
-
-    def sample_policy(
-        self, features: Any, state: torch.Tensor, noise: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """LeRobot's Euler steps (t from 1 to 0) with learned Gaussian noise injected in each (ReinFlow,
-        as `flow_rl`): (actions (B, chunk, action_dim), log p(chain) (B,), chain (B, K+1, chunk, max_A))."""
-        self._check_prefix(features, state)
-        b, steps = features.batch_size, self.config.num_steps
-        if noise.shape != (b, *self.sample_noise_shape()):
-            raise ValueError(f"noise: expected {(b, *self.sample_noise_shape())}, got {tuple(noise.shape)}")
-        dt, std = -1.0 / steps, self._step_std()
-        x = noise[:, 0]
-        chain, density = [x], gaussian_log_density(x, 0.0, 1.0).sum(dim=(-1, -2))
-        for k in range(steps):
-            time = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=x.device)
-            mean = x + dt * self.velocity(features, x, time)
-            x = mean + std * noise[:, k + 1]
-            chain.append(x)
-            density = density + gaussian_log_density(x, mean, std).sum(dim=(-1, -2))
-        return x[:, :, : self.config.action_dim], density, torch.stack(chain, dim=1)
-
-    def record_log_prob(
-        self, features: Any, state: torch.Tensor, record: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """log p(chain) of recorded chains under the current parameters (differentiable through the
-        expert, the step std and, via the prefix cache, the state token), and the transitions' entropy."""
-        self._check_prefix(features, state)
-        b, steps = features.batch_size, self.config.num_steps
-        if record.shape != (b, *self.sample_noise_shape()):
-            raise ValueError(f"chain: expected {(b, *self.sample_noise_shape())}, got {tuple(record.shape)}")
-        dt, std = -1.0 / steps, self._step_std()
-        density = gaussian_log_density(record[:, 0], 0.0, 1.0).sum(dim=(-1, -2))
-        for k in range(steps):
-            time = torch.full((b,), 1.0 + k * dt, dtype=torch.float32, device=record.device)
-            mean = record[:, k] + dt * self.velocity(features, record[:, k], time)
-            density = density + gaussian_log_density(record[:, k + 1], mean, std).sum(dim=(-1, -2))
-        entropy = chain_entropy(std).sum() * steps * self.config.action_chunk
-        return density, entropy.expand(b)
-
-    @torch.no_grad()
-    def predict(
-        self,
-        features: Any,
-        state: torch.Tensor,
-        generator: torch.Generator | None = None,
-        *,
-        noise: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """(B, chunk, action_dim): Euler from noise at t=1 to t=0 in ``num_steps`` steps over the cache."""
-        self._check_prefix(features, state)
-        b = features.batch_size
-        x_t = noise if noise is not None else self.draw_noise(b, generator, device=state.device)
-        dt = -1.0 / self.config.num_steps
-        for step in range(self.config.num_steps):
-            time = torch.full((b,), 1.0 + step * dt, dtype=torch.float32, device=x_t.device)
-            x_t = x_t + dt * self.velocity(features, x_t, time)
-        return x_t[:, :, : self.config.action_dim]
-
-
-def standard_uniform(batch: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """(batch,) U[0, 1) drawn on the generator's device and moved (as `standard_normal`)."""
-    draw_device = generator.device if generator is not None else device
-    return torch.rand(batch, generator=generator, device=draw_device).to(device)
 
 
 def _embed_cameras(backbone: Any, images: list[list[torch.Tensor]], cfg: SmolVLAConfig) -> list[list[torch.Tensor]]:

@@ -1,5 +1,6 @@
 """The resident backbone: its protocol and families (`base`), what families share (`common`), the
-Idefics3 / SmolVLM family (`idefics3`), the Qwen3-VL family (`qwen_vl`), the built-in presets and
+Idefics3 / SmolVLM family (`idefics3`), the Qwen3-VL family (`qwen_vl`), the
+PaliGemma family of π0 / π0.5 (`paligemma`), the built-in presets and
 offline tokenizer (`tiny`), and `BackboneSource` (`source`).
 
 Importing this package registers the built-in families.
@@ -27,6 +28,7 @@ from joynexus.models.backbone.base import (  # noqa: E402
     register_backbone_family,
 )
 from joynexus.models.backbone.idefics3 import SUPPORTED_MODEL_TYPES, ResidentBackbone  # noqa: E402
+from joynexus.models.backbone.paligemma import PaliGemmaBackbone, PaliGemmaSpec  # noqa: E402
 from joynexus.models.backbone.qwen_vl import QwenVLBackbone, QwenVLSpec  # noqa: E402
 from joynexus.models.backbone.source import BackboneSource, checkpoint_family  # noqa: E402
 from joynexus.models.backbone.tiny import TinyBackboneSpec  # noqa: E402
@@ -40,6 +42,8 @@ __all__ = [
     "Backbone",
     "BackboneFeatures",
     "BackboneSource",
+    "PaliGemmaBackbone",
+    "PaliGemmaSpec",
     "QwenVLBackbone",
     "QwenVLSpec",
     "ResidentBackbone",
