@@ -1,6 +1,7 @@
 """Tenant-private action modules: the shared base and registry (`base`), one file per kind.
 
-Importing this package registers the built-in kinds (``oft_mlp``, ``flow_matching``, ``smolvla``).
+Importing this package registers the built-in kinds (``oft_mlp``, ``flow_matching``, ``smolvla``,
+``pi0``, ``pi05``).
 """
 
 from joynexus.models.action_modules.base import (
@@ -22,6 +23,8 @@ from joynexus.models.action_modules.flow_matching import (
     timestep_embedding,
 )
 from joynexus.models.action_modules.oft_mlp import OFTMLPActionModule
+from joynexus.models.action_modules.pi0 import PI0ActionModule, PI0Config
+from joynexus.models.action_modules.pi05 import PI05ActionModule, PI05Config
 from joynexus.models.action_modules.smolvla import SmolVLAActionModule, SmolVLAConfig
 
 __all__ = [
@@ -32,6 +35,10 @@ __all__ = [
     "FlowMatchingActionModule",
     "FlowMatchingConfig",
     "OFTMLPActionModule",
+    "PI05ActionModule",
+    "PI05Config",
+    "PI0ActionModule",
+    "PI0Config",
     "PrefixRows",
     "SizePreset",
     "SmolVLAActionModule",

@@ -385,11 +385,13 @@ def uses_layer_prefix(module: Any) -> bool:
 
 
 def by_prefix_layout(modules: Sequence[Any]) -> dict[tuple[Any, ...], list[int]]:
-    """Indices of layer-wise modules grouped by prefix layout: the kind (whose `layer_prefixes`
-    makes the group's ONE prefix forward) and its config's `prefix_group_key`, in first-seen order."""
+    """Indices of layer-wise modules grouped by prefix layout: the class whose `layer_prefixes`
+    makes the group's ONE prefix forward (a kind that inherits it, as π0.5 from π0, shares the
+    group) and the config's `prefix_group_key`, in first-seen order."""
     layouts: dict[tuple[Any, ...], list[int]] = {}
     for index, module in enumerate(modules):
-        layouts.setdefault((type(module), module.config.prefix_group_key()), []).append(index)
+        owner = next(c for c in type(module).__mro__ if "layer_prefixes" in vars(c))
+        layouts.setdefault((owner, module.config.prefix_group_key()), []).append(index)
     return layouts
 
 
