@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 STATE_KEY = "observation.state"  # the LeRobot feature keys (as in joynexus.data.lerobot_dataset)
 ACTION_KEY = "action"
 EPS = 1e-8  # LeRobot's epsilon in both formulas
+QUANTILE_EPS = 1e-8  # LeRobot's NormalizerProcessorStep eps, used only for an empty quantile range
 STATS_FILE = "stats.json"  # in a dataset's meta/ folder, and in the cache
 NORMALIZATION_FILE = "normalization.json"  # beside a checkpoint's / export's weights
 STATS_CACHE_ENV = "JOYNEXUS_STATS_CACHE"  # where computed statistics are cached (default: beside the dataset)
@@ -48,6 +49,8 @@ class NormalizationMode(StrEnum):
     MEAN_STD = "MEAN_STD"
     MIN_MAX = "MIN_MAX"
     IDENTITY = "IDENTITY"
+    QUANTILES = "QUANTILES"  # [q01, q99] onto [-1, 1] (π0.5's default)
+    QUANTILE10 = "QUANTILE10"  # [q10, q90] onto [-1, 1]
 
 
 class FeatureType(StrEnum):
@@ -65,7 +68,12 @@ DEFAULT_MODES: dict[str, str] = {
     FeatureType.ACTION.value: NormalizationMode.MEAN_STD.value,
 }
 FEATURE_KEYS = {FeatureType.STATE.value: STATE_KEY, FeatureType.ACTION.value: ACTION_KEY}
-_NEEDED = {NormalizationMode.MEAN_STD.value: ("mean", "std"), NormalizationMode.MIN_MAX.value: ("min", "max")}
+_NEEDED = {
+    NormalizationMode.MEAN_STD.value: ("mean", "std"),
+    NormalizationMode.MIN_MAX.value: ("min", "max"),
+    NormalizationMode.QUANTILES.value: ("q01", "q99"),
+    NormalizationMode.QUANTILE10.value: ("q10", "q90"),
+}
 
 
 class StatsError(ValueError):
@@ -176,9 +184,13 @@ class Normalizer:
         s = self.stats[key]
         if mode == NormalizationMode.MEAN_STD.value:
             shift, scale = np.asarray(s["mean"]), np.asarray(s["std"]) + EPS
-        else:  # MIN_MAX onto [-1, 1]
+        elif mode == NormalizationMode.MIN_MAX.value:  # onto [-1, 1]
             low, high = np.asarray(s["min"]), np.asarray(s["max"])
             shift, scale = (low + high) / 2.0, (high - low + EPS) / 2.0
+        else:  # a quantile range onto [-1, 1], LeRobot's: eps only where the range is empty
+            low, high = (np.asarray(s[name]) for name in _NEEDED[mode])
+            span = np.where(high - low == 0, QUANTILE_EPS, high - low)
+            shift, scale = low + span / 2.0, span / 2.0
         if arr.shape[-1] != shift.shape[0]:
             raise ValueError(f"{key}: last dimension {arr.shape[-1]}, but the statistics have {shift.shape[0]}")
         out = arr * scale + shift if inverse else (arr - shift) / scale
@@ -237,6 +249,7 @@ def compute_stats(root: str | Path) -> dict[str, dict[str, list[float]]]:
             "std": values.std(axis=0).tolist(),
             "min": values.min(axis=0).tolist(),
             "max": values.max(axis=0).tolist(),
+            **{f"q{q:02d}": np.quantile(values, q / 100, axis=0).tolist() for q in (1, 10, 90, 99)},
             "count": [int(values.shape[0])],
         }
     return stats

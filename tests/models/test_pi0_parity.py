@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import PaliGemmaForConditionalGeneration
 
+from joynexus.artifacts.openpi_transformers import openpi_transformers
 from joynexus.models.action_modules import ActionModuleConfig, PrefixRows, build_action_module, by_prefix_layout
 from joynexus.models.action_modules.pi0 import PI0ActionModule
 from joynexus.models.backbone.paligemma import PaliGemmaBackbone, PaliGemmaSpec, paligemma_config
-from tests.models.openpi_transformers import openpi_transformers
 
 ATOL, RTOL = 2e-5, 1e-4
 SPEC = PaliGemmaSpec(name="paligemma-parity", width=64, depth=2, mlp_dim=128, head_dim=8, image_size=28)

@@ -19,6 +19,7 @@ __all__ = [
     "SHARED_FIELDS",
     "expert_name",
     "load_expert_state",
+    "processor_stats",
     "read_lerobot_smolvla",
 ]
 
@@ -106,7 +107,7 @@ def read_lerobot_smolvla(path: str | Path, *, weights: bool = True) -> LeRobotSm
         camera_keys=camera_keys,
         state_dim=int(state["shape"][0]) if state else 0,
         action_dim=int(action["shape"][0]),
-        stats=_processor_stats(root),
+        stats=processor_stats(root),
     )
 
 
@@ -146,7 +147,7 @@ def load_expert_state(path: str | Path, num_layers: int) -> tuple[dict[str, Any]
     return checkpoint.module_state, checkpoint.vlm_digest()
 
 
-def _processor_stats(root: Path) -> dict[str, dict[str, list[float]]]:
+def processor_stats(root: Path) -> dict[str, dict[str, list[float]]]:
     """The normalizer step's statistics of ``policy_preprocessor.json`` (feature -> stat -> values)."""
     pipeline = root / "policy_preprocessor.json"
     if not pipeline.is_file():

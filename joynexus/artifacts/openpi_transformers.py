@@ -1,5 +1,7 @@
-"""openpi's ``transformers_replace`` on the transformers this stack runs (4.57), for LeRobot's π0 /
-π0.5 classes as test oracles.
+"""openpi's ``transformers_replace`` on the transformers this stack runs (4.57), wherever JoyNexus runs
+LeRobot's own π0 / π0.5 classes: writing a lab-style checkpoint (`lerobot_pi0`), the peer
+benchmark's LeRobot policy servers, and the parity tests' oracle. JoyNexus's own π0 path never
+needs it.
 
 LeRobot 0.4.4's ``PI0Pytorch`` / ``PI05Pytorch`` need transformers patched by openpi
 (``src/openpi/models_pytorch/transformers_replace``, written against transformers 4.53.2, which
@@ -11,7 +13,7 @@ attention over a past cache with ``use_cache=False`` concatenates instead of app
 ``transformers.models.siglip.check`` says the patch is in. That wheel cannot be installed beside
 our transformers 4.57.6, so `openpi_transformers()` applies exactly those changes (read from
 openpi's files, diffed against 4.53.2) to 4.57's classes for the duration of a ``with`` block and
-restores them after; our own code never runs inside it.
+restores them after; JoyNexus's own models are not called inside it.
 """
 
 from __future__ import annotations
