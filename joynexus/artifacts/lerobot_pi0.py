@@ -102,11 +102,9 @@ def lerobot_variants(kind: str, vlm: Sequence[int], expert: Sequence[int], palig
 
 def lerobot_pi0_normalizer(checkpoint: LeRobotPI0) -> Normalizer | None:
     """The tenant's normalizer: the checkpoint's processor statistics under its config's modes."""
-    if not checkpoint.stats:
-        return None
-    modes = {k: str(v) for k, v in (checkpoint.config.get("normalization_mapping") or {}).items()}
-    dims = {"STATE": checkpoint.state_dim, "ACTION": checkpoint.action_dim}
-    return Normalizer.from_stats(modes, checkpoint.stats, dims, source="lerobot-processor")
+    from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer
+
+    return checkpoint_normalizer(checkpoint)
 
 
 def _features(camera_keys: Sequence[str], resolution: int, state_dim: int, action_dim: int) -> tuple[dict, dict]:
@@ -269,5 +267,20 @@ def build_lerobot_pi0_checkpoint(
             policy = policy_class(config)
         policy.model.paligemma_with_expert.paligemma.load_state_dict(backbone.base_state_dict())
         policy.save_pretrained(root)
+    _restore_tied_embeddings(root / "model.safetensors")
     _save_processors(kind, config, root, root / TOKENIZER_DIR, stats)
     return root
+
+
+def _restore_tied_embeddings(weights_file: Path) -> None:
+    """Write PaliGemma's tied token embeddings under their own name too: published π0 checkpoints
+    carry both, and LeRobot 0.4.4's ``save_pretrained`` keeps one, after which its own strict
+    ``from_pretrained`` fails (and silently returns random weights)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights_file))
+    embed = LEROBOT_PALIGEMMA_PREFIX + "model.language_model.embed_tokens.weight"
+    head = LEROBOT_PALIGEMMA_PREFIX + "lm_head.weight"
+    if embed not in state and head in state:
+        state[embed] = state[head].clone()
+        save_file(state, str(weights_file), {"format": "pt"})

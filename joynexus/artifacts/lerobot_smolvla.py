@@ -34,13 +34,10 @@ VLM_DIR = "vlm"
 
 
 def lerobot_normalizer(checkpoint: LeRobotSmolVLA) -> Normalizer | None:
-    """The tenant's normalizer: the checkpoint's processor statistics under its config's modes
-    (None when it has no normalizer step)."""
-    if not checkpoint.stats:
-        return None
-    modes = {k: str(v) for k, v in (checkpoint.config.get("normalization_mapping") or {}).items()}
-    dims = {"STATE": checkpoint.state_dim, "ACTION": checkpoint.action_dim}
-    return Normalizer.from_stats(modes, checkpoint.stats, dims, source="lerobot-processor")
+    """The tenant's normalizer: the checkpoint's processor statistics under its config's modes."""
+    from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer
+
+    return checkpoint_normalizer(checkpoint)
 
 
 def write_lerobot_smolvla(

@@ -36,7 +36,7 @@ class BaseModelCapabilities:
     lora_target_modules: tuple[str, ...] = field(default_factory=_default_lora_targets)
     max_lora_rank: int = 64
     # The decoder's attention shape (num_heads, num_kv_heads, head_dim, num_layers) that a layer-wise
-    # expert (kind smolvla) is built against; None: the backbone offers no layer-wise prefix.
+    # expert (kinds smolvla, pi0, pi05) is built against; None: the backbone offers no layer-wise prefix.
     prefix_geometry: tuple[int, int, int, int] | None = None
 
     @classmethod
@@ -46,7 +46,7 @@ class BaseModelCapabilities:
             limits["lora_target_modules"] = tuple(targets())
         geometry = getattr(backbone, "prefix_geometry", None)
         if geometry is not None and "prefix_geometry" not in limits:
-            layers = len(backbone.model.text_model.layers)
+            layers = getattr(backbone, "num_layers", None) or len(backbone.model.text_model.layers)
             limits["prefix_geometry"] = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, layers)
         return cls(
             model_id=backbone.model_id,

@@ -432,14 +432,15 @@ def _kind_backend_fields(spec: WorkloadSpec, caps: Any, problems: list[tuple[str
 
 
 def lerobot_checkpoint_normalization(spec: WorkloadSpec) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
-    """A LeRobot checkpoint's processor statistics as the tenant's normalizer."""
-    from joynexus.artifacts.lerobot_smolvla import lerobot_normalizer
+    """A LeRobot checkpoint's processor statistics as the tenant's normalizer (read by the kind's
+    config class, `checkpoint_normalizer`)."""
     from joynexus.data.normalization import StatsError
-    from joynexus.models.action_modules.smolvla_checkpoint import read_lerobot_smolvla
+    from joynexus.models.action_modules import ACTION_MODULES, ActionModuleConfig
 
     assert spec.action_module.checkpoint is not None
+    config_class = getattr(ACTION_MODULES.get(spec.action_module.kind, None), "config_class", ActionModuleConfig)
     try:
-        normalizer = lerobot_normalizer(read_lerobot_smolvla(spec.action_module.checkpoint, weights=False))
+        normalizer = config_class.checkpoint_normalizer(spec.action_module.checkpoint)
     except StatsError as error:
         return None, [("action_module.checkpoint", f"processor statistics: {error}")]
     return (normalizer.to_dict() if normalizer is not None else None), []

@@ -142,6 +142,12 @@ class ActionModuleConfig(pydantic.BaseModel):
             problems.append(("action_module.checkpoint", reason))
         return {}
 
+    @classmethod
+    def checkpoint_normalizer(cls, path: str) -> Any:
+        """The `Normalizer` of a checkpoint's processor statistics (None: it has none). Only kinds that
+        start from a checkpoint read one (`backend_fields` refuses the field for the others)."""
+        return None
+
 
 def _config_class(cls: type[ActionModuleConfig], kind: Any) -> type[ActionModuleConfig]:
     """The registered config class of ``kind`` when it specializes ``cls``; else ``cls`` itself

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pydantic
@@ -72,6 +73,8 @@ class PI0Config(ActionModuleConfig):
     # sha256 of the base's prefix weights: a tenant made from a LeRobot checkpoint only runs over the
     # PaliGemma it was trained with. "" = made for this backbone.
     base_digest: str = ""
+    # A LeRobot π0 / π0.5 policy directory whose expert the tenant starts from ("" = from its seed).
+    lerobot_checkpoint: str = ""
 
     @pydantic.model_validator(mode="after")
     def _pi0_shapes(self) -> PI0Config:
@@ -92,21 +95,62 @@ class PI0Config(ActionModuleConfig):
 
     @classmethod
     def backend_fields(cls, spec: Any, caps: Any, problems: list[tuple[str, str]]) -> dict[str, Any]:
-        """The PaliGemma decoder's shape and camera side from the base (a checkpoint start is not
-        offered yet: refused naming the field)."""
-        if spec.action_module.checkpoint:
-            problems.append(("action_module.checkpoint", f"kind {spec.action_module.kind!r} starts from its seed"))
+        """The PaliGemma decoder's shape and camera side from the base and, with
+        ``action_module.checkpoint``, the LeRobot policy's fields (its config.json and the expert's
+        shapes; its weights are loaded and its PaliGemma checked by the Training Model Service,
+        `load_initial_state`). A checkpoint of the other family, or dims that differ from the spec,
+        are refused naming the field."""
+        module = spec.action_module
         if caps.prefix_geometry is None:
             problems.append(("action_module.kind", f"backbone {caps.model_id!r} offers no layer-wise prefix"))
             return {}
         heads, kv_heads, head_dim, layers = caps.prefix_geometry
-        return {
+        fields: dict[str, Any] = {
             "vlm_num_heads": heads,
             "vlm_num_kv_heads": kv_heads,
             "vlm_head_dim": head_dim,
             "vlm_depth": layers,
             "image_resolution": caps.image_size,
         }
+        if not module.checkpoint:
+            return fields
+        from joynexus.models.action_modules.pi0_checkpoint import read_lerobot_pi0
+        from joynexus.models.action_modules.smolvla_checkpoint import LeRobotCheckpointError
+
+        try:
+            checkpoint = read_lerobot_pi0(module.checkpoint, weights=False)
+            fields.update(checkpoint.module_config_fields())
+        except LeRobotCheckpointError as error:
+            problems.append(("action_module.checkpoint", str(error)))
+            return fields
+        if checkpoint.kind != module.kind:
+            problems.append(
+                ("action_module.kind", f"{module.kind!r}, but the checkpoint is a LeRobot {checkpoint.kind!r}")
+            )
+        obs = spec.observation
+        for field, ours, theirs in (
+            ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
+            ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
+            ("observation.action_chunk", obs.action_chunk, fields["action_chunk"]),
+            ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
+        ):
+            if ours != theirs:
+                problems.append((field, f"{ours}, but the LeRobot checkpoint {module.checkpoint!r} has {theirs}"))
+        if fields["image_resolution"] != caps.image_size:
+            reason = (
+                f"image_resolution={fields['image_resolution']}, the backbone's vision tower takes {caps.image_size}"
+            )
+            problems.append(("action_module.checkpoint", reason))
+        fields.pop("action_chunk")
+        fields["lerobot_checkpoint"] = str(Path(module.checkpoint).expanduser().resolve())
+        return fields
+
+    @classmethod
+    def checkpoint_normalizer(cls, path: str) -> Any:
+        from joynexus.models.action_modules.pi0_checkpoint import read_lerobot_pi0
+        from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer
+
+        return checkpoint_normalizer(read_lerobot_pi0(path, weights=False))
 
     def prefix_group_key(self) -> tuple[Any, ...]:
         """π0 and π0.5 tenants with equal keys share one prefix forward (their prompts differ per row,
@@ -220,6 +264,20 @@ class PI0ActionModule(PrefixFlowExpert):
                 f"action_module: the expert is built for a decoder of (hidden, heads, kv_heads, head_dim, depth)="
                 f"{ours}, backbone {backbone.model_id!r} has {theirs}"
             )
+        if cfg.lerobot_checkpoint:
+            from joynexus.models.action_modules.pi0_checkpoint import read_lerobot_pi0
+
+            checkpoint = read_lerobot_pi0(cfg.lerobot_checkpoint)
+            digest, resident = checkpoint.vlm_digest(cfg.vlm_depth), backbone.prefix_digest(cfg.vlm_depth)
+            if digest != resident:
+                raise ValueError(
+                    f"action_module.checkpoint: the PaliGemma of {cfg.lerobot_checkpoint!r} is not this deployment's "
+                    f"backbone {backbone.model_id!r} (prefix weights digest {digest[:12]} vs {resident[:12]}); "
+                    "create the tenant on the base it was trained on"
+                )
+            state = dict(self.state_dict())  # log_std (an RL tenant's) is ours, the rest LeRobot's
+            state.update(checkpoint.module_state)
+            self.load_state_dict(state, strict=True)
 
     # -------------------------------------------------------------- the prefix
     def prompts(self, instructions: Sequence[str], state: torch.Tensor) -> list[str]:

@@ -143,6 +143,12 @@ class SmolVLAConfig(ActionModuleConfig):
         fields["lerobot_checkpoint"] = str(Path(module.checkpoint).expanduser().resolve())
         return fields
 
+    @classmethod
+    def checkpoint_normalizer(cls, path: str) -> Any:
+        from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer, read_lerobot_smolvla
+
+        return checkpoint_normalizer(read_lerobot_smolvla(path, weights=False))
+
     def prefix_group_key(self) -> tuple[Any, ...]:
         """Tenants with equal keys share one prefix forward: the same prefix layout over the same layers."""
         return (

@@ -77,8 +77,8 @@ def write_lerobot_policy(
             f"tenant {info.manifest.tenant_id!r} v{info.manifest.policy_version} was trained on"
         )
     module = info.manifest.module_config
-    if module["kind"] == "smolvla":  # LeRobot's own policy type: a SmolVLA directory, not a JoyNexus one
-        return _write_smolvla(root, backbone, camera_keys, device, backbone_dir)
+    if module["kind"] in ("smolvla", "pi0", "pi05"):  # LeRobot's own policy type, not a JoyNexus one
+        return _write_lerobot_family(module["kind"], root, backbone, camera_keys, device, backbone_dir)
     if len(camera_keys) > backbone.max_images:
         raise ValueError(f"camera_keys: {len(camera_keys)} cameras, the backbone takes at most {backbone.max_images}")
     inputs = {
@@ -135,22 +135,30 @@ def write_lerobot_policy(
     return root
 
 
-def _write_smolvla(root: Path, backbone: Any, camera_keys: Sequence[str], device: str, backbone_dir: Path) -> Path:
-    """A SmolVLA tenant's export: ``SmolVLAPolicy.from_pretrained`` loads it (type "smolvla"), its
-    VLM the exported backbone, beside JoyNexus's own files (manifest, digests, action module)."""
+def _write_lerobot_family(
+    kind: str, root: Path, backbone: Any, camera_keys: Sequence[str], device: str, backbone_dir: Path
+) -> Path:
+    """A SmolVLA / π0 / π0.5 tenant's export: LeRobot's ``SmolVLAPolicy`` / ``PI0Policy`` /
+    ``PI05Policy.from_pretrained`` loads it, beside JoyNexus's own files (manifest, digests, action
+    module)."""
     from joynexus.artifacts.codec import NORMALIZATION_FILE
     from joynexus.artifacts.exports import ACTION_MODULE_DIR, load_action_module
-    from joynexus.artifacts.lerobot_smolvla import write_lerobot_smolvla
     from joynexus.data.normalization import Normalizer
 
     normalization_file = root / ACTION_MODULE_DIR / NORMALIZATION_FILE
     normalizer = None
     if normalization_file.is_file():
         normalizer = Normalizer.from_dict(json.loads(normalization_file.read_text()))
-    return write_lerobot_smolvla(
-        root, load_action_module(root), backbone, camera_keys=camera_keys, normalizer=normalizer,
-        vlm_dir=backbone_dir, device=device,
-    )  # fmt: skip
+    module = load_action_module(root)
+    if kind == "smolvla":
+        from joynexus.artifacts.lerobot_smolvla import write_lerobot_smolvla
+
+        return write_lerobot_smolvla(
+            root, module, backbone, camera_keys=camera_keys, normalizer=normalizer, vlm_dir=backbone_dir, device=device
+        )
+    from joynexus.artifacts.lerobot_pi0 import write_lerobot_pi0
+
+    return write_lerobot_pi0(root, module, backbone, camera_keys=camera_keys, normalizer=normalizer, device=device)
 
 
 def _camera_sizes(extra: Mapping[str, Any], cameras: int, backbone: Any) -> list[tuple[int, int]]:
