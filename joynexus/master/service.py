@@ -469,6 +469,7 @@ class MasterService:
         self.check_tenant(tenant_id)
         return self.workloads.publish_weights(tenant_id)
 
+
     def install_weights(
         self,
         tenant_id: str,

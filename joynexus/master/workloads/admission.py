@@ -53,11 +53,7 @@ class Admission(WorkloadBase):
         with self.deployment.store.transaction() as s:
             s.add(
                 WorkloadRecord(
-                    workload_id=workload_id,
-                    tenant_id=tenant_id,
-                    task=task,
-                    state=QUEUED,
-                    target_jobs=target,
+                    workload_id=workload_id, tenant_id=tenant_id, task=task, state=QUEUED, target_jobs=target,
                     dataset=dataset,
                 )  # fmt: skip
             )
