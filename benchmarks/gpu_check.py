@@ -16,8 +16,10 @@
 5. `benchmarks/real_size.py` at each real-size preset (smolvlm-256m, smolvlm-500m: published dimensions,
    random weights) at their published 512 px with JOYNEXUS_DEVICE=cuda, so the first run on a GPU
    reports them (on the CPU only when `--real-size` asks for it, at 64 px).
-6. `benchmarks/smolvla_grouped.py`: 8 SmolVLA tenants over one shared prefix at SmolVLA's published
-   dimensions and 512 px on a GPU (grouped vs serial, the bare-prefix bound, memory); `--quick` on the CPU.
+6. `benchmarks/smolvla_grouped.py`: 8 SmolVLA, then 8 π0 and 8 π0.5 tenants (PaliGemma 3B + Gemma 300M
+   experts) over one shared prefix each, at the families' published dimensions (SmolVLA at 512 px) on a
+   GPU (grouped vs serial, the bare-prefix bound, memory per extra tenant in float32 and bfloat16);
+   `--quick` on the CPU.
 """
 
 from __future__ import annotations
@@ -300,15 +302,19 @@ def run_real_size(gpu: bool, presets: list[str]) -> None:
 
 
 def run_smolvla(gpu: bool) -> None:
-    """Part 6: benchmarks/smolvla_grouped.py (8 SmolVLA tenants over one prefix: grouped vs serial, the
-    bound, memory) at SmolVLA's published dimensions and 512 px on a GPU; its --quick on the CPU."""
+    """Part 6: benchmarks/smolvla_grouped.py for SmolVLA, π0 and π0.5 (8 tenants over one prefix each:
+    grouped vs serial, the bound, memory per extra tenant in float32 and bfloat16) at the published
+    dimensions on a GPU (SmolVLA at 512 px); their --quick on the CPU."""
     device = "cuda" if gpu else "cpu"
     script = Path(__file__).with_name("smolvla_grouped.py")
-    command = [sys.executable, str(script)] + (["--image-size", "512", "--repeats", "5"] if gpu else ["--quick"])
-    print(f"\n== benchmarks/smolvla_grouped.py {' '.join(command[2:])} with JOYNEXUS_DEVICE={device} ==", flush=True)
-    done = subprocess.run(command, env={**os.environ, "JOYNEXUS_DEVICE": device}, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"smolvla_grouped.py failed with exit code {done.returncode}")
+    for family, published in (("smolvla", ["--image-size", "512"]), ("pi0", []), ("pi05", [])):
+        sized = [*published, "--repeats", "5"] if gpu else ["--quick"]
+        command = [sys.executable, str(script), "--family", family, *sized]
+        shown = " ".join(command[2:])
+        print(f"\n== benchmarks/smolvla_grouped.py {shown} with JOYNEXUS_DEVICE={device} ==", flush=True)
+        done = subprocess.run(command, env={**os.environ, "JOYNEXUS_DEVICE": device}, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"smolvla_grouped.py --family {family} failed with exit code {done.returncode}")
 
 
 if __name__ == "__main__":

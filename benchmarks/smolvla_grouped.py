@@ -1,9 +1,11 @@
-"""SmolVLA tenants over ONE shared prefix: grouped vs serial, the bare-prefix bound, memory.
+"""VLA tenants (SmolVLA, π0, π0.5) over ONE shared prefix: grouped vs serial, the bare-prefix bound,
+memory in float32 and bfloat16.
 
-At SmolVLA's published dimensions by default: SmolVLM2-500M (the ``smolvlm-500m`` preset: hidden 960,
-15 heads, 5 KV heads) truncated to 16 layers, the action expert at 0.75 width over all 16, chunk 50,
-10 Euler steps, random weights. On a CPU the cameras are served at ``--image-size`` (256 px: 16 image
-tokens per camera after the pixel-shuffle connector; the published 512 px gives 64) with one camera.
+``--family smolvla`` (the default), at SmolVLA's published dimensions: SmolVLM2-500M (the
+``smolvlm-500m`` preset: hidden 960, 15 heads, 5 KV heads) truncated to 16 layers, the action expert at
+0.75 width over all 16, chunk 50, 10 Euler steps, random weights. On a CPU the cameras are served at
+``--image-size`` (256 px: 16 image tokens per camera after the pixel-shuffle connector; the published
+512 px gives 64) with one camera.
 
 - grouped: ONE prefix forward for N tenants x batch 1 (`SmolVLAActionModule.layer_prefixes`, each row's
   state token by its own tenant's ``state_proj``), then each tenant's expert over its row;
@@ -15,6 +17,9 @@ tokens per camera after the pixel-shuffle connector; the published 512 px gives 
 The device is the backbone placement's (``JOYNEXUS_DEVICE``; `benchmarks/gpu_check.py` runs this on
 cuda at the published 512 px). Interleaved repeats, medians and min-max printed; ratios are measured
 side by side in one run.
+``--family pi0`` / ``pi05``: π0's / π0.5's published dimensions (the ``paligemma-3b`` preset: SigLIP
+So400m/14 at 224 px, 256 image tokens, Gemma 2B over all 18 layers; the gemma_300m expert, chunk 50,
+10 Euler steps); ``--image-size`` is not taken (SigLIP's position table fixes it).
 ``--quick``: tiny backbone, 2 layers, 2 tenants, 2 repeats (a smoke run).
 """
 
@@ -27,12 +32,14 @@ from typing import Any
 
 import torch
 
-from joynexus.models.action_modules import ActionModuleConfig, build_action_module
-from joynexus.models.action_modules.smolvla import SmolVLAActionModule, SmolVLARows
-from joynexus.models.backbone import ResidentBackbone, TinyBackboneSpec
+from joynexus.models.action_modules import ActionModule, ActionModuleConfig, PrefixRows, build_action_module
+from joynexus.models.backbone import PaliGemmaBackbone, ResidentBackbone, TinyBackboneSpec
+from joynexus.models.backbone.paligemma import PALIGEMMA_PRESETS
 
 
-def build(args: argparse.Namespace) -> tuple[ResidentBackbone, list[SmolVLAActionModule]]:
+def build(args: argparse.Namespace) -> tuple[Any, list[ActionModule]]:
+    if args.family in ("pi0", "pi05"):
+        return build_pi0(args)
     spec = TinyBackboneSpec.preset(args.preset).with_overrides(image_size=args.image_size, feature_layers=args.layers)
     backbone = ResidentBackbone.build_tiny(spec)
     geometry = backbone.prefix_geometry
@@ -56,17 +63,44 @@ def build(args: argparse.Namespace) -> tuple[ResidentBackbone, list[SmolVLAActio
     return backbone, modules
 
 
-def rows(modules: list[SmolVLAActionModule], side: int, device: torch.device) -> list[SmolVLARows]:
+def build_pi0(args: argparse.Namespace) -> tuple[PaliGemmaBackbone, list[ActionModule]]:
+    """π0 / π0.5 tenants over a PaliGemma: the published ``paligemma-3b`` + gemma_300m experts, or tiny."""
+    backbone = PaliGemmaBackbone.build_tiny(PALIGEMMA_PRESETS[args.preset])
+    geometry = backbone.prefix_geometry
+    width, mlp = (1024, 4096) if args.preset == "paligemma-3b" else (32, 64)
+    config = ActionModuleConfig(
+        kind=args.family,
+        feature_dim=backbone.hidden_size,
+        state_dim=6,
+        action_dim=6,
+        action_chunk=args.chunk,
+        num_steps=args.steps,
+        expert_width=width,
+        expert_mlp_dim=mlp,
+        image_resolution=backbone.image_size,
+        vlm_depth=backbone.num_layers,
+        vlm_num_heads=geometry.num_heads,
+        vlm_num_kv_heads=geometry.num_kv_heads,
+        vlm_head_dim=geometry.head_dim,
+    )
+    modules = []
+    for seed in range(args.tenants):
+        torch.manual_seed(seed)
+        modules.append(build_action_module(config).to(backbone.device).eval())
+    return backbone, modules
+
+
+def rows(modules: list[ActionModule], side: int, device: torch.device) -> list[PrefixRows]:
     g = torch.Generator().manual_seed(0)
     return [
-        SmolVLARows(
+        PrefixRows(
             m, [[torch.rand(3, side, side, generator=g)]], ["pick up the red cube"], torch.randn(1, 6, device=device)
         )
         for m in modules
     ]
 
 
-def predict(backbone: ResidentBackbone, members: list[SmolVLARows]) -> None:
+def predict(backbone: Any, members: list[PrefixRows]) -> None:
     """One predict: the members' ONE prefix forward, then each tenant's expert over its rows."""
     _experts_only(members, _prefix_only(backbone, members))
 
@@ -102,14 +136,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bound = (med["prefix_serial"] + med["experts"]) / (med["prefix_batched"] + med["experts"])
     speedup = med["serial"] / med["grouped"]
     prefix_params = sum(
-        p.numel() for name, p in backbone.model.named_parameters() if not name.startswith("text_model.norm")
+        p.numel()
+        for name, p in backbone.model.named_parameters()
+        if not name.startswith(("text_model.norm", "lm_head", "model.language_model.norm"))
     )
     expert_params = sum(p.numel() for p in modules[0].parameters())
     return {
+        "family": args.family,
         "preset": args.preset,
         "image_size": backbone.image_size,
-        "image_tokens_per_camera": backbone.image_seq_len,
-        "layers": args.layers,
+        "image_tokens_per_camera": getattr(backbone, "image_seq_len", None)
+        or (backbone.image_size // backbone.model.config.vision_config.patch_size) ** 2,
+        "layers": getattr(backbone, "num_layers", args.layers) if args.family != "smolvla" else args.layers,
         "tenants": n,
         "threads": args.threads,
         "times": times,
@@ -122,16 +160,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "expert_params": expert_params,
         "memory_shared_bytes": 4 * (prefix_params + n * expert_params),
         "memory_whole_policies_bytes": 4 * n * (prefix_params + expert_params),
+        # per extra tenant: its expert alone here, a whole policy (prefix + expert) for the peer
+        "extra_tenant_bytes": {"float32": 4 * expert_params, "bfloat16": 2 * expert_params},
+        "extra_policy_bytes": {
+            "float32": 4 * (prefix_params + expert_params),
+            "bfloat16": 2 * (prefix_params + expert_params),
+        },
     }
 
 
-def _prefix_only(backbone: ResidentBackbone, members: list[SmolVLARows]) -> list[Any]:
+def _prefix_only(backbone: Any, members: list[PrefixRows]) -> list[Any]:
     """P: the prefix forward alone (what grouping shares)."""
     with torch.inference_mode():
-        return SmolVLAActionModule.layer_prefixes(backbone, members)
+        return type(members[0].module).layer_prefixes(backbone, members)
 
 
-def _experts_only(members: list[SmolVLARows], prefixes: list[Any]) -> None:
+def _experts_only(members: list[PrefixRows], prefixes: list[Any]) -> None:
     """Each tenant's expert over its kept prefix cache (E: what grouping does not change)."""
     with torch.inference_mode():
         for member, prefix in zip(members, prefixes, strict=True):
@@ -140,7 +184,7 @@ def _experts_only(members: list[SmolVLARows], prefixes: list[Any]) -> None:
 
 def report(result: dict[str, Any]) -> None:
     print(
-        f"SmolVLA over {result['preset']} truncated to {result['layers']} layers, {result['image_size']} px "
+        f"{result['family']} over {result['preset']}, {result['layers']} layers, {result['image_size']} px "
         f"({result['image_tokens_per_camera']} image tokens/camera, 1 camera), {result['tenants']} tenants x batch 1, "
         f"{result['threads']} thread(s)"
     )
@@ -162,11 +206,18 @@ def report(result: dict[str, Any]) -> None:
         f"{result['tenants']} whole policies {result['memory_whole_policies_bytes'] / gib:.2f} GiB "
         f"({result['memory_whole_policies_bytes'] / result['memory_shared_bytes']:.2f}x)"
     )
+    extra, whole = result["extra_tenant_bytes"], result["extra_policy_bytes"]
+    print(
+        f"  memory per extra tenant: float32 {extra['float32'] / gib:.3f} GiB, "
+        f"bfloat16 {extra['bfloat16'] / gib:.3f} GiB "
+        f"(a whole policy each: {whole['float32'] / gib:.2f} / {whole['bfloat16'] / gib:.2f} GiB)"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="smolvlm-500m")
+    parser.add_argument("--family", choices=("smolvla", "pi0", "pi05"), default="smolvla")
+    parser.add_argument("--preset", default=None, help="default: smolvlm-500m (SmolVLA) / paligemma-3b (π0, π0.5)")
     parser.add_argument("--image-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=16, help="num_vlm_layers (SmolVLA: 16)")
     parser.add_argument("--tenants", type=int, default=8)
@@ -176,8 +227,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny backbone, 2 layers, 2 tenants (a smoke run)")
     args = parser.parse_args(argv)
+    pi = args.family in ("pi0", "pi05")
+    if args.preset is None:
+        args.preset = "paligemma-3b" if pi else "smolvlm-500m"
     if args.quick:
-        args.preset, args.image_size, args.layers, args.tenants, args.repeats, args.chunk = "tiny", None, 2, 2, 2, 4
+        args.preset = "paligemma-tiny" if pi else "tiny"
+        args.image_size, args.layers, args.tenants, args.repeats, args.chunk = None, 2, 2, 2, 4
     result = run(args)
     report(result)
     return result
