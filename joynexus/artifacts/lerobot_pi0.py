@@ -102,9 +102,7 @@ def lerobot_variants(kind: str, vlm: Sequence[int], expert: Sequence[int], palig
 
 def lerobot_pi0_normalizer(checkpoint: LeRobotPI0) -> Normalizer | None:
     """The tenant's normalizer: the checkpoint's processor statistics under its config's modes."""
-    from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer
-
-    return checkpoint_normalizer(checkpoint)
+    return Normalizer.from_lerobot_checkpoint(checkpoint)
 
 
 def _features(camera_keys: Sequence[str], resolution: int, state_dim: int, action_dim: int) -> tuple[dict, dict]:

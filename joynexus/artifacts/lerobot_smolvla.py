@@ -35,9 +35,7 @@ VLM_DIR = "vlm"
 
 def lerobot_normalizer(checkpoint: LeRobotSmolVLA) -> Normalizer | None:
     """The tenant's normalizer: the checkpoint's processor statistics under its config's modes."""
-    from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer
-
-    return checkpoint_normalizer(checkpoint)
+    return Normalizer.from_lerobot_checkpoint(checkpoint)
 
 
 def write_lerobot_smolvla(

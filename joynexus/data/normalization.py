@@ -143,6 +143,17 @@ class Normalizer:
         return cls(modes=modes, stats=kept, source=source)
 
     @classmethod
+    def from_lerobot_checkpoint(cls, checkpoint: Any) -> Normalizer | None:
+        """A LeRobot policy directory's processor statistics (``checkpoint``: what a kind's
+        ``read_checkpoint`` returns: its config, stats, state_dim, action_dim) under its config's
+        modes; None when it has no normalizer step."""
+        if not checkpoint.stats:
+            return None
+        modes = {k: str(v) for k, v in (checkpoint.config.get("normalization_mapping") or {}).items()}
+        dims = {"STATE": checkpoint.state_dim, "ACTION": checkpoint.action_dim}
+        return cls.from_stats(modes, checkpoint.stats, dims, source="lerobot-processor")
+
+    @classmethod
     def for_simulator(cls, action_low: Any, action_high: Any) -> Normalizer:
         """An RL tenant's: actions MIN_MAX over the simulator's action bounds (the unit range the
         policy acts in, `envs.base.unit_to_bounds`), state as the simulator reports it."""

@@ -433,14 +433,17 @@ def _kind_backend_fields(spec: WorkloadSpec, caps: Any, problems: list[tuple[str
 
 def lerobot_checkpoint_normalization(spec: WorkloadSpec) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
     """A LeRobot checkpoint's processor statistics as the tenant's normalizer (read by the kind's
-    config class, `checkpoint_normalizer`)."""
-    from joynexus.data.normalization import StatsError
+    config class, `read_checkpoint`)."""
+    from joynexus.data.normalization import Normalizer, StatsError
     from joynexus.models.action_modules import ACTION_MODULES, ActionModuleConfig
 
     assert spec.action_module.checkpoint is not None
     config_class = getattr(ACTION_MODULES.get(spec.action_module.kind, None), "config_class", ActionModuleConfig)
+    checkpoint = config_class.read_checkpoint(spec.action_module.checkpoint)
+    if checkpoint is None:
+        return None, []
     try:
-        normalizer = config_class.checkpoint_normalizer(spec.action_module.checkpoint)
+        normalizer = Normalizer.from_lerobot_checkpoint(checkpoint)
     except StatsError as error:
         return None, [("action_module.checkpoint", f"processor statistics: {error}")]
     return (normalizer.to_dict() if normalizer is not None else None), []

@@ -143,9 +143,10 @@ class ActionModuleConfig(pydantic.BaseModel):
         return {}
 
     @classmethod
-    def checkpoint_normalizer(cls, path: str) -> Any:
-        """The `Normalizer` of a checkpoint's processor statistics (None: it has none). Only kinds that
-        start from a checkpoint read one (`backend_fields` refuses the field for the others)."""
+    def read_checkpoint(cls, path: str) -> Any:
+        """A checkpoint directory's config and processor statistics, without its weights (config,
+        stats, state_dim, action_dim); None for kinds that do not start from one (`backend_fields`
+        refuses the field for them)."""
         return None
 
 

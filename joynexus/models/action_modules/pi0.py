@@ -146,11 +146,10 @@ class PI0Config(ActionModuleConfig):
         return fields
 
     @classmethod
-    def checkpoint_normalizer(cls, path: str) -> Any:
+    def read_checkpoint(cls, path: str) -> Any:
         from joynexus.models.action_modules.pi0_checkpoint import read_lerobot_pi0
-        from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer
 
-        return checkpoint_normalizer(read_lerobot_pi0(path, weights=False))
+        return read_lerobot_pi0(path, weights=False)
 
     def prefix_group_key(self) -> tuple[Any, ...]:
         """π0 and π0.5 tenants with equal keys share one prefix forward (their prompts differ per row,
@@ -333,21 +332,24 @@ class PI0ActionModule(PrefixFlowExpert):
         """v(x_t, t): the expert's layers beside the prefix's, each attending to [that layer's
         prefix keys/values, the suffix's own] (LeRobot's `denoise_step`)."""
         hidden, starts, cond = self.embed_suffix(x_t, time, state)
+        model = self.gemma_expert.model
+        # The expert may run in bfloat16 while the projections stay float32 (LeRobot's split).
+        dtype = model.layers[0].self_attn.q_proj.weight.dtype
+        hidden, cond = hidden.to(dtype), (cond.to(dtype) if cond is not None else None)
         b, s = hidden.shape[:2]
         lp = prefix.length
         suffix_mask = block_causal_mask(torch.ones_like(starts), starts)
         mask = torch.cat([prefix.pad_mask[:, None, :].expand(b, s, lp), suffix_mask], dim=2)
         positions = prefix.offsets + torch.arange(s, device=hidden.device)[None, :]
         head_dim, heads = self.geometry.head_dim, self.geometry.num_heads
-        model = self.gemma_expert.model
         for index, layer in enumerate(model.layers):
             attn = layer.self_attn
             normed, gate = _norm(layer.input_layernorm, hidden, cond)
             query = apply_rope(attn.q_proj(normed).view(b, s, -1, head_dim), positions)
             key = apply_rope(attn.k_proj(normed).view(b, s, -1, head_dim), positions)
             value = attn.v_proj(normed).view(b, s, -1, head_dim)
-            keys = torch.cat([prefix.keys[index].to(key.dtype), key], dim=1)
-            values = torch.cat([prefix.values[index].to(value.dtype), value], dim=1)
+            keys = torch.cat([prefix.keys[index].to(dtype), key], dim=1)
+            values = torch.cat([prefix.values[index].to(dtype), value], dim=1)
             hidden = _gated(hidden, attn.o_proj(eager_attention(mask, query, keys, values, heads)), gate)
             normed, gate = _norm(layer.post_attention_layernorm, hidden, cond)
             hidden = _gated(hidden, layer.mlp(normed), gate)

@@ -144,10 +144,10 @@ class SmolVLAConfig(ActionModuleConfig):
         return fields
 
     @classmethod
-    def checkpoint_normalizer(cls, path: str) -> Any:
-        from joynexus.models.action_modules.smolvla_checkpoint import checkpoint_normalizer, read_lerobot_smolvla
+    def read_checkpoint(cls, path: str) -> Any:
+        from joynexus.models.action_modules.smolvla_checkpoint import read_lerobot_smolvla
 
-        return checkpoint_normalizer(read_lerobot_smolvla(path, weights=False))
+        return read_lerobot_smolvla(path, weights=False)
 
     def prefix_group_key(self) -> tuple[Any, ...]:
         """Tenants with equal keys share one prefix forward: the same prefix layout over the same layers."""

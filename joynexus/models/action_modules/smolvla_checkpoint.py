@@ -16,7 +16,6 @@ __all__ = [
     "LEROBOT_VLM_PREFIX",
     "LeRobotCheckpointError",
     "LeRobotSmolVLA",
-    "checkpoint_normalizer",
     "SHARED_FIELDS",
     "expert_name",
     "load_expert_state",
@@ -171,14 +170,3 @@ def processor_stats(root: Path) -> dict[str, dict[str, list[float]]]:
             return stats
     return {}
 
-
-def checkpoint_normalizer(checkpoint: Any) -> Any:
-    """A LeRobot checkpoint's `Normalizer` (its processor statistics under its config's modes; None
-    when it has no normalizer step). Torch-free: the Master compiles tenants with it."""
-    from joynexus.data.normalization import Normalizer
-
-    if not checkpoint.stats:
-        return None
-    modes = {k: str(v) for k, v in (checkpoint.config.get("normalization_mapping") or {}).items()}
-    dims = {"STATE": checkpoint.state_dim, "ACTION": checkpoint.action_dim}
-    return Normalizer.from_stats(modes, checkpoint.stats, dims, source="lerobot-processor")

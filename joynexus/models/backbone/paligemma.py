@@ -250,7 +250,8 @@ class PaliGemmaBackbone(TenantAdapterHost):
     def build_tiny(
         cls, spec: PaliGemmaSpec | None = None, seed: int = 0, placement: DevicePlacement | None = None
     ) -> PaliGemmaBackbone:
-        """Randomly initialized PaliGemma of a preset (no files, no network); drawn on the CPU, then placed."""
+        """Randomly initialized PaliGemma of a preset (no files, no network); drawn on the CPU in the
+        placement's dtype, then placed (the same seed and dtype give the same backbone on every device)."""
         spec = spec or PALIGEMMA_PRESETS["paligemma-tiny"]
         if not isinstance(spec, PaliGemmaSpec):
             raise ValueError(
@@ -258,9 +259,16 @@ class PaliGemmaBackbone(TenantAdapterHost):
                 f"not {type(spec).__name__} {getattr(spec, 'name', spec)!r}"
             )
         tokenizer = train_gemma_tokenizer(spec.tokenizer_vocab_size)
+        placement = placement or DevicePlacement.from_env()
+        previous = torch.get_default_dtype()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = PaliGemmaForConditionalGeneration(paligemma_config(spec))
+            # Drawn in the placement's dtype: PaliGemma 3B in float32 first would hold 12 GB to keep 6.
+            torch.set_default_dtype(placement.torch_dtype)
+            try:
+                model = PaliGemmaForConditionalGeneration(paligemma_config(spec))
+            finally:
+                torch.set_default_dtype(previous)
         return cls(
             model,
             tokenizer,
