@@ -192,3 +192,38 @@ def test_a_checkpoint_over_another_paligemma_is_refused_and_leaves_no_tenant(pi_
 def test_a_pi05_checkpoint_asked_for_as_pi0_is_refused_naming_the_kind(pi_api, base_backbone, tmp_path):
     _, response = pi_tenant(pi_api, "pi0", checkpoint_over("pi05", base_backbone, tmp_path / "pi05"))
     assert response.status_code == 422 and "action_module.kind" in response.text, response.text
+
+
+def test_one_batch_of_pi0_pi05_and_another_family_equals_each_served_alone(pi_api, base_backbone, tmp_path):
+    """Requests of a π0 and a π0.5 tenant (LeRobot checkpoints of one base) and an oft_mlp tenant in
+    ONE Inference Model Service batch: the π0 / π0.5 rows share the PaliGemma prefix path, the oft rows
+    the token forward, and each π request's actions equal LeRobot's."""
+    from joynexus.scheduling.inference_queue import Observation
+
+    kinds = ("pi0", "pi05")
+    roots = [checkpoint_over(kind, base_backbone, tmp_path / kind, seed=10 + i) for i, kind in enumerate(kinds)]
+    tenants = []
+    for kind, root in zip(kinds, roots, strict=True):
+        tenant, response = pi_tenant(pi_api, kind, root)
+        assert response.status_code == 201, response.text
+        tenants.append(tenant)
+    spec = pi_spec(pi_api, "pi-oft")
+    made = pi_api.client.post("/v1/admin/tenants", json=spec, headers=pi_api.admin)
+    assert made.status_code == 201, made.text
+    other = TenantHandle(spec["tenant"], made.json()["key"]["api_key"], spec)
+    for t in (*tenants, other):
+        assert pi_api.client.post("/v1/weights/load", json={}, headers=t.headers).status_code == 200
+    sample = tenants[0].batch(1, seed=41)
+    sample["state"] = np.clip(sample["state"], -0.9, 0.9)
+    obs = [Observation(images=list(sample["images"][0]), state=sample["state"][0], instruction=TASK)]
+    service = pi_api.cluster.inference
+    for _ in range(5):  # the worker collects what is queued within its wait: usually all three
+        futures = [service.submit(t.tenant_id, obs, seeds=[5]) for t in (*tenants, other)]
+        results = [f.result(timeout=60) for f in futures]
+        if {r["batch_samples"] for r in results} == {3}:
+            break
+    assert {r["batch_samples"] for r in results} == {3}, "the three requests never shared a batch"
+    for kind, root, result in zip(kinds, roots, results[:2], strict=True):
+        theirs = lerobot_actions(kind, root, base_backbone, sample, [5])
+        np.testing.assert_allclose(result["actions"], theirs, atol=ATOL, rtol=RTOL)
+    assert np.asarray(results[2]["actions"]).shape == (1, 2, 3)
