@@ -223,3 +223,25 @@ def test_loss_and_expert_gradients_equal_lerobot(kind, backbone, monkeypatch):
     assert compared == len([n for n, _ in module.named_parameters() if n != "log_std"]) > 10
     # the frozen PaliGemma got no gradient in either
     assert all(p.grad is None for p in backbone.model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["pi0", "pi05"])
+def test_the_flow_rl_chain_density_of_a_sample_is_the_one_rescored(kind, backbone):
+    """π0 / π0.5 RL goes through the flow-RL path `PrefixFlowExpert` shares with SmolVLA: the density
+    a sample was drawn with is the one the trainer rescores, and it reaches the expert and its std."""
+    module = build_action_module(tenant(kind, backbone, 5).config.model_copy(update={"stochastic": True}))
+    cams, state = inputs(2, 31)
+    rows = PrefixRows(module, cams, TASKS[:2], state)
+    with torch.no_grad():
+        prefix = PI0ActionModule.layer_prefixes(backbone, [rows])[0]
+        noise = torch.randn(2, *module.sample_noise_shape(), generator=torch.Generator().manual_seed(0))
+        actions, density, chain = module.sample_policy(prefix, state, noise)
+    assert actions.shape == (2, CHUNK, ACTION_DIM) and chain.shape == (2, STEPS + 1, CHUNK, 5)
+    torch.testing.assert_close(chain[:, -1, :, :ACTION_DIM], actions)
+    rescored, entropy = module.record_log_prob(
+        PI0ActionModule.layer_prefixes(backbone, [rows], grad=True)[0], state, chain
+    )
+    torch.testing.assert_close(rescored, density, atol=1e-4, rtol=1e-5)
+    rescored.sum().backward()
+    assert module.log_std.grad is not None and module.action_in_proj.weight.grad.abs().sum() > 0
+    assert entropy.shape == (2,)
