@@ -33,7 +33,12 @@ from torch import nn
 from transformers import GemmaConfig, GemmaModel
 
 from joynexus.models.action_modules.base import ActionModuleConfig, PrefixRows, register_action_module
-from joynexus.models.action_modules.prefix_flow import PrefixFlowExpert, sinusoidal_time_embedding
+from joynexus.models.action_modules.prefix_flow import (
+    PrefixFlowExpert,
+    check_padded_dims,
+    checkpoint_dim_problems,
+    sinusoidal_time_embedding,
+)
 from joynexus.models.backbone.layer_prefix import (
     LayerPrefix,
     PrefixGeometry,
@@ -78,16 +83,7 @@ class PI0Config(ActionModuleConfig):
 
     @pydantic.model_validator(mode="after")
     def _pi0_shapes(self) -> PI0Config:
-        if self.state_dim > self.max_state_dim:
-            raise ValueError(f"state_dim={self.state_dim} exceeds max_state_dim={self.max_state_dim}")
-        if self.action_dim > self.max_action_dim:
-            raise ValueError(f"action_dim={self.action_dim} exceeds max_action_dim={self.max_action_dim}")
-        if self.vlm_num_heads % self.vlm_num_kv_heads:
-            raise ValueError(f"vlm_num_heads={self.vlm_num_heads} is not a multiple of vlm_num_kv_heads")
-        if self.value_head:
-            raise ValueError(
-                f"kind={self.kind!r} has no critic over the prefix cache: an RL tenant takes rl.advantage: grpo"
-            )
+        check_padded_dims(self)
         return self
 
     def architecture_fields(self) -> tuple[Any, ...]:
@@ -127,15 +123,7 @@ class PI0Config(ActionModuleConfig):
             problems.append(
                 ("action_module.kind", f"{module.kind!r}, but the checkpoint is a LeRobot {checkpoint.kind!r}")
             )
-        obs = spec.observation
-        for field, ours, theirs in (
-            ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
-            ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
-            ("observation.action_chunk", obs.action_chunk, fields["action_chunk"]),
-            ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
-        ):
-            if ours != theirs:
-                problems.append((field, f"{ours}, but the LeRobot checkpoint {module.checkpoint!r} has {theirs}"))
+        problems.extend(checkpoint_dim_problems(spec, checkpoint, fields["action_chunk"]))
         if fields["image_resolution"] != caps.image_size:
             reason = (
                 f"image_resolution={fields['image_resolution']}, the backbone's vision tower takes {caps.image_size}"

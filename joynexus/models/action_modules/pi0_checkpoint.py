@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.models.action_modules.smolvla_checkpoint import LeRobotCheckpointError, processor_stats
+from joynexus.models.action_modules.smolvla_checkpoint import (
+    LeRobotCheckpointError,
+    processor_stats,
+    read_policy_config,
+)
 
 __all__ = [
     "LEROBOT_PALIGEMMA_PREFIX",
@@ -91,25 +95,8 @@ def _header_shapes(weights_file: Path) -> dict[str, list[int]]:
 def read_lerobot_pi0(path: str | Path, *, weights: bool = True) -> LeRobotPI0:
     """Read a π0 / π0.5 policy directory; errors name the file and what is wrong."""
     root = Path(path).expanduser()
-    if not root.is_dir():
-        raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} does not exist")
-    config_file, weights_file = root / "config.json", root / "model.safetensors"
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} has no {needed.name}")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as error:
-        raise LeRobotCheckpointError(f"config.json: not readable JSON ({error})") from None
-    if not isinstance(config, dict) or config.get("type") not in _KINDS:
-        found = config.get("type") if isinstance(config, dict) else type(config).__name__
-        raise LeRobotCheckpointError(f"config.json: type={found!r}, expected one of {list(_KINDS)}")
-    features = config.get("input_features") or {}
-    camera_keys = [k for k, f in features.items() if f.get("type") == "VISUAL"]
-    state = features.get("observation.state")
-    action = (config.get("output_features") or {}).get("action")
-    if action is None:
-        raise LeRobotCheckpointError("config.json: output_features has no 'action'")
+    config, camera_keys, state_dim, action_dim = read_policy_config(root, _KINDS)
+    weights_file = root / "model.safetensors"
     shapes = _header_shapes(weights_file)
     if not any(name.startswith(_EXPERT_PREFIX) for name in shapes):
         raise LeRobotCheckpointError(f"model.safetensors: no action expert weights ({_EXPERT_PREFIX}*)")
@@ -124,8 +111,8 @@ def read_lerobot_pi0(path: str | Path, *, weights: bool = True) -> LeRobotPI0:
         module_state=module_state,
         vlm_state=vlm_state,
         camera_keys=camera_keys,
-        state_dim=int(state["shape"][0]) if state else 0,
-        action_dim=int(action["shape"][0]),
+        state_dim=state_dim,
+        action_dim=action_dim,
         stats=processor_stats(root),
     )
 

@@ -17,7 +17,13 @@ from joynexus.models.action_modules.base import ActionModule, standard_normal
 from joynexus.models.action_modules.flow_rl import bounded_std, chain_entropy, gaussian_log_density
 from joynexus.models.backbone.layer_prefix import LayerPrefix
 
-__all__ = ["PrefixFlowExpert", "sinusoidal_time_embedding", "standard_uniform"]
+__all__ = [
+    "PrefixFlowExpert",
+    "check_padded_dims",
+    "checkpoint_dim_problems",
+    "sinusoidal_time_embedding",
+    "standard_uniform",
+]
 
 
 def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: float, max_period: float) -> torch.Tensor:
@@ -33,6 +39,36 @@ def standard_uniform(batch: int, generator: torch.Generator | None, device: torc
     """(batch,) U[0, 1) drawn on the generator's device and moved (as `standard_normal`)."""
     draw_device = generator.device if generator is not None else device
     return torch.rand(batch, generator=generator, device=draw_device).to(device)
+
+
+def check_padded_dims(config: Any) -> None:
+    """What every layer-wise expert's config holds (its validator calls this): state and action fit
+    the padded dims, the heads group over the KV heads, and no critic (the prefix cache has none)."""
+    if config.state_dim > config.max_state_dim:
+        raise ValueError(f"state_dim={config.state_dim} exceeds max_state_dim={config.max_state_dim}")
+    if config.action_dim > config.max_action_dim:
+        raise ValueError(f"action_dim={config.action_dim} exceeds max_action_dim={config.max_action_dim}")
+    if config.vlm_num_heads % config.vlm_num_kv_heads:
+        raise ValueError(f"vlm_num_heads={config.vlm_num_heads} is not a multiple of vlm_num_kv_heads")
+    if config.value_head:
+        raise ValueError(
+            f"kind={config.kind!r} has no critic over the prefix cache: an RL tenant takes rl.advantage: grpo"
+        )
+
+
+def checkpoint_dim_problems(spec: Any, checkpoint: Any, chunk: int) -> list[tuple[str, str]]:
+    """(field, reason) for each of the spec's dims a LeRobot checkpoint does not have."""
+    obs, where = spec.observation, spec.action_module.checkpoint
+    problems = []
+    for field, ours, theirs in (
+        ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
+        ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
+        ("observation.action_chunk", obs.action_chunk, chunk),
+        ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
+    ):
+        if ours != theirs:
+            problems.append((field, f"{ours}, but the LeRobot checkpoint {where!r} has {theirs}"))
+    return problems
 
 
 class PrefixFlowExpert(ActionModule):

@@ -34,7 +34,12 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from joynexus.models.action_modules.base import ActionModuleConfig, PrefixRows, register_action_module
-from joynexus.models.action_modules.prefix_flow import PrefixFlowExpert, sinusoidal_time_embedding
+from joynexus.models.action_modules.prefix_flow import (
+    PrefixFlowExpert,
+    check_padded_dims,
+    checkpoint_dim_problems,
+    sinusoidal_time_embedding,
+)
 from joynexus.models.backbone.layer_prefix import LayerPrefix, PrefixGeometry, apply_rope, eager_attention
 
 __all__ = [
@@ -76,19 +81,10 @@ class SmolVLAConfig(ActionModuleConfig):
 
     @pydantic.model_validator(mode="after")
     def _smolvla_shapes(self) -> SmolVLAConfig:
-        if self.state_dim > self.max_state_dim:
-            raise ValueError(f"state_dim={self.state_dim} exceeds max_state_dim={self.max_state_dim}")
-        if self.action_dim > self.max_action_dim:
-            raise ValueError(f"action_dim={self.action_dim} exceeds max_action_dim={self.max_action_dim}")
-        if self.vlm_num_heads % self.vlm_num_kv_heads:
-            raise ValueError(f"vlm_num_heads={self.vlm_num_heads} is not a multiple of vlm_num_kv_heads")
+        check_padded_dims(self)
         if self.num_expert_layers > 0 and self.num_vlm_layers % self.num_expert_layers:
             raise ValueError(
                 f"num_expert_layers={self.num_expert_layers} must divide num_vlm_layers={self.num_vlm_layers}"
-            )
-        if self.value_head:
-            raise ValueError(
-                "kind='smolvla' has no critic over the prefix cache: an RL tenant takes rl.advantage: grpo"
             )
         return self
 
@@ -126,15 +122,7 @@ class SmolVLAConfig(ActionModuleConfig):
         except LeRobotCheckpointError as error:
             problems.append(("action_module.checkpoint", str(error)))
             return fields
-        obs = spec.observation
-        for field, ours, theirs in (
-            ("observation.state_dim", obs.state_dim, checkpoint.state_dim),
-            ("observation.action_dim", obs.action_dim, checkpoint.action_dim),
-            ("observation.action_chunk", obs.action_chunk, int(checkpoint.config.get("chunk_size", 0))),
-            ("observation.cameras", len(obs.cameras), len(checkpoint.camera_keys)),
-        ):
-            if ours != theirs:
-                problems.append((field, f"{ours}, but the LeRobot checkpoint {module.checkpoint!r} has {theirs}"))
+        problems.extend(checkpoint_dim_problems(spec, checkpoint, int(checkpoint.config.get("chunk_size", 0))))
         fields.update(checkpoint.module_config_fields())
         fields.pop("action_chunk", None)
         if fields["num_vlm_layers"] > layers:

@@ -20,6 +20,7 @@ __all__ = [
     "expert_name",
     "load_expert_state",
     "processor_stats",
+    "read_policy_config",
     "read_lerobot_smolvla",
 ]
 
@@ -77,25 +78,8 @@ def read_lerobot_smolvla(path: str | Path, *, weights: bool = True) -> LeRobotSm
     """Read a SmolVLA policy directory (module docstring); errors name the file and what is wrong.
     ``weights=False`` reads the config and statistics only (no torch tensors)."""
     root = Path(path).expanduser()
-    if not root.is_dir():
-        raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} does not exist")
-    config_file, weights_file = root / "config.json", root / "model.safetensors"
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} has no {needed.name}")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as error:
-        raise LeRobotCheckpointError(f"config.json: not readable JSON ({error})") from None
-    if not isinstance(config, dict) or config.get("type") != "smolvla":
-        found = config.get("type") if isinstance(config, dict) else type(config).__name__
-        raise LeRobotCheckpointError(f"config.json: type={found!r}, expected 'smolvla'")
-    features = config.get("input_features") or {}
-    camera_keys = [k for k, f in features.items() if f.get("type") == "VISUAL"]
-    state = features.get("observation.state")
-    action = (config.get("output_features") or {}).get("action")
-    if action is None:
-        raise LeRobotCheckpointError("config.json: output_features has no 'action'")
+    config, camera_keys, state_dim, action_dim = read_policy_config(root, ("smolvla",))
+    weights_file = root / "model.safetensors"
     module_state: dict[str, Any] = {}
     vlm_state: dict[str, Any] = {}
     if weights:
@@ -105,10 +89,35 @@ def read_lerobot_smolvla(path: str | Path, *, weights: bool = True) -> LeRobotSm
         module_state=module_state,
         vlm_state=vlm_state,
         camera_keys=camera_keys,
-        state_dim=int(state["shape"][0]) if state else 0,
-        action_dim=int(action["shape"][0]),
+        state_dim=state_dim,
+        action_dim=action_dim,
         stats=processor_stats(root),
     )
+
+
+def read_policy_config(root: Path, types: tuple[str, ...]) -> tuple[dict[str, Any], list[str], int, int]:
+    """(config.json, camera keys, state dim, action dim) of a LeRobot policy directory whose config
+    type is one of ``types``; errors name the file and what is wrong."""
+    if not root.is_dir():
+        raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} does not exist")
+    for needed in (root / "config.json", root / "model.safetensors"):
+        if not needed.is_file():
+            raise LeRobotCheckpointError(f"LeRobot policy directory {str(root)!r} has no {needed.name}")
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise LeRobotCheckpointError(f"config.json: not readable JSON ({error})") from None
+    if not isinstance(config, dict) or config.get("type") not in types:
+        found = config.get("type") if isinstance(config, dict) else type(config).__name__
+        expected = repr(types[0]) if len(types) == 1 else f"one of {list(types)}"
+        raise LeRobotCheckpointError(f"config.json: type={found!r}, expected {expected}")
+    features = config.get("input_features") or {}
+    camera_keys = [k for k, f in features.items() if f.get("type") == "VISUAL"]
+    state = features.get("observation.state")
+    action = (config.get("output_features") or {}).get("action")
+    if action is None:
+        raise LeRobotCheckpointError("config.json: output_features has no 'action'")
+    return config, camera_keys, int(state["shape"][0]) if state else 0, int(action["shape"][0])
 
 
 def _split_weights(weights_file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -169,4 +178,3 @@ def processor_stats(root: Path) -> dict[str, dict[str, list[float]]]:
                 stats.setdefault(feature, {})[stat] = [float(v) for v in tensor.reshape(-1)]
             return stats
     return {}
-
