@@ -218,3 +218,32 @@ def test_the_version_carries_its_normalization_in_checkpoints_exports_and_tags(t
         "normalization.visual": "IDENTITY",
         "normalization.source": "meta/stats.json",
     }
+
+
+@pytest.mark.parametrize(("mode", "low", "high"), [("QUANTILES", "q01", "q99"), ("QUANTILE10", "q10", "q90")])
+def test_quantile_modes_equal_lerobots_normalizer_both_ways(mode: str, low: str, high: str):
+    """π0.5's default modes: [q_lo, q_hi] onto [-1, 1] as LeRobot's NormalizerProcessorStep maps them."""
+    import torch
+
+    types = pytest.importorskip("lerobot.configs.types")
+    from lerobot.processor.normalize_processor import NormalizerProcessorStep, UnnormalizerProcessorStep
+
+    stats = {
+        "observation.state": {low: [-2.0, 0.0, 1.0], high: [2.0, 0.0, 3.0]},
+        "action": {low: [-1.0, -4.0], high: [1.0, 4.0]},
+    }
+    ours = Normalizer.from_stats({"STATE": mode, "ACTION": mode}, stats, {"STATE": 3, "ACTION": 2})
+    features = {
+        "observation.state": types.PolicyFeature(types.FeatureType.STATE, (3,)),
+        "action": types.PolicyFeature(types.FeatureType.ACTION, (2,)),
+    }
+    modes = {"STATE": types.NormalizationMode(mode), "ACTION": types.NormalizationMode(mode)}
+    tensors = {k: {s: torch.tensor(v) for s, v in e.items()} for k, e in stats.items()}
+    normalize = NormalizerProcessorStep(features=features, norm_map=modes, stats=tensors)
+    unnormalize = UnnormalizerProcessorStep(features=features, norm_map=modes, stats=tensors)
+    state = np.array([[1.0, 0.5, 2.5], [-3.0, 0.0, 1.0]], dtype=np.float32)
+    action = np.array([[0.5, -2.0]], dtype=np.float32)
+    theirs_state = normalize._normalize_observation({"observation.state": torch.from_numpy(state)}, inverse=False)
+    np.testing.assert_allclose(ours.normalize_state(state), theirs_state["observation.state"].numpy(), rtol=1e-6)
+    theirs_action = unnormalize._normalize_action(torch.from_numpy(action), inverse=True)
+    np.testing.assert_allclose(ours.unnormalize_action(action), theirs_action.numpy(), rtol=1e-6)
