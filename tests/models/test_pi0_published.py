@@ -12,7 +12,7 @@ from joynexus.models.action_modules.pi0 import GEMMA_VARIANTS, PI0ActionModule
 from joynexus.models.backbone.paligemma import PALIGEMMA_PRESETS, PaliGemmaBackbone
 from joynexus.models.placement import DevicePlacement
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # minutes of CPU at 3B
 
 
 def test_published_pi0_and_pi05_tenants_predict_from_one_bfloat16_prefix():
