@@ -25,18 +25,10 @@ def main() -> None:
         if paligemma and expert:
             from transformers import PaliGemmaConfig
 
-            from joynexus.artifacts.lerobot_pi0 import lerobot_variants
+            from joynexus.artifacts.lerobot_pi0 import gemma_shape, lerobot_variants
 
             config = PaliGemmaConfig.from_pretrained(paligemma, local_files_only=True)
-            text = config.text_config
-            vlm = (
-                text.hidden_size,
-                text.num_hidden_layers,
-                text.intermediate_size,
-                text.num_attention_heads,
-                text.num_key_value_heads,
-                text.head_dim,
-            )
+            vlm = gemma_shape(config.text_config)
             shape = tuple(int(v) for v in expert.split(","))
             for kind in ("pi0", "pi05"):
                 stack.enter_context(lerobot_variants(kind, vlm, shape, config))

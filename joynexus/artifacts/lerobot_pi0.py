@@ -35,6 +35,7 @@ from joynexus.models.action_modules.pi0_checkpoint import LEROBOT_PALIGEMMA_PREF
 __all__ = [
     "TOKENIZER_DIR",
     "build_lerobot_pi0_checkpoint",
+    "gemma_shape",
     "lerobot_pi0_normalizer",
     "lerobot_variants",
     "variant_of",
@@ -59,6 +60,19 @@ def _lerobot(kind: str) -> tuple[Any, Any, Any, Any]:
 
         return modeling, PI05Config, modeling.PI05Policy, processor
     raise ValueError(f"kind={kind!r} is not a LeRobot π0 family (pi0, pi05)")
+
+
+def gemma_shape(text_config: Any) -> tuple[int, int, int, int, int, int]:
+    """A Gemma config as LeRobot's variant fields: (width, depth, mlp_dim, heads, kv_heads, head_dim)."""
+    c = text_config
+    return (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    )
 
 
 def variant_of(width: int, mlp_dim: int, depth: int, heads: int, kv_heads: int, head_dim: int) -> str:
@@ -235,15 +249,7 @@ def build_lerobot_pi0_checkpoint(
     drawn from ``seed``, saved with ``save_pretrained`` and LeRobot's processor pipelines."""
     from joynexus.artifacts.openpi_transformers import openpi_transformers
 
-    text = backbone.model.config.text_config
-    vlm = (
-        text.hidden_size,
-        text.num_hidden_layers,
-        text.intermediate_size,
-        text.num_attention_heads,
-        text.num_key_value_heads,
-        text.head_dim,
-    )
+    vlm = gemma_shape(backbone.model.config.text_config)
     root = Path(out_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     backbone.tokenizer.save_pretrained(root / TOKENIZER_DIR)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from joynexus.artifacts.base_model import extract_base_model
-from joynexus.artifacts.lerobot_pi0 import build_lerobot_pi0_checkpoint, lerobot_variants
+from joynexus.artifacts.lerobot_pi0 import build_lerobot_pi0_checkpoint, gemma_shape, lerobot_variants
 from joynexus.artifacts.openpi_transformers import openpi_transformers
 from joynexus.models.backbone import BackboneSource, PaliGemmaBackbone
 from joynexus.models.placement import DevicePlacement
@@ -74,9 +74,7 @@ def base_backbone(pi_api, tmp_path_factory) -> PaliGemmaBackbone:
 
 
 def small_lerobot(kind: str, backbone: PaliGemmaBackbone) -> contextlib.AbstractContextManager:
-    text = backbone.model.config.text_config
-    vlm = (text.hidden_size, text.num_hidden_layers, text.intermediate_size, 8, 1, text.head_dim)
-    return lerobot_variants(kind, vlm, EXPERT, backbone.model.config)
+    return lerobot_variants(kind, gemma_shape(backbone.model.config.text_config), EXPERT, backbone.model.config)
 
 
 def checkpoint_over(kind: str, backbone: PaliGemmaBackbone, root: Path, seed: int = 0) -> Path:
