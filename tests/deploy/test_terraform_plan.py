@@ -46,6 +46,35 @@ def test_terraform_test_plans_the_defaults_and_the_refusals_with_a_mocked_aws(tm
     assert re.search(r"Success! [1-9]\d* passed, 0 failed", done.stdout), done.stdout[-2000:]
 
 
+def test_a_second_apply_changes_nothing(tmp_path):
+    """modules/eks-gpu/tests/second_apply.tftest.hcl applies the module, then plans and applies again as
+    the account answers after the first apply (the service-linked role now exists, tagged by this
+    deployment). Each plan after an apply must read "No changes": a plan that destroys or replaces what
+    the first apply made fails the second `terraform apply` (the node groups launch with that role)."""
+    terraform = terraform_bin()
+    mirror = provider_mirror()
+    if mirror is None:
+        pytest.skip("no local provider mirror (a folder named registry.terraform.io) was found")
+    work = tmp_path / "eks-gpu"
+    shutil.copytree(MODULE, work, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
+    init = run([terraform, "init", "-backend=false", f"-plugin-dir={mirror}", "-input=false"], work, tmp_path)
+    assert init.returncode == 0, init.stdout + init.stderr
+    done = run([terraform, "test", "-no-color", "-verbose", "-filter=tests/second_apply.tftest.hcl"], work, tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # -verbose prints each run's plan (or, for an apply, its state) after the run's line
+    runs = re.split(r'^  run "([a-z_]+)"\.\.\. (\w+)$', done.stdout, flags=re.M)
+    sections = {runs[i]: (runs[i + 1], runs[i + 2]) for i in range(1, len(runs) - 2, 3)}
+    source = (MODULE / "tests" / "second_apply.tftest.hcl").read_text()
+    kinds = dict(re.findall(r'run "([a-z_]+)" \{\s*command = (plan|apply)', source))
+    assert list(kinds.values())[0] == "apply" and "plan" in list(kinds.values())[1:], kinds
+    for name, kind in kinds.items():
+        outcome, body = sections[name]
+        assert outcome == "pass", (name, body[-2000:])
+        if kind == "plan":
+            assert "No changes. Your infrastructure matches the configuration." in body, (name, body[:3000])
+            assert not re.search(r"^Plan: ", body, re.M), (name, body[:3000])
+
+
 def test_the_support_table_is_consistent_and_the_default_is_its_newest_standard_version():
     table = support_table()
     assert table["source"].startswith("Amazon EKS Kubernetes release calendar")

@@ -76,16 +76,31 @@ resource "aws_kms_key" "this" {
 }
 
 # AWSServiceRoleForAutoScaling exists once anything in the account used Auto Scaling; in a fresh
-# account it does not yet, and creating it twice fails, so it is created only when the lookup finds
-# none.
+# account it does not yet, and creating it twice fails. The module creates it only when the lookup
+# finds none, and tags what it created with the cluster's name: on every later plan the lookup finds
+# the role, and the tag says it is this deployment's, so the count stays 1 (a count that followed the
+# lookup alone would drop to 0 on the second plan and destroy the role the node groups launch with).
+# A role found without that tag belongs to the account (or another deployment) and is left alone.
 data "aws_iam_roles" "autoscaling_service_linked" {
   name_regex  = "^AWSServiceRoleForAutoScaling$"
   path_prefix = "/aws-service-role/autoscaling.amazonaws.com/"
 }
 
+data "aws_iam_role" "autoscaling_service_linked" {
+  count = length(data.aws_iam_roles.autoscaling_service_linked.names)
+  name  = "AWSServiceRoleForAutoScaling"
+}
+
+locals {
+  autoscaling_role_owner_tag = "joynexus-created-by"
+  autoscaling_role_found     = length(data.aws_iam_roles.autoscaling_service_linked.names) > 0
+  autoscaling_role_ours      = local.autoscaling_role_found && try(data.aws_iam_role.autoscaling_service_linked[0].tags[local.autoscaling_role_owner_tag], "") == var.cluster_name
+}
+
 resource "aws_iam_service_linked_role" "autoscaling" {
-  count            = length(data.aws_iam_roles.autoscaling_service_linked.names) == 0 ? 1 : 0
+  count            = !local.autoscaling_role_found || local.autoscaling_role_ours ? 1 : 0
   aws_service_name = "autoscaling.amazonaws.com"
+  tags             = { (local.autoscaling_role_owner_tag) = var.cluster_name }
 }
 
 locals {
