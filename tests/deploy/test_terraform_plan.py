@@ -137,3 +137,40 @@ def test_the_key_that_encrypts_node_volumes_grants_the_auto_scaling_service_link
     assert "role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling" in kms
     assert 'resource "aws_iam_service_linked_role" "autoscaling"' in kms
     assert re.search(r"depends_on\s*=\s*\[aws_iam_service_linked_role\.autoscaling\]", kms)
+
+
+def key_policy_statements(doc_name: str) -> list[str]:
+    kms = (MODULE / "kms.tf").read_text()
+    document = re.search(rf'data "aws_iam_policy_document" "{doc_name}" \{{(.*?)\n\}}', kms, re.S).group(1)
+    return re.split(r"\n  statement \{", document)[1:]
+
+
+def test_the_key_grants_cloudtrail_what_aws_cloudtrail_kms_page_requires():
+    """AWS "Configure AWS KMS key policies for CloudTrail": a trail's key lets CloudTrail encrypt
+    (GenerateDataKey* under its encryption context), decrypt (required to create or update a trail whose
+    bucket uses an S3 Bucket Key) and describe the key, each scoped to the trail by aws:SourceArn. A
+    DescribeKey that needs an encryption context is never granted: CloudTrail calls it without one."""
+    audit = (MODULE / "audit.tf").read_text()
+    trail_key = re.search(
+        r'resource "aws_cloudtrail" "(\w+)" \{.*?kms_key_id\s*=\s*aws_kms_key\.(\w+)\.arn', audit, re.S
+    )
+    assert trail_key and trail_key.group(2) == "this"
+    bucket_sse = re.search(r'aws_s3_bucket_server_side_encryption_configuration" "audit" \{(.*?)\n\}', audit, re.S)
+    assert "bucket_key_enabled = true" in bucket_sse.group(1)  # so CloudTrail needs kms:Decrypt
+    cloudtrail = [s for s in key_policy_statements("kms") if '"cloudtrail.amazonaws.com"' in s]
+    granted: dict[str, str] = {}
+    for statement in cloudtrail:
+        assert 'effect    = "Deny"' not in statement
+        actions = re.search(r"actions\s*=\s*\[(.*?)\]", statement).group(1)
+        for action in re.findall(r'"([^"]+)"', actions):
+            granted[action] = statement
+        # every CloudTrail statement names this trail (the confused-deputy guard the page recommends)
+        assert re.search(r'variable = "aws:SourceArn"\s*values\s*=\s*\[local\.audit_trail_arn\]', statement), statement
+    assert {"kms:GenerateDataKey*", "kms:Decrypt", "kms:DescribeKey"} <= set(granted), sorted(granted)
+    assert "kms:EncryptionContext:aws:cloudtrail:arn" in granted["kms:GenerateDataKey*"]
+    assert "kms:EncryptionContext" not in granted["kms:DescribeKey"]
+    assert "kms:EncryptionContext" not in granted["kms:Decrypt"]
+    # the trail ARN the key names is the trail the module creates
+    assert re.search(r'audit_trail_name = "\$\{var\.cluster_name\}-artifacts"', audit)
+    assert re.search(r"name\s*=\s*local\.audit_trail_name", audit)
+    assert "trail/${local.audit_trail_name}" in audit

@@ -40,19 +40,58 @@ data "aws_iam_policy_document" "kms" {
       values   = ["true"]
     }
   }
-  # CloudTrail writes the artifact bucket's data events encrypted with this key (audit.tf).
+  # CloudTrail writes the artifact bucket's data events encrypted with this key (audit.tf). The three
+  # statements AWS's "Configure AWS KMS key policies for CloudTrail" requires for a trail, each limited
+  # to this trail by aws:SourceArn (the page's recommendation): encrypt (GenerateDataKey*, only under
+  # a CloudTrail encryption context), decrypt (kms:Decrypt: required to create or update a trail whose
+  # bucket uses an S3 Bucket Key, as the audit bucket does) and describe the key (DescribeKey, with no
+  # encryption context: CloudTrail calls it without one, so a context condition would refuse it).
+  # People reading the logs decrypt through IAM (the AccountAdministers statement lets IAM grant it).
   statement {
     sid       = "CloudTrailEncryptsAuditLogs"
-    actions   = ["kms:GenerateDataKey*", "kms:DescribeKey"]
+    actions   = ["kms:GenerateDataKey*"]
     resources = ["*"]
     principals {
       type        = "Service"
       identifiers = ["cloudtrail.amazonaws.com"]
     }
     condition {
+      test     = "StringEquals"
+      variable = "aws:SourceArn"
+      values   = [local.audit_trail_arn]
+    }
+    condition {
       test     = "StringLike"
       variable = "kms:EncryptionContext:aws:cloudtrail:arn"
       values   = ["arn:${data.aws_partition.current.partition}:cloudtrail:*:${data.aws_caller_identity.current.account_id}:trail/*"]
+    }
+  }
+  statement {
+    sid       = "CloudTrailDecryptsForTheBucketKey"
+    actions   = ["kms:Decrypt"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["cloudtrail.amazonaws.com"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "aws:SourceArn"
+      values   = [local.audit_trail_arn]
+    }
+  }
+  statement {
+    sid       = "CloudTrailDescribesTheKey"
+    actions   = ["kms:DescribeKey"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["cloudtrail.amazonaws.com"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "aws:SourceArn"
+      values   = [local.audit_trail_arn]
     }
   }
   statement {
