@@ -16,6 +16,7 @@ from tests.deploy.render import DEPLOYMENTS, REPO, by_key, pod_specs, rendered, 
 
 MODULE = REPO / "infra" / "terraform" / "modules" / "eks-gpu"
 BOOTSTRAP = REPO / "infra" / "scripts" / "bootstrap-cluster"
+RENDER = REPO / "infra" / "scripts" / "render-deployment"
 DB_SECRETS = {f"joynexus-db-{app}" for app in db_users.APPS} | {"joynexus-db-master"}
 # The database logins each pod may read (anything else is a leak of another app's data).
 ALLOWED_DB_SECRETS = {
@@ -67,7 +68,7 @@ def test_no_password_or_database_url_is_written_in_a_pod_spec_or_in_bootstrap():
                     assert "://" not in env["value"] or "@" not in env["value"], (label, env)
             text = " ".join(container.get("command", []) + container.get("args", []))
             assert not re.search(r"postgres(ql)?(\+\w+)?://\w", text), label  # only "$VARIABLE" forms
-    bootstrap = BOOTSTRAP.read_text()
+    bootstrap = BOOTSTRAP.read_text() + RENDER.read_text()
     assert 'kubectl -n "$NS" run' not in bootstrap and "--overrides" not in bootstrap  # no createdb pod
     assert "get-secret-value" not in bootstrap  # no password passes through the script
     assert "postgresql" not in bootstrap
@@ -90,7 +91,7 @@ def test_every_secret_a_pod_reads_is_synced_from_secrets_manager_or_made_by_boot
     # the master comes from the RDS-managed secret (its ARN: bootstrap's patch), the apps from Terraform's
     master = synced["joynexus-db-master"]["spec"]["dataFrom"][0]["extract"]["key"]
     assert master.startswith("rds!db-")
-    bootstrap = BOOTSTRAP.read_text()
+    bootstrap = BOOTSTRAP.read_text() + RENDER.read_text()  # bootstrap applies what render-deployment prints
     assert 'DB_SECRET="$(tf database_secret_arn)"' in bootstrap and '{extract: {key: "${DB_SECRET}"}}' in bootstrap
     assert 'sed -e "s#key: joynexus/#key: ${CLUSTER}/#"' in bootstrap
     database_tf = (MODULE / "database.tf").read_text()

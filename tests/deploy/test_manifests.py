@@ -377,7 +377,9 @@ def test_every_aws_client_pod_has_a_region():
     assert checked == with_roles  # every role's pods were found and checked
     stores = [d for d in rendered(DEPLOYMENTS) if d["kind"] == "SecretStore"]
     assert stores and all(s["spec"]["provider"]["aws"]["region"] for s in stores)
-    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text() + (
+        REPO / "infra" / "scripts" / "render-deployment"
+    ).read_text()
     assert 'AWS_REGION: "${REGION}"' in bootstrap  # the ConfigMap patch
     assert "/name: AWS_REGION/{n;s#value: us-east-1#value: ${REGION}#}" in bootstrap  # the autoscaler's env
     autoscaler = (ADDONS / "cluster-autoscaler.yaml").read_text()
@@ -397,7 +399,9 @@ def test_the_ray_head_survives_a_restart_gcs_fault_tolerance_and_disruption_budg
     for setting in ("automatic_failover_enabled = true", "multi_az_enabled           = true",
                     "transit_encryption_enabled = true", "at_rest_encryption_enabled = true"):  # fmt: skip
         assert setting in module, setting
-    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text() + (
+        REPO / "infra" / "scripts" / "render-deployment"
+    ).read_text()
     assert "tf gcs_redis_address" in bootstrap  # the token: the ExternalSecret joynexus-ray-gcs
     synced = res[("ExternalSecret", "joynexus-ray-gcs")]["spec"]
     assert synced["target"]["name"] == "joynexus-ray-gcs" and synced["data"][0]["secretKey"] == "password"
