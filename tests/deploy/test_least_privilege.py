@@ -194,7 +194,10 @@ def test_s3_access_is_per_prefix_and_per_tenant_through_the_session_tag():
     assert re.search(r'"\$\{aws_s3_bucket\.artifacts\.arn\}/\$\{prefix\}/\*"', artifacts)
     assert re.search(r'ray\s+= \{ write = \["checkpoints", "mlflow"\], read = \["datasets"\] \}', iam)
     assert re.search(r'mlflow = \{ write = \["mlflow"\], read = \[\] \}', iam)
-    assert re.search(r'api\s+= \{ write = \[\], read = \["checkpoints"\] \}', iam)
+    # the API keeps tenants' uploads under datasets/ for the Master (joynexus/data/shared_uploads.py)
+    assert re.search(r'api\s+= \{ write = \["datasets"\], read = \["checkpoints"\] \}', iam)
+    shared = (REPO / "joynexus" / "data" / "shared_uploads.py").read_text()
+    assert '"datasets"]' in shared and 'f"{tenant_id}/uploads"' in shared
     # the settings the prefixes come from
     settings = (REPO / "joynexus" / "settings.py").read_text()
     assert 'self._s3_uri("checkpoints")' in settings and 'self._s3_uri("mlflow")' in settings

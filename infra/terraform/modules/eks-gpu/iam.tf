@@ -96,7 +96,7 @@ locals {
   artifact_access = {
     ray    = { write = ["checkpoints", "mlflow"], read = ["datasets"] } # Training Model Service, Master
     mlflow = { write = ["mlflow"], read = [] }                          # MLflow's artifact proxy
-    api    = { write = [], read = ["checkpoints"] }                     # exports, manifests
+    api    = { write = ["datasets"], read = ["checkpoints"] }           # tenants' uploads (shared with the Master); exports, manifests
   }
 }
 
