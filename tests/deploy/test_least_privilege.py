@@ -193,7 +193,14 @@ def test_s3_access_is_per_prefix_and_per_tenant_through_the_session_tag():
     assert "aws_s3_bucket.artifacts.arn}/*" not in artifacts  # no role reaches the whole bucket
     assert re.search(r'"\$\{aws_s3_bucket\.artifacts\.arn\}/\$\{prefix\}/\*"', artifacts)
     assert re.search(r'ray\s+= \{ write = \["checkpoints", "mlflow"\], read = \["datasets"\] \}', iam)
-    assert re.search(r'mlflow = \{ write = \["mlflow"\], read = \[\] \}', iam)
+    assert re.search(r'mlflow\s+= \{ write = \["mlflow"\], read = \[\] \}', iam)
+    # flow runs (the Prefect worker's pod) log evaluations and sweeps to MLflow, its artifacts in S3
+    assert re.search(r'prefect-worker\s+= \{ write = \["mlflow"\], read = \[\] \}', iam)
+    assert re.search(
+        r'prefect-worker\s+= \{ namespace = var.namespace, service_account = "joynexus-prefect-worker" \}', iam
+    )
+    worker = by_key(rendered())[("Deployment", "joynexus-prefect-worker")]["spec"]["template"]["spec"]
+    assert worker["serviceAccountName"] == "joynexus-prefect-worker"
     # the API keeps tenants' uploads under datasets/ for the Master (joynexus/data/shared_uploads.py)
     assert re.search(r'api\s+= \{ write = \["datasets"\], read = \["checkpoints"\] \}', iam)
     shared = (REPO / "joynexus" / "data" / "shared_uploads.py").read_text()

@@ -33,7 +33,8 @@ S3_PORT = 9000
 BUCKET = "joynexus-artifacts-topology"
 REGION = "eu-west-1"
 DB_USER = "joynexus_master"  # the RDS master user bootstrap-cluster reads from Secrets Manager
-S3_ROLES = ("joynexus-ray", "joynexus-mlflow", "joynexus-api")  # iam.tf: the Pod Identity associations
+# iam.tf: the Pod Identity associations
+S3_ROLES = ("joynexus-ray", "joynexus-mlflow", "joynexus-api", "joynexus-prefect-worker")
 
 OVERLAY = """apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
