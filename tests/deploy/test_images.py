@@ -90,3 +90,18 @@ def test_add_ons_run_pinned_released_images():
         name, _, tag = image.rpartition(":")
         assert name and not name.startswith(default_repo()), (where, image)
         assert re.fullmatch(r"v?\d+\.\d+\.\d+", tag), (where, image)  # a release, never latest
+
+
+def test_a_skip_reason_that_names_an_image_tag_names_the_tag_the_pod_runs():
+    """A checkov skip that says which tag is pinned must say the tag the container really runs (the
+    cluster-autoscaler's named v1.33.0 beside a v1.35.0 image)."""
+    checked = 0
+    for doc in rendered(ADDONS) + rendered(DEPLOYMENTS):
+        annotations = doc.get("metadata", {}).get("annotations", {}) or {}
+        named = {m for v in annotations.values() for m in re.findall(r"pinned by tag (v?[\d.]*\d)", str(v))}
+        if not named:
+            continue
+        tags = {image.rpartition(":")[2] for image in images_of([doc]).values()}
+        assert named <= tags, (doc["metadata"]["name"], named, tags)
+        checked += 1
+    assert checked >= 1
