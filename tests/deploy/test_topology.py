@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.topology import BUCKET
 from tests.helpers import sft_spec, write_dataset_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -161,6 +162,30 @@ def test_a_tenant_created_through_the_api(topo):
     assert created.tenant.tenant_id in tenants
     topo.api_tenant = created
     topo.timeline.mark(f"tenant {created.tenant.tenant_id} created through the API")
+
+
+def test_an_upload_through_the_api_replica_is_trained_on_by_the_master(topo):
+    """Issue 43.3: the API pod keeps an upload on its own volume, the Master (a Ray pod) resolves
+    `dataset.id` on another: the upload reaches it through the tenant's prefix in the artifact store."""
+    created = topo.api_tenant
+    local = topo.base / "upload-src" / "arm"
+    spec = sft_spec(created.tenant.tenant_id, local, jobs=2, samples_per_job=8, microbatch_size=8)  # as created
+    write_dataset_for(spec, episodes=2, length=8)
+    with _client(topo, created.key.api_key) as tenant:
+        uploaded = tenant.upload_dataset(local, repo_id="topology/upload")
+        keys = [o["Key"] for page in topo.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+                for o in page.get("Contents", [])]  # fmt: skip
+        prefix = f"datasets/{created.tenant.tenant_id}/uploads/{uploaded.dataset_id}"
+        assert f"{prefix}.json" in keys, keys[:20]
+        workload = {**spec, "dataset": {"id": uploaded.dataset_id, "repo_id": "topology/upload"}}
+        done = tenant.submit(workload, jobs=1).result(timeout=900)
+    assert done.state == "completed", done
+    assert done.dataset_id == uploaded.dataset_id
+    master_copies = list((topo.base / "volumes").glob(f"joynexus-gpu-workers-worker/**/{uploaded.dataset_id}"))
+    api_copies = list((topo.base / "volumes").glob(f"joynexus-api/**/{uploaded.dataset_id}"))
+    assert api_copies, "the API kept the upload on its own volume"
+    copies = f"{len(master_copies)} copies on the Ray worker's volumes"
+    topo.timeline.mark(f"upload {uploaded.dataset_id[:12]} through the API trained on by the Master ({copies})")
 
 
 def _prefect(t, method: str, path: str, body: dict | None = None) -> dict | list:
