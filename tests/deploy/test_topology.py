@@ -176,7 +176,7 @@ def test_an_upload_through_the_api_replica_is_trained_on_by_the_master(topo):
         keys = [o["Key"] for page in topo.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
                 for o in page.get("Contents", [])]  # fmt: skip
         prefix = f"datasets/{created.tenant.tenant_id}/uploads/{uploaded.dataset_id}"
-        assert f"{prefix}.json" in keys, keys[:20]
+        assert f"{prefix}.json" in keys, f"{keys[:20]}\n--- api ---\n{topo.pods.log('joynexus-api')[-4000:]}"
         workload = {**spec, "dataset": {"id": uploaded.dataset_id, "repo_id": "topology/upload"}}
         done = tenant.submit(workload, jobs=1).result(timeout=900)
     assert done.state == "completed", done
