@@ -227,11 +227,14 @@ def test_a_lifecycle_flow_run_by_the_prefect_worker_completes(topo):
     topo.timeline.mark(f"flow run {run_id} Completed")
 
 
-def _run_flow(t, deployment_id: str, spec: dict) -> tuple[str, dict, str]:
+def _run_flow(t, deployment_id: str, spec: dict, *, jobs: int = 1, during=None) -> tuple[str, dict, str]:
+    """Run the lifecycle flow to a final state; `during(run_id)` is called once while it runs."""
     run = _prefect(t, "POST", f"/deployments/{deployment_id}/create_flow_run",
-                   {"parameters": {"spec": spec, "jobs": 1, "train_timeout_s": 900.0}})  # fmt: skip
+                   {"parameters": {"spec": spec, "jobs": jobs, "train_timeout_s": 900.0}})  # fmt: skip
     deadline, state = time.monotonic() + 1200, {"type": "PENDING", "message": "not finished in 1200s"}
     while time.monotonic() < deadline:
+        if during is not None and during(run["id"]):
+            during = None
         state = _prefect(t, "GET", f"/flow_runs/{run['id']}")["state"]
         if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             break
@@ -352,3 +355,29 @@ def test_the_services_survive_a_ray_head_restart(topo):
         )
     assert created.tenant.tenant_id == "topo-after-restart"
     topo.timeline.mark("API serves again; tenants and services intact")
+
+
+def test_a_flow_run_survives_a_head_restart_mid_workload(topo):
+    """Issue 43.7: the Ray head restarts while the flow's train task waits on a running workload.
+    The workload runs on in the detached actors; the flow's wait reconnects (a new Ray Client
+    session through the follower) instead of cancelling it, and the flow run completes."""
+    spec = _dataset_spec(topo, "topo-midflow")
+    deployment = _prefect(topo, "GET", "/deployments/name/tenant-lifecycle/on-demand")
+    restarted: list[str] = []
+
+    def restart_once_training(run_id: str) -> bool:
+        tasks = _prefect(topo, "POST", "/task_runs/filter", {"task_runs": {"flow_run_id": {"any_": [run_id]}}})
+        train = [r for r in tasks if r["name"].startswith("train") and r["state"]["type"] == "RUNNING"]
+        if not train:
+            return False
+        time.sleep(3)  # the workload is submitted and the task is in its wait
+        topo.pods.recreate(HEAD)
+        topo.timeline.mark("Ray head recreated while the flow's train task waits on its workload")
+        _wait_ray_ready(topo, HEAD)
+        restarted.append(run_id)
+        return True
+
+    run_id, state, tail = _run_flow(topo, deployment["id"], spec, jobs=6, during=restart_once_training)
+    assert restarted == [run_id], "the head was not restarted while the train task ran"
+    assert state["type"] == "COMPLETED", f"{state}\n{tail}\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
+    topo.timeline.mark(f"flow run {run_id} Completed through a head restart mid-workload")
