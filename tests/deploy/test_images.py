@@ -105,3 +105,14 @@ def test_a_skip_reason_that_names_an_image_tag_names_the_tag_the_pod_runs():
         assert named <= tags, (doc["metadata"]["name"], named, tags)
         checked += 1
     assert checked >= 1
+
+
+def test_bootstrap_deletes_every_job_before_applying_so_a_rerun_is_not_refused():
+    """A Job's template is immutable: re-applying one with a new image tag within its TTL fails, so
+    bootstrap deletes each Job the manifests hold before it applies them (issue 43.6)."""
+    jobs = {d["metadata"]["name"] for d in rendered(DEPLOYMENTS) if d["kind"] == "Job"}
+    assert jobs
+    bootstrap = BOOTSTRAP.read_text()
+    deleted = re.search(r'kubectl -n "\$NS" delete job ([a-z0-9 -]+?) --ignore-not-found', bootstrap)
+    assert deleted and set(deleted.group(1).split()) == jobs
+    assert bootstrap.index(deleted.group(0)) < bootstrap.index("infra/scripts/render-deployment --registry")
