@@ -7,8 +7,11 @@ workload that ended in `failed` would fail the same way again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -65,12 +68,52 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
-def _wait(workload_id: str, timeout_s: float) -> Any:
+_follower: Any = None
+_follower_lock = threading.Lock()
+
+
+def _cluster() -> Any:
+    """The flow process's Cluster; on a Ray deployment with a `RoleFollower` that reconnects it when
+    the Ray head restarts (a Ray Client session ends with its head) and retargets its handles."""
+    global _follower
     cluster = shared()
+    with _follower_lock:
+        if _follower is None and cluster.mode == "ray":
+            from joynexus.ops.role_follower import RoleFollower
+
+            _follower = RoleFollower(cluster).start()
+    return cluster
+
+
+def _wait(workload_id: str, timeout_s: float) -> Any:
+    """Wait for the workload to end, in bounded calls to the Master. A call that fails because the
+    deployment is briefly away (the Ray head restarting: the workload runs on in the detached
+    actors) is retried until the deadline while the follower reconnects; only the deadline, a
+    refusal, Prefect's timeout or a cancel end the wait, and then the workload is cancelled."""
+    cluster = _cluster()
+    deadline = time.monotonic() + timeout_s
     try:
-        status = cluster.wait_workload(workload_id, timeout_s=timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status = cluster.wait_workload(workload_id, timeout_s=max(0.0, min(left, 30.0)))
+            except REFUSALS:
+                raise
+            except Exception as error:  # the head restarted, a role is away: the workload is not lost
+                if time.monotonic() >= deadline:
+                    raise
+                get_run_logger().warning(
+                    "waiting on workload %s: %s: %s; reconnecting", workload_id, type(error).__name__, error
+                )
+                if _follower is not None:
+                    _follower.check_now()
+                time.sleep(2.0)
+                continue
+            if status.state in ("completed", "failed", "cancelled") or time.monotonic() >= deadline:
+                break
     except BaseException:  # Prefect's timeout (or a cancel) lands here: do not leave it running
-        cluster.master.cancel_workload(workload_id)
+        with contextlib.suppress(Exception):
+            cluster.master.cancel_workload(workload_id)
         raise
     if status.state not in ("completed", "failed", "cancelled"):
         cluster.master.cancel_workload(workload_id)

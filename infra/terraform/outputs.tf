@@ -52,3 +52,8 @@ output "tenant_artifacts_role_arn" {
   description = "Role a process running one tenant's code assumes with the session tag joynexus-tenant=<id>: that tenant's S3 prefixes only."
   value       = module.eks_gpu.tenant_artifacts_role_arn
 }
+
+output "image_registry" {
+  description = "Where bootstrap-cluster pushes and the pods pull the images: <registry>/joynexus[-cpu]:<tag> (ECR)."
+  value       = module.eks_gpu.image_registry
+}

@@ -181,6 +181,12 @@ def resolve_dataset(dataset: DatasetSpec, owner: str, settings: Settings, *, s3_
     try:
         if dataset.id is not None:
             found = find_tenant_dataset(settings.data_dir / "datasets", owner, dataset.id)
+            if found is None and settings.s3_bucket:  # uploaded through another process of the deployment
+                from joynexus.data.shared_uploads import fetch_shared_upload, upload_store
+
+                store = upload_store(settings)
+                assert store is not None
+                found = fetch_shared_upload(store, settings.data_dir / "datasets", owner, dataset.id)
             if found is None:
                 raise DatasetSourceError(
                     "dataset.id",

@@ -553,7 +553,8 @@ def master_service_actor(settings: Settings, *, options: MasterOptions | None = 
         MasterService,
         MASTER_ACTOR,
         settings,
-        options=options,
+        # made here, in the creating process (`joynexus up`), from its environment (JOYNEXUS_MAX_*)
+        options=options or MasterOptions(),
         publish_health=detached,  # the deployment's Master (`joynexus up`): `joynexus status` reads it
         detached=detached,
         namespace=settings.ray_namespace,

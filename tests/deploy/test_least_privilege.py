@@ -16,6 +16,7 @@ from tests.deploy.render import DEPLOYMENTS, REPO, by_key, pod_specs, rendered, 
 
 MODULE = REPO / "infra" / "terraform" / "modules" / "eks-gpu"
 BOOTSTRAP = REPO / "infra" / "scripts" / "bootstrap-cluster"
+RENDER = REPO / "infra" / "scripts" / "render-deployment"
 DB_SECRETS = {f"joynexus-db-{app}" for app in db_users.APPS} | {"joynexus-db-master"}
 # The database logins each pod may read (anything else is a leak of another app's data).
 ALLOWED_DB_SECRETS = {
@@ -67,7 +68,7 @@ def test_no_password_or_database_url_is_written_in_a_pod_spec_or_in_bootstrap():
                     assert "://" not in env["value"] or "@" not in env["value"], (label, env)
             text = " ".join(container.get("command", []) + container.get("args", []))
             assert not re.search(r"postgres(ql)?(\+\w+)?://\w", text), label  # only "$VARIABLE" forms
-    bootstrap = BOOTSTRAP.read_text()
+    bootstrap = BOOTSTRAP.read_text() + RENDER.read_text()
     assert 'kubectl -n "$NS" run' not in bootstrap and "--overrides" not in bootstrap  # no createdb pod
     assert "get-secret-value" not in bootstrap  # no password passes through the script
     assert "postgresql" not in bootstrap
@@ -90,7 +91,7 @@ def test_every_secret_a_pod_reads_is_synced_from_secrets_manager_or_made_by_boot
     # the master comes from the RDS-managed secret (its ARN: bootstrap's patch), the apps from Terraform's
     master = synced["joynexus-db-master"]["spec"]["dataFrom"][0]["extract"]["key"]
     assert master.startswith("rds!db-")
-    bootstrap = BOOTSTRAP.read_text()
+    bootstrap = BOOTSTRAP.read_text() + RENDER.read_text()  # bootstrap applies what render-deployment prints
     assert 'DB_SECRET="$(tf database_secret_arn)"' in bootstrap and '{extract: {key: "${DB_SECRET}"}}' in bootstrap
     assert 'sed -e "s#key: joynexus/#key: ${CLUSTER}/#"' in bootstrap
     database_tf = (MODULE / "database.tf").read_text()
@@ -192,8 +193,18 @@ def test_s3_access_is_per_prefix_and_per_tenant_through_the_session_tag():
     assert "aws_s3_bucket.artifacts.arn}/*" not in artifacts  # no role reaches the whole bucket
     assert re.search(r'"\$\{aws_s3_bucket\.artifacts\.arn\}/\$\{prefix\}/\*"', artifacts)
     assert re.search(r'ray\s+= \{ write = \["checkpoints", "mlflow"\], read = \["datasets"\] \}', iam)
-    assert re.search(r'mlflow = \{ write = \["mlflow"\], read = \[\] \}', iam)
-    assert re.search(r'api\s+= \{ write = \[\], read = \["checkpoints"\] \}', iam)
+    assert re.search(r'mlflow\s+= \{ write = \["mlflow"\], read = \[\] \}', iam)
+    # flow runs (the Prefect worker's pod) log evaluations and sweeps to MLflow, its artifacts in S3
+    assert re.search(r'prefect-worker\s+= \{ write = \["mlflow"\], read = \[\] \}', iam)
+    assert re.search(
+        r'prefect-worker\s+= \{ namespace = var.namespace, service_account = "joynexus-prefect-worker" \}', iam
+    )
+    worker = by_key(rendered())[("Deployment", "joynexus-prefect-worker")]["spec"]["template"]["spec"]
+    assert worker["serviceAccountName"] == "joynexus-prefect-worker"
+    # the API keeps tenants' uploads under datasets/ for the Master (joynexus/data/shared_uploads.py)
+    assert re.search(r'api\s+= \{ write = \["datasets"\], read = \["checkpoints"\] \}', iam)
+    shared = (REPO / "joynexus" / "data" / "shared_uploads.py").read_text()
+    assert '"datasets"]' in shared and 'f"{tenant_id}/uploads"' in shared
     # the settings the prefixes come from
     settings = (REPO / "joynexus" / "settings.py").read_text()
     assert 'self._s3_uri("checkpoints")' in settings and 'self._s3_uri("mlflow")' in settings

@@ -189,8 +189,8 @@ def test_ports_services_and_settings_line_up():
 
 def _allows(policy: dict, labels: dict[str, str], port: int) -> bool:
     for rule in policy["spec"].get("ingress", []):
-        ports = {p["port"] for p in rule.get("ports", [])}
-        if ports and port not in ports:
+        ports = rule.get("ports", [])  # a port, or a range port..endPort
+        if ports and not any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
             continue
         sources = rule.get("from")
         if sources is None:
@@ -222,6 +222,12 @@ def test_network_policy_guards_the_ray_head():
 
     ray_node = {"ray.io/cluster": "joynexus", "ray.io/node-type": "worker"}
     assert reach(ray_node, 6379) and reach(ray_node, 10001)
+    # the GCS, raylet, object manager, agent and worker ports of the head, but not its dashboard:
+    # the dashboard serves every head process's command line (the GCS's carries the Redis token) and
+    # the actors' state; tenant code runs in the workers (issue 43.8)
+    for port in (6379, 8076, 10002, 19999, 52365, 62000):
+        assert reach(ray_node, port), port
+    assert not reach(ray_node, 8265)
     for (kind, _name), doc in res.items():  # every pod that is not a Ray node: the client port at most
         for label, pod in pod_specs(doc):
             if kind == "RayCluster":
@@ -377,7 +383,9 @@ def test_every_aws_client_pod_has_a_region():
     assert checked == with_roles  # every role's pods were found and checked
     stores = [d for d in rendered(DEPLOYMENTS) if d["kind"] == "SecretStore"]
     assert stores and all(s["spec"]["provider"]["aws"]["region"] for s in stores)
-    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text() + (
+        REPO / "infra" / "scripts" / "render-deployment"
+    ).read_text()
     assert 'AWS_REGION: "${REGION}"' in bootstrap  # the ConfigMap patch
     assert "/name: AWS_REGION/{n;s#value: us-east-1#value: ${REGION}#}" in bootstrap  # the autoscaler's env
     autoscaler = (ADDONS / "cluster-autoscaler.yaml").read_text()
@@ -397,7 +405,9 @@ def test_the_ray_head_survives_a_restart_gcs_fault_tolerance_and_disruption_budg
     for setting in ("automatic_failover_enabled = true", "multi_az_enabled           = true",
                     "transit_encryption_enabled = true", "at_rest_encryption_enabled = true"):  # fmt: skip
         assert setting in module, setting
-    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text()
+    bootstrap = (REPO / "infra" / "scripts" / "bootstrap-cluster").read_text() + (
+        REPO / "infra" / "scripts" / "render-deployment"
+    ).read_text()
     assert "tf gcs_redis_address" in bootstrap  # the token: the ExternalSecret joynexus-ray-gcs
     synced = res[("ExternalSecret", "joynexus-ray-gcs")]["spec"]
     assert synced["target"]["name"] == "joynexus-ray-gcs" and synced["data"][0]["secretKey"] == "password"

@@ -63,7 +63,7 @@ def test_layout_one_file_per_concern_only_the_aws_provider():
     }  # fmt: skip
     assert {p.name for p in MODULE.glob("*.tf")} == {
         "versions.tf", "variables.tf", "network.tf", "iam.tf", "cluster.tf", "node_groups.tf", "storage.tf",
-        "shared.tf", "database.tf", "kms.tf", "audit.tf", "cache.tf", "outputs.tf",
+        "shared.tf", "database.tf", "kms.tf", "audit.tf", "cache.tf", "registry.tf", "outputs.tf",
     }  # fmt: skip
     for folder in (TERRAFORM, MODULE):
         assert required_providers(folder) == {"hashicorp/aws"}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.topology import BUCKET
 from tests.helpers import sft_spec, write_dataset_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -163,6 +164,30 @@ def test_a_tenant_created_through_the_api(topo):
     topo.timeline.mark(f"tenant {created.tenant.tenant_id} created through the API")
 
 
+def test_an_upload_through_the_api_replica_is_trained_on_by_the_master(topo):
+    """Issue 43.3: the API pod keeps an upload on its own volume, the Master (a Ray pod) resolves
+    `dataset.id` on another: the upload reaches it through the tenant's prefix in the artifact store."""
+    created = topo.api_tenant
+    local = topo.base / "upload-src" / "arm"
+    spec = sft_spec(created.tenant.tenant_id, local, jobs=2, samples_per_job=8, microbatch_size=8)  # as created
+    write_dataset_for(spec, episodes=2, length=8)
+    with _client(topo, created.key.api_key) as tenant:
+        uploaded = tenant.upload_dataset(local, repo_id="topology/upload")
+        keys = [o["Key"] for page in topo.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+                for o in page.get("Contents", [])]  # fmt: skip
+        prefix = f"datasets/{created.tenant.tenant_id}/uploads/{uploaded.dataset_id}"
+        assert f"{prefix}.json" in keys, f"{keys[:20]}\n--- api ---\n{topo.pods.log('joynexus-api')[-4000:]}"
+        workload = {**spec, "dataset": {"id": uploaded.dataset_id, "repo_id": "topology/upload"}}
+        done = tenant.submit(workload, jobs=1).result(timeout=900)
+    assert done.state == "completed", done
+    assert done.dataset_id == uploaded.dataset_id
+    master_copies = list((topo.base / "volumes").glob(f"joynexus-gpu-workers-worker/**/{uploaded.dataset_id}"))
+    api_copies = list((topo.base / "volumes").glob(f"joynexus-api/**/{uploaded.dataset_id}"))
+    assert api_copies, "the API kept the upload on its own volume"
+    copies = f"{len(master_copies)} copies on the Ray worker's volumes"
+    topo.timeline.mark(f"upload {uploaded.dataset_id[:12]} through the API trained on by the Master ({copies})")
+
+
 def _prefect(t, method: str, path: str, body: dict | None = None) -> dict | list:
     import httpx
 
@@ -202,11 +227,14 @@ def test_a_lifecycle_flow_run_by_the_prefect_worker_completes(topo):
     topo.timeline.mark(f"flow run {run_id} Completed")
 
 
-def _run_flow(t, deployment_id: str, spec: dict) -> tuple[str, dict, str]:
+def _run_flow(t, deployment_id: str, spec: dict, *, jobs: int = 1, during=None) -> tuple[str, dict, str]:
+    """Run the lifecycle flow to a final state; `during(run_id)` is called once while it runs."""
     run = _prefect(t, "POST", f"/deployments/{deployment_id}/create_flow_run",
-                   {"parameters": {"spec": spec, "jobs": 1, "train_timeout_s": 900.0}})  # fmt: skip
+                   {"parameters": {"spec": spec, "jobs": jobs, "train_timeout_s": 900.0}})  # fmt: skip
     deadline, state = time.monotonic() + 1200, {"type": "PENDING", "message": "not finished in 1200s"}
     while time.monotonic() < deadline:
+        if during is not None and during(run["id"]):
+            during = None
         state = _prefect(t, "GET", f"/flow_runs/{run['id']}")["state"]
         if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             break
@@ -327,3 +355,29 @@ def test_the_services_survive_a_ray_head_restart(topo):
         )
     assert created.tenant.tenant_id == "topo-after-restart"
     topo.timeline.mark("API serves again; tenants and services intact")
+
+
+def test_a_flow_run_survives_a_head_restart_mid_workload(topo):
+    """Issue 43.7: the Ray head restarts while the flow's train task waits on a running workload.
+    The workload runs on in the detached actors; the flow's wait reconnects (a new Ray Client
+    session through the follower) instead of cancelling it, and the flow run completes."""
+    spec = _dataset_spec(topo, "topo-midflow")
+    deployment = _prefect(topo, "GET", "/deployments/name/tenant-lifecycle/on-demand")
+    restarted: list[str] = []
+
+    def restart_once_training(run_id: str) -> bool:
+        tasks = _prefect(topo, "POST", "/task_runs/filter", {"task_runs": {"flow_run_id": {"any_": [run_id]}}})
+        train = [r for r in tasks if r["name"].startswith("train") and r["state"]["type"] == "RUNNING"]
+        if not train:
+            return False
+        time.sleep(3)  # the workload is submitted and the task is in its wait
+        topo.pods.recreate(HEAD)
+        topo.timeline.mark("Ray head recreated while the flow's train task waits on its workload")
+        _wait_ray_ready(topo, HEAD)
+        restarted.append(run_id)
+        return True
+
+    run_id, state, tail = _run_flow(topo, deployment["id"], spec, jobs=6, during=restart_once_training)
+    assert restarted == [run_id], "the head was not restarted while the train task ran"
+    assert state["type"] == "COMPLETED", f"{state}\n{tail}\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
+    topo.timeline.mark(f"flow run {run_id} Completed through a head restart mid-workload")

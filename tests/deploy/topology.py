@@ -33,7 +33,8 @@ S3_PORT = 9000
 BUCKET = "joynexus-artifacts-topology"
 REGION = "eu-west-1"
 DB_USER = "joynexus_master"  # the RDS master user bootstrap-cluster reads from Secrets Manager
-S3_ROLES = ("joynexus-ray", "joynexus-mlflow", "joynexus-api")  # iam.tf: the Pod Identity associations
+# iam.tf: the Pod Identity associations
+S3_ROLES = ("joynexus-ray", "joynexus-mlflow", "joynexus-api", "joynexus-prefect-worker")
 
 OVERLAY = """apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
@@ -222,11 +223,34 @@ class Topology:
         mounts = [ro(self.hosts_path(), "/etc/hosts"), ro(self.base / "resolv.conf", "/etc/resolv.conf"),
                   ro(self.trust_store, host.SYSTEM_CA.parent), ro(VENV, "/opt/venv"), *self._interpreter_mounts(),
                   ro(REPO, "/opt/joynexus")]  # fmt: skip
+        mounts += self._editable_mounts()
         installed = VENV.parent
         if installed.resolve() != REPO.resolve() and (installed / "joynexus").is_dir():
             (REPO / VENV.name).mkdir(exist_ok=True)  # the mount point of the venv inside the checkout
             mounts += [{"kind": "bind", "source": str(REPO), "target": str(installed), "read_only": True},
                        {"kind": "bind", "source": "/opt/venv", "target": str(VENV), "read_only": True}]  # fmt: skip
+        return mounts
+
+    @staticmethod
+    def _editable_mounts() -> list[dict]:
+        """This checkout's packages over the folders the venv's editable install maps them to, when
+        those are another tree's: a git worktree whose .venv links to the main checkout's venv would
+        otherwise run the main checkout's code in every pod (the finder's MAPPING is absolute)."""
+        import ast
+        import re
+
+        mounts = []
+        site = next(Path(sys.prefix).resolve().glob("lib/python*/site-packages"), None)
+        for finder in sorted(site.glob("__editable___*_finder.py")) if site else []:
+            found = re.search(r"^MAPPING: dict\[str, str\] = (\{.*\})$", finder.read_text(), re.M)
+            for target in ast.literal_eval(found.group(1)).values() if found else []:
+                target = Path(target)
+                root = next((p for p in target.parents if (p / ".git").exists()), None)  # its checkout
+                if root is None or root.resolve() == REPO.resolve():
+                    continue
+                source = REPO / target.relative_to(root)
+                if source.is_dir():
+                    mounts.append({"kind": "bind", "source": str(source), "target": str(target), "read_only": True})
         return mounts
 
     @staticmethod

@@ -3,7 +3,9 @@ limit), lists and deletes its own (`joynexus.data.uploads`). An upload is valida
 Expectations against the tenant's observation interface before it is kept, and its unpacked bytes
 count against the tenant's storage quota together with its checkpoints (the usage ledger's
 `storage_bytes`; `dataset_bytes` is their share). A workload trains on one by naming it in its
-spec: ``dataset: {id: <dataset_id>, repo_id: ...}``."""
+spec: ``dataset: {id: <dataset_id>, repo_id: ...}``. With a bucket configured an upload is also kept
+under the tenant's prefix of the artifact store (`joynexus.data.shared_uploads`), so every API replica
+lists and deletes it and the Master finds it wherever it runs."""
 
 from __future__ import annotations
 
@@ -15,6 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from joynexus.api.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
 from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant
+from joynexus.data.shared_uploads import (
+    delete_shared_upload,
+    publish_upload,
+    shared_upload_records,
+    upload_store,
+)
 from joynexus.data.uploads import (
     DATASET_ID_PATTERN,
     DatasetUploadError,
@@ -33,6 +41,10 @@ ACTIVE_STATES = ("queued", "running")
 
 def _datasets_dir(gateway: Gateway):
     return gateway.cluster.settings.data_dir / "datasets"
+
+
+def _shared(gateway: Gateway):
+    return upload_store(gateway.cluster.settings)
 
 
 def _described(dataset) -> dict:
@@ -57,7 +69,10 @@ async def upload_dataset(
         cameras=tuple(obs.cameras), image_size=tuple(obs.image_size), state_dim=obs.state_dim, action_dim=obs.action_dim
     )
     datasets = _datasets_dir(gateway)
+    store = _shared(gateway)
     known = {d.sha256 for d in tenant_datasets(datasets, tenant_id)}
+    if store is not None:
+        known |= set(await run_in_threadpool(shared_upload_records, store, tenant_id))
     limit = request.app.state.settings.max_dataset_unpacked_bytes
     try:
         stored = await run_in_threadpool(  # unpacking and validation are blocking work
@@ -74,13 +89,23 @@ async def upload_dataset(
             delete_tenant_dataset(datasets, tenant_id, stored.sha256)
             reason = f"checkpoints and datasets would take {used:,} of {allowed:,} bytes"
             raise QuotaExceeded(f"dataset refused: {reason}", [("quota.max_storage_bytes", reason)])
+    if store is not None:  # shared before it is answered: a workload naming it may run anywhere
+        await run_in_threadpool(publish_upload, store, tenant_id, stored)
     return JSONResponse(_described(stored), status_code=201)
 
 
 @router.get("/datasets", response_model=list[s.DatasetInfo])
 def list_datasets(tenant_id: Tenant, gateway: Gateway) -> JSONResponse:
-    """The caller's uploaded datasets (never another tenant's)."""
-    return JSONResponse([_described(d) for d in tenant_datasets(_datasets_dir(gateway), tenant_id)])
+    """The caller's uploaded datasets (never another tenant's), made through any API replica."""
+    listed = {d.sha256: _described(d) for d in tenant_datasets(_datasets_dir(gateway), tenant_id)}
+    store = _shared(gateway)
+    if store is not None:
+        for dataset_id, record in shared_upload_records(store, tenant_id).items():
+            listed.setdefault(
+                dataset_id,
+                {"dataset_id": dataset_id, "repo_id": record.get("repo_id") or None, "bytes": record["bytes"]},
+            )
+    return JSONResponse([listed[k] for k in sorted(listed)])
 
 
 @router.delete("/datasets/{dataset_id}", response_model=s.DatasetDeleted)
@@ -93,7 +118,9 @@ def delete_dataset(
     id the caller never uploaded (another tenant's too); 409 while a queued or running workload,
     or the tenant's own spec, trains on it. Versions trained on it keep its digest."""
     datasets = _datasets_dir(gateway)
-    if find_tenant_dataset(datasets, tenant_id, dataset_id) is None:
+    store = _shared(gateway)
+    shared = shared_upload_records(store, tenant_id).get(dataset_id) if store is not None else None
+    if find_tenant_dataset(datasets, tenant_id, dataset_id) is None and shared is None:
         raise NotFound("dataset", dataset_id, "dataset_id")
     own = gateway.tenant(tenant_id).spec.dataset
     workloads = gateway.list_workloads(tenant_id)
@@ -102,7 +129,13 @@ def delete_dataset(
         reason = f"workloads {users} train on it" if users else "your tenant's spec trains on it"
         raise Conflict(f"dataset {dataset_id} is in use: {reason}", [("dataset_id", reason)])
     deleted = delete_tenant_dataset(datasets, tenant_id, dataset_id)
-    if deleted is None:  # deleted meanwhile by another request
+    removed_shared = store is not None and delete_shared_upload(store, tenant_id, dataset_id)
+    if deleted is None and not removed_shared:  # deleted meanwhile by another request
         raise NotFound("dataset", dataset_id, "dataset_id")
-    body = {**_described(deleted), "deleted": True, "storage_bytes": gateway.ledger.storage_bytes(tenant_id)}
+    if deleted is not None:
+        described = _described(deleted)
+    else:  # another replica's upload, never fetched here
+        assert shared is not None
+        described = {"dataset_id": dataset_id, "repo_id": shared.get("repo_id") or None, "bytes": shared["bytes"]}
+    body = {**described, "deleted": True, "storage_bytes": gateway.ledger.storage_bytes(tenant_id)}
     return JSONResponse(body)

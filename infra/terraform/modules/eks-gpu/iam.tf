@@ -66,10 +66,11 @@ locals {
   # role key => (namespace, service account). Bound by aws_eks_pod_identity_association (or, for the
   # CSI drivers, by their add-on's pod_identity_association).
   pod_roles = {
-    ray                = { namespace = var.namespace, service_account = "joynexus-ray" }          # checkpoints (Training Model Service), MLflow artifacts (Master)
-    mlflow             = { namespace = var.namespace, service_account = "joynexus-mlflow" }       # MLflow artifact proxy
-    api                = { namespace = var.namespace, service_account = "joynexus-api" }          # reads checkpoints (export, manifests)
-    external-secrets   = { namespace = "external-secrets", service_account = "external-secrets" } # reads the secrets below into Kubernetes Secrets
+    ray                = { namespace = var.namespace, service_account = "joynexus-ray" }            # checkpoints (Training Model Service), MLflow artifacts (Master)
+    mlflow             = { namespace = var.namespace, service_account = "joynexus-mlflow" }         # MLflow artifact proxy
+    api                = { namespace = var.namespace, service_account = "joynexus-api" }            # reads checkpoints (export, manifests)
+    prefect-worker     = { namespace = var.namespace, service_account = "joynexus-prefect-worker" } # flow runs: MLflow artifacts (evaluations, sweeps)
+    external-secrets   = { namespace = "external-secrets", service_account = "external-secrets" }   # reads the secrets below into Kubernetes Secrets
     cluster-autoscaler = { namespace = "kube-system", service_account = "cluster-autoscaler" }
     ebs-csi            = { namespace = "kube-system", service_account = "ebs-csi-controller-sa" }
     efs-csi            = { namespace = "kube-system", service_account = "efs-csi-controller-sa" }
@@ -94,9 +95,10 @@ locals {
   # Each pod role reaches only the prefixes its processes use (joynexus/settings.py: checkpoints/ and
   # mlflow/ under the bucket; tenants' datasets under datasets/), not the whole bucket.
   artifact_access = {
-    ray    = { write = ["checkpoints", "mlflow"], read = ["datasets"] } # Training Model Service, Master
-    mlflow = { write = ["mlflow"], read = [] }                          # MLflow's artifact proxy
-    api    = { write = [], read = ["checkpoints"] }                     # exports, manifests
+    ray            = { write = ["checkpoints", "mlflow"], read = ["datasets"] } # Training Model Service, Master
+    mlflow         = { write = ["mlflow"], read = [] }                          # MLflow's artifact proxy
+    api            = { write = ["datasets"], read = ["checkpoints"] }           # tenants' uploads (shared with the Master); exports, manifests
+    prefect-worker = { write = ["mlflow"], read = [] }                          # flow runs log to MLflow, whose artifacts are in S3
   }
 }
 

@@ -40,19 +40,58 @@ data "aws_iam_policy_document" "kms" {
       values   = ["true"]
     }
   }
-  # CloudTrail writes the artifact bucket's data events encrypted with this key (audit.tf).
+  # CloudTrail writes the artifact bucket's data events encrypted with this key (audit.tf). The three
+  # statements AWS's "Configure AWS KMS key policies for CloudTrail" requires for a trail, each limited
+  # to this trail by aws:SourceArn (the page's recommendation): encrypt (GenerateDataKey*, only under
+  # a CloudTrail encryption context), decrypt (kms:Decrypt: required to create or update a trail whose
+  # bucket uses an S3 Bucket Key, as the audit bucket does) and describe the key (DescribeKey, with no
+  # encryption context: CloudTrail calls it without one, so a context condition would refuse it).
+  # People reading the logs decrypt through IAM (the AccountAdministers statement lets IAM grant it).
   statement {
     sid       = "CloudTrailEncryptsAuditLogs"
-    actions   = ["kms:GenerateDataKey*", "kms:DescribeKey"]
+    actions   = ["kms:GenerateDataKey*"]
     resources = ["*"]
     principals {
       type        = "Service"
       identifiers = ["cloudtrail.amazonaws.com"]
     }
     condition {
+      test     = "StringEquals"
+      variable = "aws:SourceArn"
+      values   = [local.audit_trail_arn]
+    }
+    condition {
       test     = "StringLike"
       variable = "kms:EncryptionContext:aws:cloudtrail:arn"
       values   = ["arn:${data.aws_partition.current.partition}:cloudtrail:*:${data.aws_caller_identity.current.account_id}:trail/*"]
+    }
+  }
+  statement {
+    sid       = "CloudTrailDecryptsForTheBucketKey"
+    actions   = ["kms:Decrypt"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["cloudtrail.amazonaws.com"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "aws:SourceArn"
+      values   = [local.audit_trail_arn]
+    }
+  }
+  statement {
+    sid       = "CloudTrailDescribesTheKey"
+    actions   = ["kms:DescribeKey"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["cloudtrail.amazonaws.com"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "aws:SourceArn"
+      values   = [local.audit_trail_arn]
     }
   }
   statement {
@@ -76,16 +115,31 @@ resource "aws_kms_key" "this" {
 }
 
 # AWSServiceRoleForAutoScaling exists once anything in the account used Auto Scaling; in a fresh
-# account it does not yet, and creating it twice fails, so it is created only when the lookup finds
-# none.
+# account it does not yet, and creating it twice fails. The module creates it only when the lookup
+# finds none, and tags what it created with the cluster's name: on every later plan the lookup finds
+# the role, and the tag says it is this deployment's, so the count stays 1 (a count that followed the
+# lookup alone would drop to 0 on the second plan and destroy the role the node groups launch with).
+# A role found without that tag belongs to the account (or another deployment) and is left alone.
 data "aws_iam_roles" "autoscaling_service_linked" {
   name_regex  = "^AWSServiceRoleForAutoScaling$"
   path_prefix = "/aws-service-role/autoscaling.amazonaws.com/"
 }
 
+data "aws_iam_role" "autoscaling_service_linked" {
+  count = length(data.aws_iam_roles.autoscaling_service_linked.names)
+  name  = "AWSServiceRoleForAutoScaling"
+}
+
+locals {
+  autoscaling_role_owner_tag = "joynexus-created-by"
+  autoscaling_role_found     = length(data.aws_iam_roles.autoscaling_service_linked.names) > 0
+  autoscaling_role_ours      = local.autoscaling_role_found && try(data.aws_iam_role.autoscaling_service_linked[0].tags[local.autoscaling_role_owner_tag], "") == var.cluster_name
+}
+
 resource "aws_iam_service_linked_role" "autoscaling" {
-  count            = length(data.aws_iam_roles.autoscaling_service_linked.names) == 0 ? 1 : 0
+  count            = !local.autoscaling_role_found || local.autoscaling_role_ours ? 1 : 0
   aws_service_name = "autoscaling.amazonaws.com"
+  tags             = { (local.autoscaling_role_owner_tag) = var.cluster_name }
 }
 
 locals {

@@ -57,3 +57,8 @@ output "external_secrets_role_arn" {
   description = "Pod Identity role of the External Secrets Operator (service account external-secrets/external-secrets)."
   value       = aws_iam_role.pod["external-secrets"].arn
 }
+
+output "image_registry" {
+  description = "Registry prefix of the deployment's images: <registry>/joynexus and <registry>/joynexus-cpu (ECR)."
+  value       = trimsuffix(aws_ecr_repository.image["joynexus"].repository_url, "/joynexus")
+}

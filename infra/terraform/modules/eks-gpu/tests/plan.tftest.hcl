@@ -118,3 +118,21 @@ run "gcs_redis_without_snapshots_is_refused" {
   }
   expect_failures = [var.gcs_redis]
 }
+
+run "a_role_another_deployment_created_is_left_to_it" {
+  command = plan
+
+  override_data {
+    target = data.aws_iam_roles.autoscaling_service_linked
+    values = { names = ["AWSServiceRoleForAutoScaling"] }
+  }
+  override_data {
+    target = data.aws_iam_role.autoscaling_service_linked
+    values = { tags = { "joynexus-created-by" = "another-cluster" } }
+  }
+
+  assert {
+    condition     = length(aws_iam_service_linked_role.autoscaling) == 0
+    error_message = "only the deployment that created the role manages it"
+  }
+}
