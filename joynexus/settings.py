@@ -209,7 +209,6 @@ class Settings(BaseModel):
         default_factory=lambda: _env_optional_int("JOYNEXUS_BACKBONE_FEATURE_LAYERS"), ge=1, validate_default=True
     )
 
-
     # The model id a plain Hugging Face checkpoint directory is served under (tenants name it as their
     # base_model); unset: its config.json's `_name_or_path`, else the directory's path.
     backbone_id: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_ID") or None)
@@ -293,6 +292,15 @@ class Settings(BaseModel):
     # '{"min_replicas": 1, "max_replicas": 3}'); the default is one replica and no autoscaling.
     inference_scaling: ScalingPolicy = Field(
         default_factory=lambda: _scaling_policy(os.environ.get("JOYNEXUS_INFERENCE_SCALING_JSON") or "{}")
+    )
+    # Producer service replicas (issue 40): the data loops (SFT / rollout producers, evaluations,
+    # advantage stages) run in this many `joynexus.producers-<i>` actors, tenants spread by load.
+    producer_replicas: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_PRODUCER_REPLICAS", 1), ge=1, le=64, validate_default=True
+    )
+    # Rollouts one producer replica runs at once (the rest wait for a slot).
+    producer_concurrent_rollouts: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS", 4), ge=1, validate_default=True
     )
     # Environment Service workers: >1 spreads sessions over that many worker actors (Ray-scheduled,
     # so across nodes); 1 is the single Environment Service actor.

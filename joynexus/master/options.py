@@ -17,7 +17,6 @@ class MasterOptions(BaseModel):
 
     max_running_workloads: int = Field(default=8, ge=1)
     max_failures_per_workload: int = Field(default=3, ge=1)
-    max_concurrent_rollouts: int = Field(default=4, ge=1)
     max_job_attempts: int = Field(default=3, ge=1, description="re-queues of a job whose lease owner died")
     default_max_device_seconds: float | None = Field(default=None, ge=0)
     default_max_queued_workloads: int | None = Field(default=8, ge=0)

@@ -78,7 +78,6 @@ class MasterService:
             owner=f"master-{self.incarnation}",
             max_running=self.options.max_running_workloads,
             max_failures_per_workload=self.options.max_failures_per_workload,
-            max_concurrent_rollouts=self.options.max_concurrent_rollouts,
             max_job_attempts=self.options.max_job_attempts,
             admission_check=self._check_spend,
             max_queued=lambda tenant_id: self.ledger.quota(tenant_id).max_queued_workloads,
@@ -468,7 +467,6 @@ class MasterService:
         """Training -> inference weight sync of the tenant's current version (paper A.1)."""
         self.check_tenant(tenant_id)
         return self.workloads.publish_weights(tenant_id)
-
 
     def install_weights(
         self,

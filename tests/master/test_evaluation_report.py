@@ -12,7 +12,7 @@ import imageio.v2 as imageio
 import pytest
 
 from joynexus.master.deployment import Deployment
-from joynexus.master.workloads.evaluation_stats import SUCCESS_CI_LOW_METRIC, wilson_interval
+from joynexus.services.producers.evaluation_stats import SUCCESS_CI_LOW_METRIC, wilson_interval
 from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.registry import CHAMPION_ALIAS
 from joynexus.settings import Settings

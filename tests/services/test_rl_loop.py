@@ -13,7 +13,7 @@ import pytest
 from joynexus.actors import handle_of
 from joynexus.master.deployment import Deployment
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.workloads.evaluation import evaluate_policy
+from joynexus.services.producers.evaluation import evaluate_policy
 from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY

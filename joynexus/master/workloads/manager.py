@@ -63,7 +63,6 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         owner: str = "master",
         max_running: int = 8,
         max_failures_per_workload: int = 3,
-        max_concurrent_rollouts: int = 4,
         admission_check: Callable[[str], None] | None = None,  # raises AdmissionRefused to stop new work
         max_queued: Callable[[str], int | None] | None = None,  # a tenant's limit of waiting workloads
         max_job_attempts: int = 3,  # a job whose lease owner died is re-queued at most this often
@@ -87,12 +86,13 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         self._roles = {}
         self._admission = threading.RLock()
         self._producer_restarts = 0
-        self._rollout_slots = threading.BoundedSemaphore(max_concurrent_rollouts)
+        self._producer_waits: dict[str, int] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self, *, cancel_running: bool = True) -> None:
-        """Stop the actor loop and advantage stage. `cancel_running=False` leaves running workloads
-        `running` in the store (a Master shutting down for a restart resumes them)."""
+        """Stop the Master's roles (actor loop, producer follower, admission). `cancel_running=False`
+        leaves running workloads `running` in the store and their producers running on their
+        replicas (a Master shutting down for a restart follows them again)."""
         with self._lock:
             running = list(self._running.values())
         for workload in running:
@@ -101,10 +101,6 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
             else:
                 workload.stop.set()
         self._stop.set()
-        for workload in running:  # producers finish the job they are writing; the next Master resumes the rest
-            for thread in workload.threads:
-                if thread is not threading.current_thread():
-                    thread.join(timeout=60)
         self._stop_roles()
 
     def reconcile(self, *, has_partition: Callable[[str], bool] | None = None) -> dict[str, Any]:
@@ -116,9 +112,12 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         reason; an evaluation interrupted midway ends `failed` (it is cheap to submit again)."""
         has_partition = has_partition or self.deployment.queue.has_partition
         report: dict[str, Any] = {"requeued": [], "released": [], "resumed": [], "failed": []}
+        producers = self.deployment.producers
+        producers.sync()  # what the replicas run now: their producers and advantage leases live on
         recovered = self.deployment.scheduler.recover_orphans(
-            {self.actor_owner, self.stage_owner}, has_partition=has_partition, max_attempts=self.max_job_attempts
-        )
+            {self.actor_owner} | producers.live_owners(), has_partition=has_partition,
+            max_attempts=self.max_job_attempts,
+        )  # fmt: skip
         report["requeued"] = [j.job_id for j in recovered if j.state not in TERMINAL_STATES]
         report["released"] = [j.job_id for j in recovered if j.state in TERMINAL_STATES]
         with self.deployment.store.transaction() as s:
@@ -135,6 +134,7 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
     ) -> list[str]:
         """Release the live jobs no running workload will finish; returns their ids."""
         released = []
+        producing = self.deployment.producers.running_workloads()  # their reserved jobs are being written
         for job in self.deployment.scheduler.jobs():
             if job.state in TERMINAL_STATES:
                 continue
@@ -143,8 +143,8 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
             reason = None
             if state != RUNNING:
                 reason = f"workload {workload_id} is {state or 'unknown'}"
-            elif job.state == "reserved":
-                reason = "its producer stopped with the previous Master Service before the data was written"
+            elif job.state == "reserved":  # its producer writes it, unless no replica runs that producer
+                reason = None if workload_id in producing else "its producer stopped before the data was written"
             elif not has_partition(job.partition_id):
                 reason = "its partition was lost with the Training Queue"
             if reason is not None:

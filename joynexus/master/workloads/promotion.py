@@ -24,9 +24,8 @@ from typing import Any
 
 from joynexus.core.tenants import Tenant
 from joynexus.master.workloads.base import WorkloadBase
-from joynexus.master.workloads.evaluation_stats import SUCCESS_CI_HIGH_METRIC, SUCCESS_CI_LOW_METRIC
-from joynexus.master.workloads.heldout import HELDOUT_METRIC, heldout_loss
 from joynexus.registry import CANDIDATE_ALIAS, CHAMPION_ALIAS, PromotionDecision, promote
+from joynexus.services.producers.evaluation_stats import HELDOUT_METRIC, SUCCESS_CI_LOW_METRIC
 from joynexus.spec import PromotionMetric
 
 log = logging.getLogger(__name__)
@@ -85,26 +84,9 @@ class Promotions(WorkloadBase):
         tenant_id, metric = tenant.tenant_id, tenant.spec.promotion_metric()
         if metric is None:
             raise ValueError(f"promotion.metric: tenant {tenant_id!r} declares none it can be measured by")
-        inference = self.deployment.inference_service
-
-        def run() -> dict[str, float]:
-            self._serve_version(tenant_id, policy_version)  # served, or loaded from its checkpoint
-            if metric is PromotionMetric.HELDOUT_LOSS:
-                return heldout_loss(tenant, inference, policy_version).metrics()
-            from joynexus.master.workloads.evaluation import evaluate_policy
-
-            result = evaluate_policy(
-                tenant.backend_config, self.deployment.environment_service, inference,
-                version=policy_version, episodes=tenant.spec.promotion.eval_episodes,
-            )  # fmt: skip
-            return {
-                SUCCESS_METRIC: result.success_rate,
-                SUCCESS_CI_LOW_METRIC: result.success_ci[0],
-                SUCCESS_CI_HIGH_METRIC: result.success_ci[1],
-                "eval/mean_return": result.mean_return,
-                "eval/mean_length": result.mean_length,
-            }
-
+        # Measured on the tenant's producer replica (episodes, or held-out frames through inference).
+        producers = self.deployment.producers
+        run = lambda: producers.measure(tenant_id, policy_version)  # noqa: E731
         metrics = self._through_restarts(run, tenant_id, "promotion measurement")
         self.deployment.tracker.log_version_evaluation(tenant_id, registry_version, metrics)
         return metrics
