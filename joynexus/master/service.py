@@ -151,6 +151,24 @@ class MasterService:
             "reconciled": self.last_reconcile,
         }
 
+    def process_report(self) -> dict[str, Any]:
+        """What this process has loaded (issue 40's guard: the Master is a control plane): the model
+        and simulator stacks, and the execution-plane modules that build observations, batches or
+        weight payloads. Both lists stay empty in a deployment whose producers run elsewhere."""
+        import sys
+
+        heavy = {"torch", "transformers", "lerobot", "mani_skill", "gymnasium", "gym_pusht"}
+        data = (
+            "joynexus.scheduling.inference_queue", "joynexus.services.producers.rollout",
+            "joynexus.services.producers.sft", "joynexus.services.producers.service", "joynexus.models",
+            "joynexus.data.lerobot_dataset",
+        )  # fmt: skip
+        return {
+            "pid": os.getpid(),
+            "heavy_modules": sorted({m.split(".")[0] for m in list(sys.modules) if m.split(".")[0] in heavy}),
+            "data_modules": sorted(m for m in data if m in sys.modules),
+        }
+
     def health(self) -> dict[str, dict[str, Any]]:
         """The truth per role: this Master, its own threads (actor loop, advantage stage, admission,
         producers) and every service it drives, from the Health Manager's last round."""

@@ -87,6 +87,7 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         self._admission = threading.RLock()
         self._producer_restarts = 0
         self._producer_waits: dict[str, int] = {}
+        deployment.producers.on_move = self._on_producer_moved
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self, *, cancel_running: bool = True) -> None:

@@ -124,6 +124,19 @@ class TrainingWorkloads(WorkloadBase):
                 name=f"finish-{running.workload_id}", daemon=True,
             ).start()  # fmt: skip
 
+    def _on_producer_moved(self, workload_id: str, tenant_id: str, lost_owners: set[str]) -> None:
+        """Before a workload whose producer replica was lost starts on another: the job the lost
+        producer was writing is released (never marked ready, so no version comes of it), and the
+        tenant's environment sessions, all opened on that replica (sticky), are closed."""
+        scheduler = self.deployment.scheduler
+        for job in scheduler.jobs(tenant_id=tenant_id, states=["reserved"]):
+            if job.metadata.get("workload_id") == workload_id:
+                scheduler.abandon(job.job_id, "its producer replica was lost before the data was written")
+        try:
+            self.deployment.environment_service.close_tenant(tenant_id)
+        except Exception as error:  # the service is away: its restart drops the sessions anyway
+            log.warning("closing tenant %s's sessions after a lost replica: %s", tenant_id, error)
+
     # -- outcomes -----------------------------------------------------------------------------------
     def _on_trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
         """Before the actor completes a trained RL job of a running workload: publish the update, so

@@ -8,6 +8,7 @@ services up by name (`from_settings`): the same `ProducerService` code runs over
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:  # names the types only: the replica builds no model at import
     from joynexus.services.inference.endpoint import InferenceEndpoint
     from joynexus.services.training.service import TrainingModelService
 
+_TRACKER_LOCK = threading.Lock()
+
 
 @dataclass
 class ProducerContext:
@@ -37,7 +40,16 @@ class ProducerContext:
     inference_service: InferenceEndpoint
     environment_service: EnvironmentService
     checkpoints: CheckpointStore
-    tracker: ExperimentTracker
+    # None until first used: a replica that opened MLflow at start would race the Master's first
+    # open of a fresh embedded database (both migrating it at once).
+    tracker_: ExperimentTracker | None = None
+
+    @property
+    def tracker(self) -> ExperimentTracker:
+        with _TRACKER_LOCK:
+            if self.tracker_ is None:
+                self.tracker_ = tracker_from_settings(self.settings)
+            return self.tracker_
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ProducerContext:
@@ -58,7 +70,6 @@ class ProducerContext:
             inference_service=service_handle(cast("type[InferenceEndpoint]", object), lookup("inference_service")),
             environment_service=service_handle(cast("type[EnvironmentService]", object), lookup("environment_service")),
             checkpoints=checkpoint_store(settings),
-            tracker=tracker_from_settings(settings),
         )
 
     def tenant(self, tenant_id: str) -> Tenant:

@@ -74,6 +74,7 @@ class _Work:
     result: dict[str, Any] | None = None
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # not yet handed to the Master
     waits: int = 0  # times it waited for a restarting service
+    started_at: float = field(default_factory=time.time)  # this run of it on this replica
 
 
 class ProducerService:
@@ -190,6 +191,7 @@ class ProducerService:
                 report[work.workload_id] = {
                     "tenant_id": work.tenant_id, "kind": work.kind, "state": work.state, "error": work.error,
                     "result": work.result, "events": events, "waits": work.waits, "request": work.request,
+                    "started_at": work.started_at,
                 }  # fmt: skip
         return {
             "replica": self.replica,
@@ -197,6 +199,15 @@ class ProducerService:
             "owners": [self.owner, self.stage_owner],
             "work": report,
         }
+
+    def work(self) -> dict[str, dict[str, Any]]:
+        """What runs here, read-only (no events drained): per workload its tenant, kind, state and
+        when this run of it started on this replica (operators, tests)."""
+        with self._lock:
+            return {
+                w.workload_id: {"tenant_id": w.tenant_id, "kind": w.kind, "state": w.state, "started_at": w.started_at}
+                for w in self._work.values()
+            }
 
     def rollout_stats(self, workload_id: str) -> dict[str, float]:
         """The workload's rollout episodes since the last call (drained), for its learning metrics."""
