@@ -42,12 +42,7 @@ def deployment(tmp_path_factory) -> Any:
         if cluster is not None:
             cluster.close()
         if ray.is_initialized():
-            for i in range(2):
-                try:
-                    ray.kill(ray.get_actor(f"joynexus.producers-{i}", namespace=namespace), no_restart=True)
-                except ValueError:
-                    pass
-            remove_service_actors(namespace)
+            remove_service_actors(namespace)  # the producer replicas too
             if started_ray:
                 ray.shutdown()
 
@@ -104,9 +99,8 @@ def assert_no_lost_or_reissued_version(cluster: Any, settings: Any, workload_id:
 
     store = ControlPlaneStore(settings.resolved_database_url())
     try:
-        done = [
-            j for j in TrainingScheduler(store).jobs(states=["completed"]) if j.metadata.get("workload_id") == workload_id
-        ]
+        jobs_done = TrainingScheduler(store).jobs(states=["completed"])
+        done = [j for j in jobs_done if j.metadata.get("workload_id") == workload_id]
     finally:
         store.dispose()
     versions = sorted(int(j.result["version"]) for j in done)
