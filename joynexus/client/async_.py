@@ -121,7 +121,9 @@ class AsyncJoyNexusClient(ClientBase, AsyncFutureCalls):
         suite: list[dict[str, Any]] | None = None,
         videos: int = 0,
     ) -> AsyncWorkloadHandle:
-        return AsyncWorkloadHandle(self, await self._run(Calls.evaluate(version, episodes, environment, suite, videos)))
+        return AsyncWorkloadHandle(
+            self, await self._run(Calls.evaluate(version, episodes, environment, suite, videos))
+        )
 
     async def workload(self, workload_id: str) -> s.WorkloadInfo:
         return await self._run(Calls.workload(workload_id))

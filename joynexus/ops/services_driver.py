@@ -59,6 +59,8 @@ def exit_report(process: ManagedProcess, ray_logs: Path | None = None) -> str:
     )
 
 
+
+
 def run_driver(
     env: dict[str, str],
     folder: Path,

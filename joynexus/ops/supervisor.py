@@ -133,6 +133,8 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
+
+
 def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -143,6 +145,8 @@ def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: 
         time.sleep(0.25)
     where = f"; last lines of {process.log}:\n{_tail(process.log)}" if process is not None else ""
     raise DeployError(f"{what} was not ready after {timeout_s:.0f} s{where}")
+
+
 
 
 def _executable(name: str) -> str:

@@ -367,11 +367,7 @@ class ResidentBackbone(TenantAdapterHost):
         """(ids, mask) of texts, right-padded to the longest, truncated at ``max_length`` tokens, as
         LeRobot's tokenizer step calls this tokenizer (special tokens included)."""
         out = self.tokenizer(
-            list(texts),
-            max_length=max_length,
-            truncation=True,
-            padding="longest",
-            padding_side="right",
+            list(texts), max_length=max_length, truncation=True, padding="longest", padding_side="right",
             return_tensors="pt",
         )
         return out["input_ids"].to(self.device), out["attention_mask"].to(self.device).bool()

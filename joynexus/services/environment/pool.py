@@ -220,3 +220,5 @@ class EnvironmentPool:
                 self.factory.destroy(worker.target)
             except Exception as error:  # gone already
                 log.warning("stopping an environment worker: %s", error)
+
+

@@ -638,8 +638,10 @@ class EnvironmentService:
         self.close_all()
 
 
+
+
 def _split_slot(session_id: str) -> tuple[str, int | None]:
-    """ "<session>#<slot>" -> (session, slot); a plain session id -> (id, None)."""
+    """"<session>#<slot>" -> (session, slot); a plain session id -> (id, None)."""
     if not isinstance(session_id, str) or "#" not in session_id:
         return session_id, None
     base, _, slot = session_id.partition("#")

@@ -617,3 +617,5 @@ def _merge_histograms(snapshots: list[dict[str, Any] | None]) -> dict[str, Any] 
 def _sum_known(values: list[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
+
+

@@ -351,7 +351,9 @@ class TrainingModelService:
         return load_slot_state(self.slot_table, self._slot(tenant_id), version)
 
     @pins_during_call("_slots")
-    def discard_pending_gradients(self, tenant_id: str, expect: tuple[int, int] | None = None) -> dict[str, Any]:
+    def discard_pending_gradients(
+        self, tenant_id: str, expect: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
         """Drop the gradients `forward_backward` calls summed since the last optimizer step (an
         abandoned chain of futures, `services.call_futures`); parameters, optimizer state and
         version stay. `expect`: (version, accumulated microbatches) the chain's last call left;
