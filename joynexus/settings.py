@@ -209,6 +209,7 @@ class Settings(BaseModel):
         default_factory=lambda: _env_optional_int("JOYNEXUS_BACKBONE_FEATURE_LAYERS"), ge=1, validate_default=True
     )
 
+
     # The model id a plain Hugging Face checkpoint directory is served under (tenants name it as their
     # base_model); unset: its config.json's `_name_or_path`, else the directory's path.
     backbone_id: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_ID") or None)
