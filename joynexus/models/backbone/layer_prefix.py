@@ -27,10 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "IDEFICS3_PREFIX_WEIGHTS",
     "LayerPrefix",
     "PrefixGeometry",
-    "PrefixWeightLayout",
     "apply_rope",
     "block_causal_mask",
     "eager_attention",
@@ -188,14 +186,10 @@ def layer_prefix_of(
     pad_mask: torch.Tensor,
     att_mask: torch.Tensor,
     geometry: PrefixGeometry,
-    *,
-    final_norm: nn.Module | None = None,
-) -> LayerPrefix | torch.Tensor:
-    """Run prefix embeddings (B, L, D) through Llama-style decoder ``layers`` (Gemma's too: its
-    norms, MLP and 1/sqrt(head_dim) scaling are the layers' own), keeping each layer's keys (RoPE'd)
-    and values. The last layer's attention output and MLP feed nothing an expert reads, so they are
-    not computed; with ``final_norm``, they are, and the normed last hidden states (B, L, D) are
-    returned instead (a family's token features over the same prefix)."""
+) -> LayerPrefix:
+    """Run prefix embeddings (B, L, D) through Llama-style decoder ``layers``, keeping each layer's
+    keys (RoPE'd) and values. The last layer's attention output and MLP feed nothing an expert reads,
+    so they are not computed."""
     mask = block_causal_mask(pad_mask, att_mask)
     positions = torch.cumsum(pad_mask.to(torch.long), dim=1) - 1
     keys: list[torch.Tensor] = []
@@ -209,61 +203,38 @@ def layer_prefix_of(
         value = attn.v_proj(normed).view(shape)
         keys.append(key)
         values.append(value)
-        if index == len(layers) - 1 and final_norm is None:
+        if index == len(layers) - 1:
             break
         query = apply_rope(attn.q_proj(normed).view(shape), positions)
         out = attn.o_proj(eager_attention(mask, query, key, value, geometry.num_heads).to(attn.o_proj.weight.dtype))
         hidden = out + hidden
         hidden = layer.mlp(layer.post_attention_layernorm(hidden)) + hidden
-    if final_norm is not None:
-        return final_norm(hidden)
     return LayerPrefix(keys=tuple(keys), values=tuple(values), pad_mask=pad_mask)
 
 
-@dataclass(frozen=True)
-class PrefixWeightLayout:
-    """Where a family's VLM keeps the weights a prefix reads: the decoder layers' names (group 1 is
-    the layer index) and the other parts (vision tower, projector, token embeddings) by prefix."""
-
-    layer_pattern: str
-    parts: tuple[str, ...]
-
-    def names(self, names: Sequence[str], num_layers: int) -> list[str]:
-        layer_re = re.compile(self.layer_pattern)
-        kept = []
-        for name in names:
-            layer = layer_re.match(name)
-            if name.startswith(self.parts) or (layer is not None and int(layer.group(1)) < num_layers):
-                kept.append(name)
-        return sorted(kept)
+_LAYER = re.compile(r"^text_model\.layers\.(\d+)\.")
+_PREFIX_PARTS = ("vision_model.", "connector.", "text_model.embed_tokens.")
 
 
-# Idefics3 / SmolVLM (`Idefics3Model`'s own names; a truncated LeRobot VLM holds exactly these).
-IDEFICS3_PREFIX_WEIGHTS = PrefixWeightLayout(
-    layer_pattern=r"^text_model\.layers\.(\d+)\.",
-    parts=("vision_model.", "connector.", "text_model.embed_tokens."),
-)
-
-
-def prefix_weight_names(
-    names: Sequence[str], num_layers: int, layout: PrefixWeightLayout = IDEFICS3_PREFIX_WEIGHTS
-) -> list[str]:
+def prefix_weight_names(names: Sequence[str], num_layers: int) -> list[str]:
     """The names (a VLM's own, e.g. ``text_model.layers.3.mlp.up_proj.weight``) of the weights a
-    ``num_layers`` layer prefix reads, sorted: the vision tower, the connector / projector, the
-    token embeddings and the first layers."""
-    return layout.names(names, num_layers)
+    ``num_layers`` layer prefix reads, sorted: the vision tower, the connector, the token embeddings
+    and the first layers (a truncated LeRobot VLM holds exactly these, plus the unused norm/head)."""
+    kept = []
+    for name in names:
+        layer = _LAYER.match(name)
+        if name.startswith(_PREFIX_PARTS) or (layer is not None and int(layer.group(1)) < num_layers):
+            kept.append(name)
+    return sorted(kept)
 
 
-def prefix_weights_digest(
-    state: Mapping[str, torch.Tensor], num_layers: int, layout: PrefixWeightLayout = IDEFICS3_PREFIX_WEIGHTS
-) -> str:
+def prefix_weights_digest(state: Mapping[str, torch.Tensor], num_layers: int) -> str:
     """sha256 over the prefix's weights (`prefix_weight_names`), each as float32 bytes beside its
     name and shape: the same base in bfloat16 or float32 gives one digest."""
     digest = hashlib.sha256()
-    names = prefix_weight_names(list(state), num_layers, layout)
-    layer_re = re.compile(layout.layer_pattern)
-    if not any(layer_re.match(n) for n in names):
-        raise ValueError(f"prefix_weights_digest: no decoder layer weights among {len(state)} tensors")
+    names = prefix_weight_names(list(state), num_layers)
+    if not any(_LAYER.match(n) for n in names):
+        raise ValueError(f"prefix_weights_digest: no text_model.layers.* weights among {len(state)} tensors")
     for name in names:
         tensor = state[name].detach().to("cpu", torch.float32).contiguous()
         digest.update(f"{name}:{tuple(tensor.shape)};".encode())
