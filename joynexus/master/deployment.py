@@ -25,7 +25,7 @@ from joynexus.artifacts import CheckpointStore
 from joynexus.artifacts.checkpoints import checkpoint_store
 from joynexus.artifacts.s3 import export_endpoint
 from joynexus.core.store import ControlPlaneStore
-from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
+from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities, TenantBackendConfig
 from joynexus.master.tenant_creator import TenantCreator
 from joynexus.registry import ExperimentTracker, tracker_from_settings
 from joynexus.scheduling.training_queue import TrainingQueue
@@ -81,8 +81,12 @@ class Deployment:
             service_handle(cast("type[EnvironmentService]", object), environment),
         )
         replicas = running_producer_actors(settings)
-        deployment.producers = ProducerFront(
-            [service_handle(cast("type[ProducerService]", object), replica) for replica in replicas]
+        front = ProducerFront([service_handle(cast("type[ProducerService]", object), replica) for replica in replicas])
+        deployment.producers = front
+        # Specs compile on a producer replica: the compiler builds modules on torch's meta device and
+        # reads datasets, and this Master imports neither stack (issue 40).
+        deployment.creator.compile = lambda spec: TenantBackendConfig.model_validate(
+            front.compile_tenant(spec.tenant, spec.model_dump(mode="json"))
         )
         return deployment
 

@@ -146,6 +146,10 @@ class ProducerFront:
     def measure(self, tenant_id: str, policy_version: int) -> dict[str, float]:
         return dict(self._call(tenant_id, "measure", tenant_id, policy_version)[1])
 
+    def compile_tenant(self, tenant_id: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """Have the (new) tenant's replica check and compile its spec (the model stack stays there)."""
+        return dict(self._call(tenant_id, "compile_tenant", spec)[1])
+
     def rollout_stats(self, workload_id: str) -> dict[str, float]:
         with self._lock:
             placed = self._work.get(workload_id)

@@ -409,6 +409,29 @@ class ProducerService:
 
         return self._through_restarts(run, tenant_id, "promotion measurement")
 
+    # -- tenant creation: the spec compiler imports the model stack, so it runs here ---------------
+    def compile_tenant(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Check and compile a workload spec (`SpecCompiler`) against the resident backbone's
+        capabilities and the simulators the Environment Service runs; the backend config as JSON,
+        or SpecError naming every bad field."""
+        from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
+        from joynexus.services.producers.spec_compiler import SpecCompiler
+        from joynexus.spec import WorkloadSpec
+
+        caps = self.ctx.training_service.capabilities()
+        fields = {name: getattr(caps, name) for name in BaseModelCapabilities.__dataclass_fields__}
+        env = self.ctx.environment_service
+
+        def probe(config: dict[str, Any]) -> dict[str, Any]:
+            session = env.open_session("joynexus-probe", "spec-check", config)
+            try:
+                return env.spec("joynexus-probe", session)
+            finally:
+                env.close("joynexus-probe", session)
+
+        compiler = SpecCompiler(BackendCapabilities.single(BaseModelCapabilities(**fields)), environment_probe=probe)
+        return compiler.compile(WorkloadSpec.model_validate(spec)).model_dump(mode="json")
+
     # -- services that restart in place -------------------------------------------------------------
     def _must_wait(self, error: BaseException, tenant_id: str) -> bool:
         """Wait and try again (not a failure of the work): a service restarting, or full, or back
