@@ -103,7 +103,7 @@ class Deployment:
         )
         from joynexus.services.environment.service import EnvironmentService
         from joynexus.services.inference.service import InferenceModelService
-        from joynexus.services.producers.context import ProducerContext
+        from joynexus.services.producers.context import SharedContext
         from joynexus.services.training.service import TrainingModelService
 
         settings = settings or Settings()
@@ -119,11 +119,7 @@ class Deployment:
             service_handle(EnvironmentService, EnvironmentServiceConfig.from_settings(settings).build()),
         )
         # The same replicas as in a Ray deployment, over this process's store, scheduler and handles.
-        context = ProducerContext(
-            settings, deployment.store, deployment.scheduler, deployment.queue, deployment.training_service,
-            deployment.inference_service, deployment.environment_service, deployment.checkpoints, deployment.tracker,
-        )  # fmt: skip
-        deployment.producers = ProducerServiceConfig.from_settings(settings).build(context)
+        deployment.producers = ProducerServiceConfig.from_settings(settings).build(SharedContext(deployment))
         return deployment
 
     @classmethod

@@ -79,3 +79,21 @@ class ProducerContext:
             if record is None:
                 raise KeyError(tenant_id)
             return tenant_of(record)
+
+
+class SharedContext(ProducerContext):
+    """In one process: the Master's own objects (`master.deployment.Deployment`), read at every use,
+    so a service replaced under the deployment (restarted in place) is the one the replicas call."""
+
+    _FIELDS = frozenset(
+        ("settings", "store", "scheduler", "queue", "training_service", "inference_service",
+         "environment_service", "checkpoints", "tracker")
+    )  # fmt: skip
+
+    def __init__(self, source: Any):  # noqa: D107 - not the dataclass's: every field is the source's
+        object.__setattr__(self, "_source", source)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in SharedContext._FIELDS:
+            return getattr(object.__getattribute__(self, "_source"), name)
+        return object.__getattribute__(self, name)
