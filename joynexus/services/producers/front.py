@@ -67,8 +67,9 @@ class ProducerFront:
                         self._work[workload_id] = (index, entry["tenant_id"], entry["kind"], entry["request"])
                         self._tenant.setdefault(entry["tenant_id"], index)
 
-    def replica_of(self, tenant_id: str) -> int:
-        """The tenant's replica: where it is, else the least loaded live one."""
+    def replica_of(self, tenant_id: str, avoid: int | None = None) -> int:
+        """The tenant's replica: where it is, else the least loaded live one (other than `avoid`
+        while another answers)."""
         self.sync()
         with self._lock:
             index = self._tenant.get(tenant_id)
@@ -77,6 +78,7 @@ class ProducerFront:
             alive = [i for i in range(len(self.replicas)) if i not in self._dead]
             if not alive:
                 raise NoProducerReplica("no producer replica answers")
+            alive = [i for i in alive if i != avoid] or alive
             load = {i: 0 for i in alive}
             for placed in self._tenant.values():
                 if placed in load:
@@ -85,10 +87,12 @@ class ProducerFront:
             self._tenant[tenant_id] = index
             return index
 
-    def _call(self, tenant_id: str, method: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    def _call(
+        self, tenant_id: str, method: str, *args: Any, avoid: int | None = None, **kwargs: Any
+    ) -> tuple[int, Any]:
         """Call the tenant's replica; one that is gone is marked dead and the next one is tried."""
         for _ in range(len(self.replicas)):
-            index = self.replica_of(tenant_id)
+            index = self.replica_of(tenant_id, avoid)
             try:
                 return index, getattr(self.replicas[index], method)(*args, **kwargs)
             except Exception as error:
@@ -234,7 +238,7 @@ class ProducerFront:
             if self.on_move is not None:
                 self.on_move(workload_id, tenant_id, lost)
             method = "start_evaluation" if kind == "eval" else "start_workload"
-            index, _ = self._call(tenant_id, method, workload_id, tenant_id, **request)
+            index, _ = self._call(tenant_id, method, workload_id, tenant_id, avoid=old, **request)
             with self._lock:
                 self._work[workload_id] = (index, tenant_id, kind, request)
                 self.moves += 1
