@@ -31,6 +31,7 @@ from joynexus.services.training.errors import UnknownTenant
 
 if TYPE_CHECKING:
     from joynexus.master.deployment import Deployment
+    from joynexus.master.workloads.promotion import Promoter
     from joynexus.scheduling.training_scheduler import TrainingJob
     from joynexus.spec import DatasetSpec
 
@@ -88,6 +89,7 @@ class WorkloadBase:
     _finishing: dict[str, str]
     _producer_restarts: int  # producers that waited for a restarting service (reported with the roles)
     _producer_waits: dict[str, int]  # per workload, the waits its replica reported last
+    promoter: Promoter  # the promotion rule (promotion.py), a collaborator with its own interface
 
     # -- what one part calls of another (defined there; the base comes last in the MRO) ---------------
     def _admit(self) -> None:

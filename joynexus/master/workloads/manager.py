@@ -6,13 +6,16 @@ Training Queue partitions — while ONE shared actor loop consumes every tenant'
 the Training Scheduler, so tenants interleave on the single Training Model Service. On
 completion the workload checkpoints, exports and registers the tenant's policy in MLflow.
 
-`WorkloadManager` is the facade of five parts over one shared state (base.py):
+`WorkloadManager` is the facade of four parts over one shared state (base.py) and one collaborator:
 
-* roles.py: the supervisor of the Master's own threads (actor loop, advantage stage, admission);
+* roles.py: the supervisor of the Master's own threads (actor loop, producer follower, admission);
 * admission.py: submit checks, quotas and the durable admission queue;
-* training.py: the training-workload lifecycle (launch, outcomes, finish, publish, register);
-* evaluation.py: evaluation workloads, and the episodes they run;
-* promotion.py: the promotion rule every publish goes through (heldout.py: the held-out loss).
+* training.py: the training-workload lifecycle (launch, producer reports, outcomes, finish, publish);
+* evaluation.py: evaluation workloads (their episodes run on a producer replica);
+* promotion.py: `Promoter`, the promotion rule every publish goes through, an object of its own.
+
+The data work (producers, episodes, measurements, weight moves) runs on the producer replicas
+(`deployment.producers`, `services/producers/`).
 
 Durable: the admission queue IS the store (workloads in state `queued`, oldest first), workload
 progress and events are rows, so a restarted Master Service continues: `reconcile()` re-queues or
@@ -40,7 +43,7 @@ from joynexus.master.workloads.base import (
     _RunningWorkload,
 )
 from joynexus.master.workloads.evaluation import Evaluations
-from joynexus.master.workloads.promotion import Promotions
+from joynexus.master.workloads.promotion import Promoter
 from joynexus.master.workloads.roles import RoleSupervisor
 from joynexus.master.workloads.training import TrainingWorkloads
 from joynexus.protocol.schemas import WorkloadInfo
@@ -55,7 +58,7 @@ __all__ = ["FINAL_WORKLOAD_STATES", "AdmissionRefused", "UnknownWorkload", "Work
 log = logging.getLogger(__name__)
 
 
-class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations, Promotions):
+class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations):
     def __init__(
         self,
         deployment: Deployment,
@@ -88,6 +91,8 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         self._producer_restarts = 0
         self._producer_waits: dict[str, int] = {}
         deployment.producers.on_move = self._on_producer_moved
+        # A collaborator, not a mixin: the promotion rule has its own object and narrow interface.
+        self.promoter = Promoter(deployment, emit=self._emit, through_restarts=self._through_restarts)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self, *, cancel_running: bool = True) -> None:
@@ -202,6 +207,12 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
     def wait_all(self, workload_ids: list[str], timeout_s: float = 3600.0) -> list[WorkloadInfo]:
         deadline = time.monotonic() + timeout_s
         return [self.wait(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
+
+    def promote(self, tenant_id: str, registry_version: int | None = None, *, measure: bool = True) -> dict[str, Any]:
+        return self.promoter.promote(tenant_id, registry_version, measure=measure)
+
+    def measure_version(self, tenant: Any, registry_version: int, policy_version: int) -> dict[str, float]:
+        return self.promoter.measure_version(tenant, registry_version, policy_version)
 
     def losses(self, workload_id: str) -> list[float]:
         with self._lock:

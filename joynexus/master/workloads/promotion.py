@@ -20,21 +20,41 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from joynexus.core.tenants import Tenant
-from joynexus.master.workloads.base import WorkloadBase
 from joynexus.registry import CANDIDATE_ALIAS, CHAMPION_ALIAS, PromotionDecision, promote
 from joynexus.services.producers.evaluation_stats import HELDOUT_METRIC, SUCCESS_CI_LOW_METRIC
 from joynexus.spec import PromotionMetric
 
+if TYPE_CHECKING:
+    from joynexus.master.deployment import Deployment
+
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 SUCCESS_METRIC = "eval/success_rate"
 METRIC_NAMES = {PromotionMetric.SUCCESS_RATE: SUCCESS_METRIC, PromotionMetric.HELDOUT_LOSS: HELDOUT_METRIC}
 
 
-class Promotions(WorkloadBase):
+class Promoter:
+    """The promotion rule as an object of its own (issue 40, item 3: a collaborator of the workload
+    manager, not a mixin sharing its `self`): it reads the tenant and the registry, has versions
+    measured on the tenant's producer replica, moves the aliases, and records the decision through
+    `emit`; `through_restarts` waits a measurement out through a restarting service."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        emit: Callable[..., None],
+        through_restarts: Callable[[Callable[[], R], str, str], R],
+    ):
+        self.deployment = deployment
+        self._emit = emit
+        self._through_restarts = through_restarts
+
     def promote(self, tenant_id: str, registry_version: int | None = None, *, measure: bool = True) -> dict[str, Any]:
         """Apply the tenant's promotion rule to `registry_version` (default: its `candidate`);
         measure it first when it has no measurement of the declared metric yet (`measure`).
@@ -91,7 +111,7 @@ class Promotions(WorkloadBase):
         self.deployment.tracker.log_version_evaluation(tenant_id, registry_version, metrics)
         return metrics
 
-    def _promote_published(self, workload_id: str, tenant_id: str, registry_version: int) -> dict[str, Any] | None:
+    def promote_published(self, workload_id: str, tenant_id: str, registry_version: int) -> dict[str, Any] | None:
         """After a workload published `registry_version`: the promotion rule, recorded as the
         workload's `promotion` event. Never fails the workload: the training happened."""
         try:

@@ -254,7 +254,7 @@ class TrainingWorkloads(WorkloadBase):
                     log.exception("publishing workload %s failed", workload_id)
                     state, error = WORKLOAD_FAILED, f"export/register: {type(publish_error).__name__}: {publish_error}"
                 else:  # candidate moves; champion by the tenant's metric (promotion.py), before `completed`
-                    promotion = self._promote_published(workload_id, running.tenant.tenant_id, registered)
+                    promotion = self.promoter.promote_published(workload_id, running.tenant.tenant_id, registered)
             if running.run_id is not None:
                 self.deployment.tracker.end_run(running.run_id, "FINISHED" if state == WORKLOAD_COMPLETED else "FAILED")
             self._persist_progress(running)
