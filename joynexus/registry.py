@@ -578,3 +578,21 @@ def _dataset_tags(manifest: TenantManifest) -> dict[str, str]:
     if isinstance(datasets, list) and datasets:
         tags["datasets"] = ",".join(str(d) for d in datasets)  # 65 characters each; MLflow keeps 5,000
     return tags
+
+
+def tracker_from_settings(settings: Any) -> ExperimentTracker:
+    """The deployment's tracker (`joynexus.settings.Settings`): its MLflow URI, and where its
+    artifacts live (the configured S3 bucket, the tracking server's choice, or the data dir)."""
+    from joynexus.settings import local_artifact_location
+
+    location: str | None
+    if settings.mlflow_artifact_location:  # an S3 bucket is configured: MLflow artifacts go there too
+        from joynexus.artifacts.s3 import configure_mlflow_s3
+
+        configure_mlflow_s3(settings.s3_endpoint_url)
+        location = settings.mlflow_artifact_location
+    elif settings.mlflow_tracking_uri:
+        location = None  # a tracking server decides where artifacts live
+    else:
+        location = local_artifact_location(settings.data_dir)
+    return ExperimentTracker(settings.resolved_mlflow_uri(), artifact_location=location)

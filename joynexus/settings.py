@@ -294,6 +294,15 @@ class Settings(BaseModel):
     inference_scaling: ScalingPolicy = Field(
         default_factory=lambda: _scaling_policy(os.environ.get("JOYNEXUS_INFERENCE_SCALING_JSON") or "{}")
     )
+    # Producer service replicas (issue 40): the data loops (SFT / rollout producers, evaluations,
+    # advantage stages) run in this many `joynexus.producers-<i>` actors, tenants spread by load.
+    producer_replicas: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_PRODUCER_REPLICAS", 1), ge=1, le=64, validate_default=True
+    )
+    # Rollouts one producer replica runs at once (the rest wait for a slot).
+    producer_concurrent_rollouts: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS", 4), ge=1, validate_default=True
+    )
     # Environment Service workers: >1 spreads sessions over that many worker actors (Ray-scheduled,
     # so across nodes); 1 is the single Environment Service actor.
     environment_workers: int = Field(

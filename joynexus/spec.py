@@ -175,7 +175,7 @@ class DatasetSpec(_Strict):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     repo_id: str = Field(min_length=1)
     # The last N episodes are held out of training: the dataset-only tenant's promotion metric
-    # (held-out loss, joynexus.master.workloads.heldout) is measured on them. 0: none held out.
+    # (held-out loss, joynexus.services.producers.heldout) is measured on them. 0: none held out.
     validation_episodes: int = Field(default=0, ge=0, le=100_000)
 
     @field_validator("root")

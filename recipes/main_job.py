@@ -347,7 +347,7 @@ def _eval_line(status: WorkloadInfo) -> str:
         return f"{status.state} ({status.error})"
     r = status.result
     line = f"v{r['policy_version']}: return {r['mean_return']:.2f}, success {r['success_rate']:.0%}"
-    if "success_ci_low" in r:  # the 95% Wilson interval (master/workloads/evaluation_stats.py)
+    if "success_ci_low" in r:  # the 95% Wilson interval (services/producers/evaluation_stats.py)
         line += f" [95% CI {r['success_ci_low']:.0%}-{r['success_ci_high']:.0%}]"
     if r.get("videos"):
         line += f", video {r['videos'][0]} in MLflow run {status.run_id}"

@@ -25,22 +25,25 @@ from joynexus.artifacts import CheckpointStore
 from joynexus.artifacts.checkpoints import checkpoint_store
 from joynexus.artifacts.s3 import export_endpoint
 from joynexus.core.store import ControlPlaneStore
-from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities
+from joynexus.core.tenants import BackendCapabilities, BaseModelCapabilities, TenantBackendConfig
 from joynexus.master.tenant_creator import TenantCreator
-from joynexus.registry import ExperimentTracker
+from joynexus.registry import ExperimentTracker, tracker_from_settings
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
-from joynexus.settings import Settings, local_artifact_location
+from joynexus.services.producers.front import ProducerFront
+from joynexus.settings import Settings
 
 if TYPE_CHECKING:  # the Master imports this module: it must not import the services (torch, transformers)
     from joynexus.services.environment.service import EnvironmentService
     from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.producers.service import ProducerService
     from joynexus.services.training.service import TrainingModelService
 
 log = logging.getLogger(__name__)
 
 # The execution plane's named actors, in the order `create_service_actors` returns them.
 SERVICE_ACTORS = EXECUTION_PLANE_ACTORS
+PRODUCER_ACTOR_PREFIX = "joynexus.producers"  # replica i: "joynexus.producers-<i>" (services/producers/service.py)
 
 
 _RESIDENT_ACTORS: list[Any] = []
@@ -58,6 +61,9 @@ class Deployment:
     creator: TenantCreator
     tracker: ExperimentTracker
     checkpoints: CheckpointStore
+    # The producer replicas' front (issue 40): where every data loop and weight move runs. Set by
+    # `start` / `in_process` once the control plane exists (the local replicas share it).
+    producers: ProducerFront | None = None
 
     @classmethod
     def start(cls, settings: Settings | None = None, *, detached: bool = False) -> Deployment:
@@ -67,13 +73,22 @@ class Deployment:
         settings = settings or Settings()
         queue_actor, service, inference, environment = create_service_actors(settings, detached=detached)
         # Typed as the service classes (TYPE_CHECKING imports): the handles need only the actors.
-        return cls._assemble(
+        deployment = cls._assemble(
             settings,
             service_handle(TrainingQueue, queue_actor),
             service_handle(cast("type[TrainingModelService]", object), service),
             service_handle(cast("type[InferenceModelService]", object), inference),
             service_handle(cast("type[EnvironmentService]", object), environment),
         )
+        replicas = running_producer_actors(settings)
+        front = ProducerFront([service_handle(cast("type[ProducerService]", object), replica) for replica in replicas])
+        deployment.producers = front
+        # Specs compile on a producer replica: the compiler builds modules on torch's meta device and
+        # reads datasets, and this Master imports neither stack (issue 40).
+        deployment.creator.compile = lambda spec: TenantBackendConfig.model_validate(
+            front.compile_tenant(spec.tenant, spec.model_dump(mode="json"))
+        )
+        return deployment
 
     @classmethod
     def in_process(cls, settings: Settings | None = None) -> Deployment:
@@ -82,11 +97,13 @@ class Deployment:
         from joynexus.services.configs import (
             EnvironmentServiceConfig,
             InferenceServiceConfig,
+            ProducerServiceConfig,
             TrainingQueueConfig,
             TrainingServiceConfig,
         )
         from joynexus.services.environment.service import EnvironmentService
         from joynexus.services.inference.service import InferenceModelService
+        from joynexus.services.producers.context import SharedContext
         from joynexus.services.training.service import TrainingModelService
 
         settings = settings or Settings()
@@ -94,13 +111,16 @@ class Deployment:
         queue = TrainingQueueConfig().build()
         training = TrainingServiceConfig.from_settings(settings).build(queue)
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
-        return cls._assemble(
+        deployment = cls._assemble(
             settings,
             service_handle(TrainingQueue, queue),
             service_handle(TrainingModelService, SerializedService(training)),
             service_handle(InferenceModelService, InferenceServiceConfig.from_settings(settings).build()),
             service_handle(EnvironmentService, EnvironmentServiceConfig.from_settings(settings).build()),
         )
+        # The same replicas as in a Ray deployment, over this process's store, scheduler and handles.
+        deployment.producers = ProducerServiceConfig.from_settings(settings).build(SharedContext(deployment))
+        return deployment
 
     @classmethod
     def _assemble(
@@ -118,13 +138,16 @@ class Deployment:
         creator = TenantCreator(
             store, scheduler, BackendCapabilities.single(caps), environment_probe=_probe(environment)
         )
-        tracker = ExperimentTracker(settings.resolved_mlflow_uri(), artifact_location=_artifact_location(settings))
+        tracker = tracker_from_settings(settings)
         return cls(
             settings, store, scheduler, queue, training, inference, environment, creator, tracker,
             checkpoint_store(settings),
         )  # fmt: skip
 
     def shutdown(self) -> None:
+        if self.producers is not None and not handle_of(self.producers.replicas[0]).is_remote:
+            for replica in self.producers.replicas:  # local replicas stop their loops with us
+                replica.close()
         self.environment_service.close_all()  # simulator worker processes never outlive us
         if not handle_of(self.inference_service).is_remote:
             self.inference_service.close()  # stop the local batching worker; a Ray actor goes with its cluster
@@ -145,6 +168,7 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
     init_ray(settings.ray_address)
     running = _running_service_actors(settings.ray_namespace)
     if running is not None:
+        _ensure_producer_actors(settings, detached=detached)
         return running
     from joynexus.services.configs import (
         EnvironmentServiceConfig,
@@ -163,7 +187,37 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
     # name do not count). Keep every handle for the life of this driver, so a later call in this
     # process reuses the running services instead of catching them in teardown.
     _RESIDENT_ACTORS.extend((queue, service, inference, environment))
+    _ensure_producer_actors(settings, detached=detached)
     return queue, service, inference, environment
+
+
+def _ensure_producer_actors(settings: Settings, *, detached: bool) -> None:
+    """Create the producer replicas that are missing (after the services they look up by name).
+    Their class is imported only then: a Master that finds them running stays light."""
+    if running_producer_actors(settings, missing_ok=True):
+        return
+    from joynexus.services.configs import ProducerServiceConfig
+
+    configure_placement(settings.resources)
+    replicas = ProducerServiceConfig.from_settings(settings).actors(namespace=settings.ray_namespace, detached=detached)
+    _RESIDENT_ACTORS.extend(replicas)
+
+
+def running_producer_actors(settings: Settings, *, missing_ok: bool = False) -> list[Any]:
+    """The producer replicas by name (`joynexus.producers-<i>`, i < settings.producer_replicas);
+    with `missing_ok`, [] when any is missing (else ValueError naming it)."""
+    import ray
+
+    found = []
+    for i in range(settings.producer_replicas):
+        name = f"{PRODUCER_ACTOR_PREFIX}-{i}"
+        try:
+            found.append(ray.get_actor(name, namespace=settings.ray_namespace))
+        except ValueError:
+            if missing_ok:
+                return []
+            raise ValueError(f"producer replica {name} is not running (namespace {settings.ray_namespace})") from None
+    return found
 
 
 def _running_service_actors(namespace: str | None) -> tuple[Any, Any, Any, Any] | None:
@@ -196,14 +250,3 @@ def _probe(environment: Any) -> Any:
 
 def _capabilities_fields(caps: Any) -> dict[str, Any]:
     return {name: getattr(caps, name) for name in BaseModelCapabilities.__dataclass_fields__}
-
-
-def _artifact_location(settings: Settings) -> str | None:
-    if settings.mlflow_artifact_location:  # an S3 bucket is configured: MLflow artifacts go there too
-        from joynexus.artifacts.s3 import configure_mlflow_s3
-
-        configure_mlflow_s3(settings.s3_endpoint_url)
-        return settings.mlflow_artifact_location
-    if settings.mlflow_tracking_uri:
-        return None  # a tracking server decides where artifacts live
-    return local_artifact_location(settings.data_dir)

@@ -16,16 +16,13 @@ class MasterOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # The deployment sizes these two (deployments/config.yaml, written by infra/scripts/render-deployment
-    # from the GPU node group): the workloads running at once (the rest wait in FIFO order) and the RL
-    # rollouts generating at once, over all tenants. Read where the options are made: `joynexus up`.
+    # The deployment sizes it (deployments/config.yaml, written by infra/scripts/render-deployment):
+    # the workloads running at once (the rest wait in FIFO order). Read where the options are made:
+    # `joynexus up`. Rollouts at once are the producer replicas' (JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS).
     max_running_workloads: int = Field(
         default_factory=lambda: _env_int("JOYNEXUS_MAX_RUNNING_WORKLOADS", 8), ge=1, validate_default=True
     )
     max_failures_per_workload: int = Field(default=3, ge=1)
-    max_concurrent_rollouts: int = Field(
-        default_factory=lambda: _env_int("JOYNEXUS_MAX_CONCURRENT_ROLLOUTS", 4), ge=1, validate_default=True
-    )
     max_job_attempts: int = Field(default=3, ge=1, description="re-queues of a job whose lease owner died")
     default_max_device_seconds: float | None = Field(default=None, ge=0)
     default_max_queued_workloads: int | None = Field(default=8, ge=0)

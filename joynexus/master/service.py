@@ -78,7 +78,6 @@ class MasterService:
             owner=f"master-{self.incarnation}",
             max_running=self.options.max_running_workloads,
             max_failures_per_workload=self.options.max_failures_per_workload,
-            max_concurrent_rollouts=self.options.max_concurrent_rollouts,
             max_job_attempts=self.options.max_job_attempts,
             admission_check=self._check_spend,
             max_queued=lambda tenant_id: self.ledger.quota(tenant_id).max_queued_workloads,
@@ -150,6 +149,24 @@ class MasterService:
             "unhealthy_tenants": {t.tenant_id: t.status_reason for t in tenants if t.status == UNHEALTHY},
             "running_workloads": self.workloads.running_count(),
             "reconciled": self.last_reconcile,
+        }
+
+    def process_report(self) -> dict[str, Any]:
+        """What this process has loaded (issue 40's guard: the Master is a control plane): the model
+        and simulator stacks, and the execution-plane modules that build observations, batches or
+        weight payloads. Both lists stay empty in a deployment whose producers run elsewhere."""
+        import sys
+
+        heavy = {"torch", "transformers", "lerobot", "mani_skill", "gymnasium", "gym_pusht"}
+        data = (
+            "joynexus.scheduling.inference_queue", "joynexus.services.producers.rollout",
+            "joynexus.services.producers.sft", "joynexus.services.producers.service", "joynexus.models",
+            "joynexus.data.lerobot_dataset",
+        )  # fmt: skip
+        return {
+            "pid": os.getpid(),
+            "heavy_modules": sorted({m.split(".")[0] for m in list(sys.modules) if m.split(".")[0] in heavy}),
+            "data_modules": sorted(m for m in data if m in sys.modules),
         }
 
     def health(self) -> dict[str, dict[str, Any]]:
@@ -468,7 +485,6 @@ class MasterService:
         """Training -> inference weight sync of the tenant's current version (paper A.1)."""
         self.check_tenant(tenant_id)
         return self.workloads.publish_weights(tenant_id)
-
 
     def install_weights(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from joynexus.artifacts import encode_tenant_payload
 from joynexus.core.serving_sets import ServingSetStore
 
 if TYPE_CHECKING:
@@ -38,7 +37,8 @@ def restore_serving_sets(deployment: Deployment) -> dict[str, list[int] | str]:
             if version in served:
                 continue
             try:
-                inference.load_weights(_payload(deployment, tenant_id, version))
+                # On the tenant's producer replica: the payload goes checkpoint -> inference there.
+                deployment.producers.serve_version(tenant_id, version, from_slot=True)
             except Exception as error:  # e.g. a checkpoint pruned since; the tenant's other versions still load
                 missing.append(f"v{version}: {type(error).__name__}: {error}"[:200])
                 continue
@@ -49,18 +49,6 @@ def restore_serving_sets(deployment: Deployment) -> dict[str, list[int] | str]:
         elif loaded:
             account[tenant_id] = loaded
     return account
-
-
-def _payload(deployment: Deployment, tenant_id: str, version: int) -> bytes:
-    """The tenant payload of `version`: its checkpoint, or the training slot's own weights when that
-    version was served without being checkpointed (a lower-layer load of the current version)."""
-    if version in deployment.checkpoints.versions(tenant_id):
-        manifest, module_state, _ = deployment.checkpoints.load_tenant(tenant_id, version)
-        return encode_tenant_payload(module_state, manifest)
-    training = deployment.training_service
-    if training.policy_version(tenant_id) == version:
-        return training.export_params(tenant_id)
-    raise LookupError(f"no checkpoint of version {version} and the training slot is at another version")
 
 
 def describe(account: dict[str, list[int] | str]) -> str:

@@ -461,8 +461,16 @@ def remove_service_actors(namespace: str) -> list[str]:
 
     removed = []
     # The lower layer's call queue (`services.call_futures`, detached, created with the services by
-    # `up`) goes after the Master and before the services its calls reach.
-    for name in (*SERVICE_ACTORS[:1], "joynexus.call_futures", *SERVICE_ACTORS[1:]):
+    # `up`) and the producer replicas (`joynexus.producers-<i>`, issue 40) go after the Master and
+    # before the services their calls reach.
+    try:
+        producers = sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == namespace and a["name"].startswith("joynexus.producers-")
+        )  # fmt: skip
+    except Exception:  # listing is best effort: the replicas then go with their cluster
+        producers = []
+    for name in (*SERVICE_ACTORS[:1], "joynexus.call_futures", *producers, *SERVICE_ACTORS[1:]):
         try:
             handle = ray.get_actor(name, namespace=namespace)
         except ValueError:

@@ -167,7 +167,7 @@ class WorkloadSubmit(_Request):
     episodes: int = Field(default=4, ge=1, le=10_000)
     environment: dict[str, Any] | None = None
     # eval: several entries (partial environments: other tasks, seeds), `episodes` each; and the
-    # first `videos` episodes of each entry recorded as mp4 (master/workloads/evaluation_report.py).
+    # first `videos` episodes of each entry recorded as mp4 (services/producers/evaluation_report.py).
     suite: list[dict[str, Any]] | None = Field(default=None, min_length=1, max_length=16)
     videos: int = Field(default=0, ge=0, le=8)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.actors import ActorName, handle_of, named_actor
+from joynexus.actors import ActorName, handle_of, named_actor, service_handle
 from joynexus.artifacts.s3 import export_endpoint
 from joynexus.artifacts.stores import checkpoint_blobs
 from joynexus.models.backbone import METADATA_FILE, BackboneSource
@@ -34,6 +34,9 @@ from joynexus.services.inference.service import (
     INFERENCE_SERVICE_ACTOR_NAME,
     InferenceModelService,
 )
+from joynexus.services.producers.context import ProducerContext
+from joynexus.services.producers.front import ProducerFront
+from joynexus.services.producers.service import ProducerService, producer_actor_name
 from joynexus.services.residency import DEFAULT_MAX_RESIDENT_SERVING, DEFAULT_MAX_RESIDENT_TENANTS
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS
 from joynexus.services.training.service import TRAINING_SERVICE_ACTOR_NAME, TrainingModelService
@@ -293,3 +296,55 @@ class EnvironmentServiceConfig:
             max_concurrency=64,
             workers=self.workers,
         )
+
+
+@dataclass(frozen=True)
+class ProducerServiceConfig:
+    """The producer service (issue 40): `replicas` replicas of `ProducerService`, each running the
+    data loops (SFT / rollout producers, evaluations, an advantage stage) of the tenants the front
+    (`ProducerFront`, in the Master) assigns it."""
+
+    settings: Settings
+    replicas: int = 1
+    max_concurrent_rollouts: int = 4  # per replica
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ProducerServiceConfig:
+        return cls(
+            settings=settings,
+            replicas=settings.producer_replicas,
+            max_concurrent_rollouts=settings.producer_concurrent_rollouts,
+        )
+
+    def build(self, context: ProducerContext) -> ProducerFront:
+        """The replicas as objects of this process, over the Master's own store and handles."""
+        return ProducerFront(
+            [
+                service_handle(
+                    ProducerService,
+                    ProducerService(
+                        self.settings, i, context=context, max_concurrent_rollouts=self.max_concurrent_rollouts
+                    ),
+                )
+                for i in range(self.replicas)
+            ]
+        )
+
+    def actors(self, *, namespace: str | None = None, detached: bool = False) -> list[Any]:
+        """Get or create the named replicas (`joynexus.producers-<i>`): threaded (a poll, a weight
+        sync and the loops side by side), no CPU of their own unless the role's resources say so.
+        Each builds its context in its own process and finds the services by name."""
+        return [
+            named_actor(
+                ProducerService,
+                producer_actor_name(i),
+                self.settings,
+                i,
+                max_concurrent_rollouts=self.max_concurrent_rollouts,
+                namespace=namespace,
+                detached=detached,
+                max_concurrency=64,
+                role="producers",
+            )
+            for i in range(self.replicas)
+        ]

@@ -7,7 +7,7 @@ import time
 
 ROLES = {
     "master", "training_queue", "training_service", "inference_service", "environment_service",
-    "actor_loop", "advantage_stage", "admission", "producers",
+    "actor_loop", "producer_follower", "admission", "producers",
 }  # fmt: skip
 
 
@@ -25,14 +25,14 @@ def test_a_dead_role_shows_until_it_is_restarted_in_place(api):
     health = master.health_manager
     health.stop()  # hold the next round so the report can be read while the role is down
     try:
-        role = manager._roles["advantage_stage"]
+        role = manager._roles["producer_follower"]
         before = role.restarts
         role.stop.set()
         role.thread.join(timeout=10)
         health.check()
         # check() restarted it at once; the report says so, with the reason.
         body = api.client.get("/v1/health").json()
-        entry = body["roles"]["advantage_stage"]
+        entry = body["roles"]["producer_follower"]
         assert entry["restarts"] == before + 1 and entry["detail"].startswith("died")
     finally:
         health.start()

@@ -231,6 +231,20 @@ def test_sft_and_rl_workloads_ran_in_the_one_resident_master(ray_api: RayApi, tr
     assert local == []
 
 
+def test_the_master_is_a_control_plane_after_tenants_sft_rl_and_an_evaluation(ray_api: RayApi, trained: Trained):
+    """Issue 40's behaviour guard (placed right after the fixture's work, before the tests of other
+    paths): two tenant creations, an SFT workload, an RL workload and an evaluation ran through the
+    Ray deployment, and the Master's process has imported neither the model stack (torch,
+    transformers, lerobot) nor a simulator (mani_skill, gymnasium), nor the modules that build
+    observations, batches or weight payloads: a tensor unpickled there would have imported torch.
+    The data work ran in a producer replica's process."""
+    assert trained.sft_workload["state"] == trained.rl_workload["state"] == trained.evaluation["state"] == "completed"
+    master = ray.get(ray_api.actor("joynexus.master").process_report.remote(), timeout=60)
+    assert master["heavy_modules"] == [] and master["data_modules"] == [], master
+    replica = ray.get(ray_api.actor("joynexus.producers-0").heartbeat.remote(), timeout=60)
+    assert replica["pid"] != master["pid"] and replica["advantage_stage"]
+
+
 def test_predict_is_answered_by_the_resident_inference_service(trained: Trained):
     from joynexus.protocol.wire import Tensor
 

@@ -1,5 +1,6 @@
-"""The Master's admission limits are settings of the deployment (issue 43.9): JOYNEXUS_MAX_RUNNING_WORKLOADS
-and JOYNEXUS_MAX_CONCURRENT_ROLLOUTS, read where the Master's options are made (`joynexus up`, the
+"""The admission limits are settings of the deployment (issue 43.9): JOYNEXUS_MAX_RUNNING_WORKLOADS, read
+where the Master's options are made, and JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS, each producer
+replica's (issue 40 moved the rollouts out of the Master) (`joynexus up`, the
 services Job, whose pod gets deployments/config.yaml), sized in config.yaml against the deployment's
 other bounds, and overridable by infra/scripts/render-deployment. With the deployment's value a ninth
 tenant's workload runs instead of waiting behind eight."""
@@ -27,11 +28,11 @@ def config() -> dict[str, str]:
 
 def test_the_limits_are_settings_read_from_the_environment(monkeypatch):
     monkeypatch.delenv("JOYNEXUS_MAX_RUNNING_WORKLOADS", raising=False)
-    monkeypatch.delenv("JOYNEXUS_MAX_CONCURRENT_ROLLOUTS", raising=False)
-    assert (MasterOptions().max_running_workloads, MasterOptions().max_concurrent_rollouts) == (8, 4)  # a laptop
+    monkeypatch.delenv("JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS", raising=False)
+    assert (MasterOptions().max_running_workloads, Settings().producer_concurrent_rollouts) == (8, 4)  # a laptop
     monkeypatch.setenv("JOYNEXUS_MAX_RUNNING_WORKLOADS", "40")
-    monkeypatch.setenv("JOYNEXUS_MAX_CONCURRENT_ROLLOUTS", "12")
-    assert (MasterOptions().max_running_workloads, MasterOptions().max_concurrent_rollouts) == (40, 12)
+    monkeypatch.setenv("JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS", "12")
+    assert (MasterOptions().max_running_workloads, Settings().producer_concurrent_rollouts) == (40, 12)
     monkeypatch.setenv("JOYNEXUS_MAX_RUNNING_WORKLOADS", "0")
     with pytest.raises(ValueError):
         MasterOptions()
@@ -43,7 +44,7 @@ def test_the_limits_are_settings_read_from_the_environment(monkeypatch):
 def test_the_deployment_sizes_them_against_its_other_bounds():
     data = config()
     running = int(data["JOYNEXUS_MAX_RUNNING_WORKLOADS"])
-    rollouts = int(data["JOYNEXUS_MAX_CONCURRENT_ROLLOUTS"])
+    rollouts = int(data["JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS"])
     group = int(data.get("JOYNEXUS_TRAINING_GROUP_MAX", "8"))
     active = int(data.get("JOYNEXUS_MAX_ACTIVE_TENANTS", "64"))
     # a full training group can form, and every running tenant keeps a live training slot (no paging
@@ -65,7 +66,7 @@ def test_render_deployment_takes_an_operators_limits():
     assert done.returncode == 0, done.stderr
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(done.stdout) if d}
     data = docs[("ConfigMap", "joynexus-config")]["data"]
-    assert (data["JOYNEXUS_MAX_RUNNING_WORKLOADS"], data["JOYNEXUS_MAX_CONCURRENT_ROLLOUTS"]) == ("48", "16")
+    assert (data["JOYNEXUS_MAX_RUNNING_WORKLOADS"], data["JOYNEXUS_PRODUCER_CONCURRENT_ROLLOUTS"]) == ("48", "16")
     default = subprocess.run(args[:-4], capture_output=True, text=True, timeout=120)
     data = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(default.stdout) if d}
     assert (

@@ -106,7 +106,7 @@ def assert_one_weight_per_version(*observations: tuple[str, int, str]) -> None:
 def assert_no_dead_owner(cluster: Cluster) -> None:
     """Every job that is not terminal is unleased or leased by THIS Master's actor loop / stage."""
     manager = cluster.master.workloads
-    alive = {None, manager.actor_owner, manager.stage_owner}
+    alive = {None, *manager.live_owners()}
     stuck = [
         (j.job_id, j.state, j.lease_owner)
         for j in cluster.master.deployment.scheduler.jobs()

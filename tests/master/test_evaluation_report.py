@@ -12,9 +12,9 @@ import imageio.v2 as imageio
 import pytest
 
 from joynexus.master.deployment import Deployment
-from joynexus.master.workloads.evaluation_stats import SUCCESS_CI_LOW_METRIC, wilson_interval
 from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.registry import CHAMPION_ALIAS
+from joynexus.services.producers.evaluation_stats import SUCCESS_CI_LOW_METRIC, wilson_interval
 from joynexus.settings import Settings
 from tests.services.test_rl_loop import rl_spec
 from tests.test_promotion import evaluate, register

@@ -19,7 +19,7 @@ ROLES = {
     "inference_service",
     "environment_service",
     "actor_loop",
-    "advantage_stage",
+    "producer_follower",
     "admission",
     "producers",
 }

@@ -10,8 +10,8 @@ import pytest
 
 from joynexus.master.deployment import Deployment
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.workloads.evaluation import evaluate_policy
 from joynexus.services.producers.advantages import AdvantageStage
+from joynexus.services.producers.evaluation import evaluate_policy
 from joynexus.services.producers.rollout import RolloutProducer
 from joynexus.settings import Settings
 from joynexus.spec import SpecError

@@ -13,11 +13,11 @@ import pytest
 from joynexus.actors import handle_of
 from joynexus.master.deployment import Deployment
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.workloads.evaluation import evaluate_policy
 from joynexus.master.workloads.manager import WorkloadManager
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, FAILED, NEEDS_ADVANTAGES, READY
 from joynexus.services.producers.advantages import AdvantageStage
+from joynexus.services.producers.evaluation import evaluate_policy
 from joynexus.services.producers.rollout import RolloutProducer
 from joynexus.services.training.trainer import SlotTrainer
 from joynexus.settings import Settings

@@ -53,7 +53,11 @@ class Admission(WorkloadBase):
         with self.deployment.store.transaction() as s:
             s.add(
                 WorkloadRecord(
-                    workload_id=workload_id, tenant_id=tenant_id, task=task, state=QUEUED, target_jobs=target,
+                    workload_id=workload_id,
+                    tenant_id=tenant_id,
+                    task=task,
+                    state=QUEUED,
+                    target_jobs=target,
                     dataset=dataset,
                 )  # fmt: skip
             )
@@ -126,7 +130,7 @@ class Admission(WorkloadBase):
         try:
             self._launch(running)
         except Exception as error:
-            if self._service_restarting(error, running.tenant.tenant_id) and not running.threads:
+            if self._service_restarting(error, running.tenant.tenant_id):
                 # A service it needs is restarting in place: it stays queued, in its place; the
                 # admission tick starts it again once the service is back.
                 log.warning("workload %s waits for a restarting service: %s", workload_id, error)

@@ -3,7 +3,8 @@ waits through a restarting service.
 
 `WorkloadManager` (manager.py) is composed of four parts, each a mixin over this base: the role
 supervisor (roles.py), admission (admission.py), the training-workload lifecycle (training.py) and
-evaluations (evaluation.py). The facade's `__init__` creates the state declared here.
+evaluations (evaluation.py). The data work runs on the producer replicas (`deployment.producers`).
+The facade's `__init__` creates the state declared here.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from joynexus.master.errors import UnknownWorkload
 from joynexus.master.loops.actor_loop import ActorOutcome
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.services.environment.service import SessionLimitExceeded
-from joynexus.services.producers.base import Producer
-from joynexus.services.producers.rollout import NoServingVersion
 from joynexus.services.training.errors import UnknownTenant
 
 if TYPE_CHECKING:
     from joynexus.master.deployment import Deployment
+    from joynexus.master.workloads.promotion import Promoter
     from joynexus.scheduling.training_scheduler import TrainingJob
     from joynexus.spec import DatasetSpec
 
@@ -46,13 +46,12 @@ R = TypeVar("R")
 
 @dataclass
 class _RunningWorkload:
-    """A training workload this Master runs: its producer threads and live progress."""
+    """A training workload this Master runs: its live progress (its producer runs on a replica)."""
 
     workload_id: str
     tenant: Tenant
     target_jobs: int
     stop: threading.Event = field(default_factory=threading.Event)
-    threads: list[threading.Thread] = field(default_factory=list)
     completed_jobs: int = 0
     failed_jobs: int = 0
     stale_drops: int = 0  # RL jobs dropped by the staleness bound (not failures; bounded on their own)
@@ -61,7 +60,6 @@ class _RunningWorkload:
     version: int = 0
     run_id: str | None = None
     failures: list[str] = field(default_factory=list)
-    producer: Producer | None = None
     resumed: bool = False
     produced: bool = False  # the producer returned with its target covered (not a dead producer)
     dataset: DatasetSpec | None = None  # SFT: what its jobs train on (the tenant's, or one the workload named)
@@ -90,6 +88,8 @@ class WorkloadBase:
     # waits until its policy is published, so it never trains under a concurrent export.
     _finishing: dict[str, str]
     _producer_restarts: int  # producers that waited for a restarting service (reported with the roles)
+    _producer_waits: dict[str, int]  # per workload, the waits its replica reported last
+    promoter: Promoter  # the promotion rule (promotion.py), a collaborator with its own interface
 
     # -- what one part calls of another (defined there; the base comes last in the MRO) ---------------
     def _admit(self) -> None:
@@ -108,6 +108,12 @@ class WorkloadBase:
         raise NotImplementedError  # training.py
 
     def _rerun_evaluation(self, workload_id: str) -> None:
+        raise NotImplementedError  # evaluation.py
+
+    def _on_producer_report(self, running: _RunningWorkload, report: dict[str, Any]) -> None:
+        raise NotImplementedError  # training.py
+
+    def _on_evaluation_report(self, workload_id: str, report: dict[str, Any]) -> None:
         raise NotImplementedError  # evaluation.py
 
     # -- workload rows ------------------------------------------------------------------------------
@@ -220,9 +226,9 @@ class WorkloadBase:
 
     # -- services that restart in place -------------------------------------------------------------
     def _publish_weights(self, tenant_id: str) -> int:
-        """Training -> inference weight sync (paper A.1): the only cross-queue dependency."""
-        payload = self.deployment.training_service.export_params(tenant_id)
-        return self.deployment.inference_service.load_weights(payload)["version"]
+        """Training -> inference weight sync (paper A.1): the only cross-queue dependency. It runs
+        on the tenant's producer replica: the payload goes from service to service, not through here."""
+        return self.deployment.producers.publish_weights(tenant_id)
 
     def _tenant_exists(self, tenant_id: str) -> bool:
         try:
@@ -233,10 +239,8 @@ class WorkloadBase:
 
     def _must_wait(self, error: BaseException, tenant_id: str) -> bool:
         """Wait and try again (not a failure of the work): a service restarting, or full."""
-        if isinstance(error, SessionLimitExceeded) or self._service_restarting(error, tenant_id):
-            return True
-        # A restarted Inference Model Service serves nothing until versions are published again.
-        return isinstance(error, NoServingVersion)
+        # (A producer's own waits, for a version served again, happen on its replica.)
+        return isinstance(error, SessionLimitExceeded) or self._service_restarting(error, tenant_id)
 
     def _service_restarting(self, error: BaseException, tenant_id: str) -> bool:
         """A service is gone or restarting in place (its call failed), or it is back without the

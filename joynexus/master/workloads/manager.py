@@ -6,13 +6,16 @@ Training Queue partitions — while ONE shared actor loop consumes every tenant'
 the Training Scheduler, so tenants interleave on the single Training Model Service. On
 completion the workload checkpoints, exports and registers the tenant's policy in MLflow.
 
-`WorkloadManager` is the facade of five parts over one shared state (base.py):
+`WorkloadManager` is the facade of four parts over one shared state (base.py) and one collaborator:
 
-* roles.py: the supervisor of the Master's own threads (actor loop, advantage stage, admission);
+* roles.py: the supervisor of the Master's own threads (actor loop, producer follower, admission);
 * admission.py: submit checks, quotas and the durable admission queue;
-* training.py: the training-workload lifecycle (launch, outcomes, finish, publish, register);
-* evaluation.py: evaluation workloads, and the episodes they run;
-* promotion.py: the promotion rule every publish goes through (heldout.py: the held-out loss).
+* training.py: the training-workload lifecycle (launch, producer reports, outcomes, finish, publish);
+* evaluation.py: evaluation workloads (their episodes run on a producer replica);
+* promotion.py: `Promoter`, the promotion rule every publish goes through, an object of its own.
+
+The data work (producers, episodes, measurements, weight moves) runs on the producer replicas
+(`deployment.producers`, `services/producers/`).
 
 Durable: the admission queue IS the store (workloads in state `queued`, oldest first), workload
 progress and events are rows, so a restarted Master Service continues: `reconcile()` re-queues or
@@ -40,7 +43,7 @@ from joynexus.master.workloads.base import (
     _RunningWorkload,
 )
 from joynexus.master.workloads.evaluation import Evaluations
-from joynexus.master.workloads.promotion import Promotions
+from joynexus.master.workloads.promotion import Promoter
 from joynexus.master.workloads.roles import RoleSupervisor
 from joynexus.master.workloads.training import TrainingWorkloads
 from joynexus.protocol.schemas import WorkloadInfo
@@ -55,7 +58,7 @@ __all__ = ["FINAL_WORKLOAD_STATES", "AdmissionRefused", "UnknownWorkload", "Work
 log = logging.getLogger(__name__)
 
 
-class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations, Promotions):
+class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations):
     def __init__(
         self,
         deployment: Deployment,
@@ -63,7 +66,6 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         owner: str = "master",
         max_running: int = 8,
         max_failures_per_workload: int = 3,
-        max_concurrent_rollouts: int = 4,
         admission_check: Callable[[str], None] | None = None,  # raises AdmissionRefused to stop new work
         max_queued: Callable[[str], int | None] | None = None,  # a tenant's limit of waiting workloads
         max_job_attempts: int = 3,  # a job whose lease owner died is re-queued at most this often
@@ -87,12 +89,16 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         self._roles = {}
         self._admission = threading.RLock()
         self._producer_restarts = 0
-        self._rollout_slots = threading.BoundedSemaphore(max_concurrent_rollouts)
+        self._producer_waits: dict[str, int] = {}
+        deployment.producers.on_move = self._on_producer_moved
+        # A collaborator, not a mixin: the promotion rule has its own object and narrow interface.
+        self.promoter = Promoter(deployment, emit=self._emit, through_restarts=self._through_restarts)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self, *, cancel_running: bool = True) -> None:
-        """Stop the actor loop and advantage stage. `cancel_running=False` leaves running workloads
-        `running` in the store (a Master shutting down for a restart resumes them)."""
+        """Stop the Master's roles (actor loop, producer follower, admission). `cancel_running=False`
+        leaves running workloads `running` in the store and their producers running on their
+        replicas (a Master shutting down for a restart follows them again)."""
         with self._lock:
             running = list(self._running.values())
         for workload in running:
@@ -101,10 +107,6 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
             else:
                 workload.stop.set()
         self._stop.set()
-        for workload in running:  # producers finish the job they are writing; the next Master resumes the rest
-            for thread in workload.threads:
-                if thread is not threading.current_thread():
-                    thread.join(timeout=60)
         self._stop_roles()
 
     def reconcile(self, *, has_partition: Callable[[str], bool] | None = None) -> dict[str, Any]:
@@ -116,9 +118,12 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
         reason; an evaluation interrupted midway ends `failed` (it is cheap to submit again)."""
         has_partition = has_partition or self.deployment.queue.has_partition
         report: dict[str, Any] = {"requeued": [], "released": [], "resumed": [], "failed": []}
+        producers = self.deployment.producers
+        producers.sync()  # what the replicas run now: their producers and advantage leases live on
         recovered = self.deployment.scheduler.recover_orphans(
-            {self.actor_owner, self.stage_owner}, has_partition=has_partition, max_attempts=self.max_job_attempts
-        )
+            {self.actor_owner} | producers.live_owners(), has_partition=has_partition,
+            max_attempts=self.max_job_attempts,
+        )  # fmt: skip
         report["requeued"] = [j.job_id for j in recovered if j.state not in TERMINAL_STATES]
         report["released"] = [j.job_id for j in recovered if j.state in TERMINAL_STATES]
         with self.deployment.store.transaction() as s:
@@ -135,6 +140,7 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
     ) -> list[str]:
         """Release the live jobs no running workload will finish; returns their ids."""
         released = []
+        producing = self.deployment.producers.running_workloads()  # their reserved jobs are being written
         for job in self.deployment.scheduler.jobs():
             if job.state in TERMINAL_STATES:
                 continue
@@ -143,8 +149,8 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
             reason = None
             if state != RUNNING:
                 reason = f"workload {workload_id} is {state or 'unknown'}"
-            elif job.state == "reserved":
-                reason = "its producer stopped with the previous Master Service before the data was written"
+            elif job.state == "reserved":  # its producer writes it, unless no replica runs that producer
+                reason = None if workload_id in producing else "its producer stopped before the data was written"
             elif not has_partition(job.partition_id):
                 reason = "its partition was lost with the Training Queue"
             if reason is not None:
@@ -201,6 +207,12 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations,
     def wait_all(self, workload_ids: list[str], timeout_s: float = 3600.0) -> list[WorkloadInfo]:
         deadline = time.monotonic() + timeout_s
         return [self.wait(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
+
+    def promote(self, tenant_id: str, registry_version: int | None = None, *, measure: bool = True) -> dict[str, Any]:
+        return self.promoter.promote(tenant_id, registry_version, measure=measure)
+
+    def measure_version(self, tenant: Any, registry_version: int, policy_version: int) -> dict[str, float]:
+        return self.promoter.measure_version(tenant, registry_version, policy_version)
 
     def losses(self, workload_id: str) -> list[float]:
         with self._lock:

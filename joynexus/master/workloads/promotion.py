@@ -20,22 +20,41 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from joynexus.core.tenants import Tenant
-from joynexus.master.workloads.base import WorkloadBase
-from joynexus.master.workloads.evaluation_stats import SUCCESS_CI_HIGH_METRIC, SUCCESS_CI_LOW_METRIC
-from joynexus.master.workloads.heldout import HELDOUT_METRIC, heldout_loss
 from joynexus.registry import CANDIDATE_ALIAS, CHAMPION_ALIAS, PromotionDecision, promote
+from joynexus.services.producers.evaluation_stats import HELDOUT_METRIC, SUCCESS_CI_LOW_METRIC
 from joynexus.spec import PromotionMetric
 
+if TYPE_CHECKING:
+    from joynexus.master.deployment import Deployment
+
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 SUCCESS_METRIC = "eval/success_rate"
 METRIC_NAMES = {PromotionMetric.SUCCESS_RATE: SUCCESS_METRIC, PromotionMetric.HELDOUT_LOSS: HELDOUT_METRIC}
 
 
-class Promotions(WorkloadBase):
+class Promoter:
+    """The promotion rule as an object of its own (issue 40, item 3: a collaborator of the workload
+    manager, not a mixin sharing its `self`): it reads the tenant and the registry, has versions
+    measured on the tenant's producer replica, moves the aliases, and records the decision through
+    `emit`; `through_restarts` waits a measurement out through a restarting service."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        emit: Callable[..., None],
+        through_restarts: Callable[[Callable[[], R], str, str], R],
+    ):
+        self.deployment = deployment
+        self._emit = emit
+        self._through_restarts = through_restarts
+
     def promote(self, tenant_id: str, registry_version: int | None = None, *, measure: bool = True) -> dict[str, Any]:
         """Apply the tenant's promotion rule to `registry_version` (default: its `candidate`);
         measure it first when it has no measurement of the declared metric yet (`measure`).
@@ -85,31 +104,14 @@ class Promotions(WorkloadBase):
         tenant_id, metric = tenant.tenant_id, tenant.spec.promotion_metric()
         if metric is None:
             raise ValueError(f"promotion.metric: tenant {tenant_id!r} declares none it can be measured by")
-        inference = self.deployment.inference_service
-
-        def run() -> dict[str, float]:
-            self._serve_version(tenant_id, policy_version)  # served, or loaded from its checkpoint
-            if metric is PromotionMetric.HELDOUT_LOSS:
-                return heldout_loss(tenant, inference, policy_version).metrics()
-            from joynexus.master.workloads.evaluation import evaluate_policy
-
-            result = evaluate_policy(
-                tenant.backend_config, self.deployment.environment_service, inference,
-                version=policy_version, episodes=tenant.spec.promotion.eval_episodes,
-            )  # fmt: skip
-            return {
-                SUCCESS_METRIC: result.success_rate,
-                SUCCESS_CI_LOW_METRIC: result.success_ci[0],
-                SUCCESS_CI_HIGH_METRIC: result.success_ci[1],
-                "eval/mean_return": result.mean_return,
-                "eval/mean_length": result.mean_length,
-            }
-
+        # Measured on the tenant's producer replica (episodes, or held-out frames through inference).
+        producers = self.deployment.producers
+        run = lambda: producers.measure(tenant_id, policy_version)  # noqa: E731
         metrics = self._through_restarts(run, tenant_id, "promotion measurement")
         self.deployment.tracker.log_version_evaluation(tenant_id, registry_version, metrics)
         return metrics
 
-    def _promote_published(self, workload_id: str, tenant_id: str, registry_version: int) -> dict[str, Any] | None:
+    def promote_published(self, workload_id: str, tenant_id: str, registry_version: int) -> dict[str, Any] | None:
         """After a workload published `registry_version`: the promotion rule, recorded as the
         workload's `promotion` event. Never fails the workload: the training happened."""
         try:

@@ -1,6 +1,7 @@
-"""The supervisor of the Master's own roles: the shared actor loop, the advantage stage and the
-admission tick, each a thread that beats on every iteration and is restarted in place when it dies
-or stops beating (`check_roles`, called by the Health Manager)."""
+"""The supervisor of the Master's own roles: the shared actor loop, the producer follower (it
+follows the producer replicas' work, moves the work of a replica that died, and records what they
+report) and the admission tick, each a thread that beats on every iteration and is restarted in
+place when it dies or stops beating (`check_roles`, called by the Health Manager)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from joynexus.master.loops.actor_loop import ActorLoop
-from joynexus.master.workloads.base import WorkloadBase
-from joynexus.services.producers.advantages import AdvantageStage
+from joynexus.master.workloads.base import FINAL_WORKLOAD_STATES, WorkloadBase
 
 log = logging.getLogger(__name__)
 
-ROLE_NAMES = ("actor_loop", "advantage_stage", "admission")
+ROLE_NAMES = ("actor_loop", "producer_follower", "admission")
+FOLLOW_INTERVAL_S = 0.25  # how often the follower asks the producer replicas
 
 
 @dataclass(eq=False)
@@ -42,12 +43,8 @@ class RoleSupervisor(WorkloadBase):
     def actor_owner(self) -> str:
         return f"{self.owner}/actor"
 
-    @property
-    def stage_owner(self) -> str:
-        return f"{self.owner}/advantages"
-
     def start(self) -> Self:
-        """Start the Master's own roles (actor loop, advantage stage, admission), each a thread that
+        """Start the Master's own roles (actor loop, producer follower, admission), each a thread that
         beats on every iteration; `check_roles` restarts one that died or stopped beating."""
         for name in ROLE_NAMES:
             with self._lock:
@@ -79,15 +76,13 @@ class RoleSupervisor(WorkloadBase):
                 group_max=deployment.settings.training_group_max, on_trained=self._on_trained,
             )  # fmt: skip
             return lambda: actor.step(0.2)
-        if role.name == "advantage_stage":
-            stage = AdvantageStage(
-                deployment.scheduler,
-                deployment.queue,
-                lambda tenant_id: deployment.creator.get(tenant_id).backend_config,
-                owner=role.owner,
-            )
+        if role.name == "producer_follower":
 
-            return stage.step_or_wait
+            def follow_step() -> None:
+                self._follow_producers()
+                role.stop.wait(FOLLOW_INTERVAL_S)
+
+            return follow_step
 
         def admission_step() -> None:
             try:
@@ -101,7 +96,7 @@ class RoleSupervisor(WorkloadBase):
         return admission_step
 
     def _role_owner(self, name: str, generation: int) -> str:
-        base = {"actor_loop": self.actor_owner, "advantage_stage": self.stage_owner}.get(name, f"{self.owner}/{name}")
+        base = {"actor_loop": self.actor_owner}.get(name, f"{self.owner}/{name}")
         return base if generation == 0 else f"{base}#{generation}"
 
     def _run_role(self, role: _Role, step: Callable[[], Any]) -> None:
@@ -116,9 +111,49 @@ class RoleSupervisor(WorkloadBase):
             log.exception("role %s died", role.name)
 
     def live_owners(self) -> set[str]:
-        """The lease owners of this Master's current roles."""
+        """The lease owners of this Master's current roles and of the producer replicas that answer."""
         with self._lock:
-            return {role.owner for role in self._roles.values()}
+            owners = {role.owner for role in self._roles.values()}
+        return owners | self.deployment.producers.live_owners()
+
+    def _follow_producers(self) -> None:
+        """One round of following the producer replicas: moved work, reports, lost leases."""
+        producers = self.deployment.producers
+        reports = producers.poll()
+        if producers.take_lost_owners():  # a replica went: its advantage leases go back to the queue
+            self.deployment.scheduler.recover_orphans(
+                self.live_owners(), has_partition=self.deployment.queue.has_partition,
+                max_attempts=self.max_job_attempts,
+            )  # fmt: skip
+        for workload_id, report in reports.items():
+            try:
+                self._apply_report(workload_id, report)
+            except Exception:  # one workload's record must not stop following the others
+                log.exception("applying the producer report of workload %s failed", workload_id)
+
+    def _apply_report(self, workload_id: str, report: dict[str, Any]) -> None:
+        if report.get("moved_to") is not None:
+            self._emit(workload_id, "producer_moved", replica=report["moved_to"])
+        for kind, data in report["events"]:
+            self._emit(workload_id, kind, **data)
+        if report["waits"]:
+            with self._lock:
+                seen = self._producer_waits.get(workload_id, 0)
+                self._producer_waits[workload_id] = report["waits"]
+                self._producer_restarts += max(0, report["waits"] - seen)
+            if report["waits"] > seen and self.on_unavailable is not None:
+                self.on_unavailable("producer: a service it writes to is restarting")
+        if report["kind"] == "eval":
+            if report["state"] != "running":
+                self._on_evaluation_report(workload_id, report)
+            return
+        with self._lock:
+            running = self._running.get(workload_id)
+            finishing = workload_id in self._finishing
+        if running is not None:
+            self._on_producer_report(running, report)
+        elif not finishing and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
+            self.deployment.producers.stop_workload(workload_id)  # ended under a previous Master
 
     def check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
         """Restart in place each role that died, or stopped beating for `stale_after_s` (a hung
@@ -154,21 +189,11 @@ class RoleSupervisor(WorkloadBase):
                     "restarts": role.restarts,
                     "detail": role.last_reason or f"owner {role.owner}",
                 }
-        report["producers"] = self._producers_health()
+        # The producer replicas: healthy while one answers (a dead one's work moves to the others).
+        # A producer that returned with its target covered, or one still launching, is not down.
+        producers = self.deployment.producers.health()
+        report["producers"] = {**producers, "restarts": producers["restarts"] + self._producer_restarts}
         return report
-
-    def _producers_health(self) -> dict[str, Any]:
-        # Only a producer that died is down. One not started yet (the workload is launching: slot,
-        # MLflow run) or one that returned with its target covered (the last jobs still train) is
-        # not: reporting those gave /v1/health false 503s around every workload (issue 26.6).
-        with self._lock:
-            running = [w for w in self._running.values() if w.workload_id not in self._finishing]
-        dead = sum(1 for w in running if w.threads and not w.produced and all(_ended(t) for t in w.threads))
-        return {
-            "healthy": dead == 0,
-            "restarts": self._producer_restarts,
-            "detail": f"{len(running) - dead} of {len(running)} running workloads have no dead producer",
-        }
 
     def _stop_roles(self) -> None:
         with self._lock:
@@ -177,8 +202,3 @@ class RoleSupervisor(WorkloadBase):
             role.stop.set()
             if role.thread is not threading.current_thread():
                 role.thread.join(timeout=60)
-
-
-def _ended(thread: threading.Thread) -> bool:
-    """Started and no longer running (a thread not started yet has no ident)."""
-    return thread.ident is not None and not thread.is_alive()

@@ -1,7 +1,8 @@
 """The training-workload lifecycle: launch (the tenant's slot, its training policy's target, the
-MLflow run, and a producer thread: SFT demonstrations or RL rollouts), the actor loop's outcomes,
-then finish: checkpoint, export, serve and register the tenant's policy as trained, and promote it
-(promotion.py: `candidate` always, `champion` by the tenant's declared metric).
+MLflow run, and its producer, SFT demonstrations or RL rollouts, started on a producer replica),
+the actor loop's outcomes and the producer's reports, then finish: checkpoint, export, serve and
+register the tenant's policy as trained (on the producer replica), and promote it (promotion.py:
+`candidate` always, `champion` by the tenant's declared metric).
 
 The shared actor loop (roles.py) trains every tenant's ready jobs; `_on_outcome` counts them
 towards their workload. A restarted Master resumes a running workload from its recorded progress.
@@ -9,12 +10,10 @@ towards their workload. A restarted Master resumes a running workload from its r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
 
-from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
 from joynexus.master.loops.actor_loop import POLICY_STALE, ActorOutcome
@@ -27,19 +26,12 @@ from joynexus.master.workloads.base import (
     _RunningWorkload,
 )
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, TERMINAL_STATES, TrainingJob
-from joynexus.services.producers.base import Producer
-from joynexus.services.producers.rollout import RolloutProducer
-from joynexus.services.producers.sft import SFTProducer
 from joynexus.spec import DatasetSpec
 
 log = logging.getLogger(__name__)
 
-MAX_OUTAGE_RETRIES = 120  # a producer waits this many seconds at most for a restarting service
-
 
 class TrainingWorkloads(WorkloadBase):
-    _rollout_slots: threading.BoundedSemaphore  # the global concurrent-rollout limit
-
     # -- launch -------------------------------------------------------------------------------------
     def _resume(self, workload_id: str) -> None:
         """Continue a workload a previous Master left `running`, from its recorded progress."""
@@ -104,32 +96,13 @@ class TrainingWorkloads(WorkloadBase):
             record = s.get(WorkloadRecord, running.workload_id)
             record.state, record.run_id = RUNNING, running.run_id
             record.started_at = record.started_at or utcnow()
-        running.producer = self._producer(running)
-        kind = "rollout" if isinstance(running.producer, RolloutProducer) else "sft"
-        thread = threading.Thread(
-            target=self._produce, args=(running,), name=f"{kind}-producer-{tenant.tenant_id}", daemon=True
-        )
-        running.threads.append(thread)
         self._emit(running.workload_id, "resumed" if running.resumed else "started", version=running.version)
-        thread.start()
-
-    def _producer(self, running: _RunningWorkload) -> Producer:
-        """The producer of the workload's jobs: RL rollouts, or SFT partitions of the tenant's dataset."""
-        deployment, tenant = self.deployment, running.tenant
-        metadata = {"workload_id": running.workload_id}
-        if tenant.spec.task.value == "rl":
-            self._publish_weights(tenant.tenant_id)  # rollouts act with the current version
-            return RolloutProducer(
-                tenant.backend_config, deployment.scheduler, deployment.queue, deployment.environment_service,
-                deployment.inference_service, job_metadata=metadata, rollout_slots=self._rollout_slots,
-            )  # fmt: skip
-        dataset = running.dataset
-        assert dataset is not None and dataset.root is not None
-        if dataset.sha256:  # each job says which data it holds: the versions it trains record it
-            metadata["dataset_sha256"] = dataset.sha256
-        return SFTProducer.from_dataset(
-            tenant.backend_config, deployment.scheduler, deployment.queue, dataset.root, dataset.repo_id,
-            job_metadata=metadata, validation_episodes=dataset.validation_episodes,
+        # The producer runs on a producer replica (issue 40); one already running there (this Master
+        # restarted) keeps running: the replica's start is idempotent and the front sticky.
+        dataset = running.dataset.model_dump(mode="json") if running.dataset is not None else None
+        deployment.producers.start_workload(
+            running.workload_id, tenant.tenant_id, task=tenant.spec.task.value, dataset=dataset,
+            max_failures=self.max_failures,
         )  # fmt: skip
 
     def _training_dataset(self, running: _RunningWorkload) -> DatasetSpec | None:
@@ -140,47 +113,29 @@ class TrainingWorkloads(WorkloadBase):
             named = s.get(WorkloadRecord, running.workload_id).dataset
         return DatasetSpec.model_validate(named) if named else running.tenant.spec.dataset
 
-    def _produce(self, running: _RunningWorkload) -> None:
-        """The producer thread: run the producer, waiting through restarting services, and start it
-        over after a failed rollout, up to the workload's failure budget."""
-        tenant_id, rl = running.tenant.tenant_id, running.tenant.spec.task.value == "rl"
-        assert running.producer is not None
-        failures = outages = 0
-        while not running.stop.is_set():
-            try:
-                running.producer.run(running.stop)
-                running.produced = True  # done producing: the last jobs train, then the workload ends
-                return
-            except Exception as error:
-                if running.stop.is_set():
-                    return  # the workload is ending; its jobs were released under it
-                if self._must_wait(error, tenant_id) and outages < MAX_OUTAGE_RETRIES:
-                    # A service it writes to (Training Queue, Environment, Inference) is restarting in
-                    # place or full: not the workload's fault, so not on its failure budget.
-                    outages += 1
-                    self._wait_for_service(running, error, rl=rl)
-                    continue
-                # A failed rollout (e.g. a crashed simulator worker) failed only its own job;
-                # the producer starts over with fresh sessions, up to the failure budget.
-                failures += 1
-                reason = f"producer: {type(error).__name__}: {error}"
-                log.warning("workload %s: %s", running.workload_id, reason)
-                self._emit(running.workload_id, "producer_failed", reason=reason)
-                if failures >= self.max_failures or not rl:
-                    self._finish(running.workload_id, WORKLOAD_FAILED, error=reason)
-                    return
+    def _on_producer_report(self, running: _RunningWorkload, report: dict[str, Any]) -> None:
+        """What the workload's producer replica says (the producer-follower role, roles.py)."""
+        if report["state"] == "produced":
+            running.produced = True  # done producing: the last jobs train, then the workload ends
+        elif report["state"] == "failed":
+            # In a thread of its own: finishing publishes, and the follower keeps following the others.
+            threading.Thread(
+                target=self._finish, args=(running.workload_id, WORKLOAD_FAILED, report["error"]),
+                name=f"finish-{running.workload_id}", daemon=True,
+            ).start()  # fmt: skip
 
-    def _wait_for_service(self, running: _RunningWorkload, error: Exception, *, rl: bool) -> None:
-        if rl:  # a restarted Inference Model Service may have lost the version the rollouts act with
-            with contextlib.suppress(Exception):
-                if self.deployment.inference_service.latest_version(running.tenant.tenant_id) is None:
-                    self._publish_weights(running.tenant.tenant_id)
-        with self._lock:
-            self._producer_restarts += 1
-        log.warning("workload %s: producer waits for a restarting service: %s", running.workload_id, error)
-        if self.on_unavailable is not None:
-            self.on_unavailable(f"producer: {type(error).__name__}")
-        running.stop.wait(1.0)
+    def _on_producer_moved(self, workload_id: str, tenant_id: str, lost_owners: set[str]) -> None:
+        """Before a workload whose producer replica was lost starts on another: the job the lost
+        producer was writing is released (never marked ready, so no version comes of it), and the
+        tenant's environment sessions, all opened on that replica (sticky), are closed."""
+        scheduler = self.deployment.scheduler
+        for job in scheduler.jobs(tenant_id=tenant_id, states=["reserved"]):
+            if job.metadata.get("workload_id") == workload_id:
+                scheduler.abandon(job.job_id, "its producer replica was lost before the data was written")
+        try:
+            self.deployment.environment_service.close_tenant(tenant_id)
+        except Exception as error:  # the service is away: its restart drops the sessions anyway
+            log.warning("closing tenant %s's sessions after a lost replica: %s", tenant_id, error)
 
     # -- outcomes -----------------------------------------------------------------------------------
     def _on_trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
@@ -246,8 +201,7 @@ class TrainingWorkloads(WorkloadBase):
             ("jobs_completed", running.completed_jobs, running.optimizer_steps),
         ]
         if outcome.job.task_type == "rl":  # (its update was published before it completed: `_on_trained`)
-            producer = running.producer
-            rollout = producer.stats.drain() if isinstance(producer, RolloutProducer) else {}
+            rollout = self.deployment.producers.rollout_stats(workload_id)
             rl_metrics = {**outcome.metrics.get("rl_stats", {})}
             if rollout.get("episodes"):
                 rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})
@@ -290,10 +244,8 @@ class TrainingWorkloads(WorkloadBase):
         registered = promotion = None
         if running is not None:
             running.stop.set()
-            # Let a producer finish the job it is writing, so none is marked ready after the release.
-            for thread in running.threads:
-                if thread is not threading.current_thread():
-                    thread.join(timeout=120)
+            # Let the producer finish the job it is writing, so none is marked ready after the release.
+            self.deployment.producers.stop_workload(workload_id)
             self._release_pending_jobs(running, reason=error or state)
             if running.completed_jobs:
                 try:
@@ -302,7 +254,7 @@ class TrainingWorkloads(WorkloadBase):
                     log.exception("publishing workload %s failed", workload_id)
                     state, error = WORKLOAD_FAILED, f"export/register: {type(publish_error).__name__}: {publish_error}"
                 else:  # candidate moves; champion by the tenant's metric (promotion.py), before `completed`
-                    promotion = self._promote_published(workload_id, running.tenant.tenant_id, registered)
+                    promotion = self.promoter.promote_published(workload_id, running.tenant.tenant_id, registered)
             if running.run_id is not None:
                 self.deployment.tracker.end_run(running.run_id, "FINISHED" if state == WORKLOAD_COMPLETED else "FAILED")
             self._persist_progress(running)
@@ -327,28 +279,12 @@ class TrainingWorkloads(WorkloadBase):
                 pass
 
     def _publish(self, running: _RunningWorkload) -> int:
-        """Checkpoint, export, serve and register the tenant's policy as trained by this workload."""
+        """Checkpoint, export, serve and register the tenant's policy as trained by this workload
+        (on the tenant's producer replica: the payload never enters the Master)."""
         tenant_id = running.tenant.tenant_id
-        training = self.deployment.training_service
-
-        def checkpoint_and_export() -> bytes:
-            training.save([tenant_id], True)
-            return training.export_params(tenant_id)
-
-        payload = self._through_restarts(checkpoint_and_export, tenant_id, "publishing")
-        _, manifest = decode_tenant_payload(payload)
-        inference = getattr(self.deployment, "inference_service", None)
-        if inference is not None:  # serve what was just trained
-            self._through_restarts(lambda: inference.load_weights(payload), tenant_id, "serving")
-        registered = self.deployment.tracker.register_tenant_payload(
-            run_id=running.run_id, tenant_id=tenant_id, payload=payload, manifest=manifest
+        return self._through_restarts(
+            lambda: self.deployment.producers.publish_trained(tenant_id, running.run_id), tenant_id, "publishing"
         )
-        # A registered version outlives checkpoint retention (the Training Model Service prunes
-        # all but the last K and the pinned versions); the pin is durable under the tenant's prefix.
-        checkpoints = getattr(self.deployment, "checkpoints", None)
-        if checkpoints is not None:
-            checkpoints.pin(tenant_id, manifest.policy_version)
-        return registered
 
 
 def _run_params(tenant: Tenant, jobs: int) -> dict[str, object]:

@@ -1,5 +1,6 @@
-"""The data loops (paper Fig. 6/7, Appendix A.4-A.5): the SFT producer (`sft.py`), the RL rollout
-producer and the environment sessions evaluation also runs in (`rollout.py`), and the advantage stage
-(`advantages.py`), over the common producer loop (`base.py`). They talk to the Environment, Inference
-and Training services and the Training Queue by handle and import no model stack at module level.
-Today the Master still runs them as threads of its process (issue 40 moves them into their own role)."""
+"""The producer service (paper Fig. 6/7, Appendix A.4-A.5; issue 40): the data loops run here, in
+producer replicas (`service.py`), not in the Master: the SFT producer (`sft.py`), the RL rollout
+producer and the environment sessions evaluation also runs in (`rollout.py`, `evaluation.py`), the
+advantage stage (`advantages.py`), the spec compiler (`spec_compiler.py`) and every weight move. They
+talk to the Environment, Inference and Training services and the Training Queue by handle; the
+Master places and follows their work through the front (`front.py`)."""

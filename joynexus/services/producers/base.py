@@ -1,4 +1,4 @@
-"""The loop every Master producer runs: produce jobs until the tenant's completion target is covered."""
+"""The loop every producer runs on its replica: produce jobs until the tenant's completion target is covered."""
 
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from joynexus.core.tenants import TenantBackendConfig
-from joynexus.master.workloads.evaluation_stats import wilson_interval
+from joynexus.services.producers.evaluation_stats import wilson_interval
 
 if TYPE_CHECKING:  # evaluation.py runs suites through this module: no import back at run time
-    from joynexus.master.workloads.evaluation import EvaluationResult
+    from joynexus.services.producers.evaluation import EvaluationResult
 
 __all__ = [
     "EPISODES_TABLE",

@@ -40,3 +40,7 @@ def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float
     low = 0.0 if successes == 0 else max(0.0, centre - half)
     high = 1.0 if successes == trials else min(1.0, centre + half)
     return low, high
+
+
+# The held-out loss of a dataset-only tenant (heldout.py): the promotion metric without a simulator.
+HELDOUT_METRIC = "eval/heldout_loss"

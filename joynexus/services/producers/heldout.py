@@ -16,9 +16,10 @@ import numpy as np
 from joynexus.core.tenants import Tenant
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.endpoint import InferenceEndpoint
+from joynexus.services.producers.evaluation_stats import HELDOUT_METRIC
 from joynexus.services.producers.rollout import predict_many
 
-HELDOUT_METRIC = "eval/heldout_loss"
+__all__ = ["HELDOUT_METRIC", "HeldoutResult", "heldout_loss"]
 _BATCH = 32  # observations in flight at once (one Inference Queue batch at most)
 
 
