@@ -153,6 +153,16 @@ class ShardPlacement:
             self._changed.notify_all()
             return shard.index
 
+    def assign(self, tenant_id: str, shard: int, group_key: Hashable = None, nbytes: int = 0) -> None:
+        """Record that the tenant's slot already lives on `shard` (a new Master adopting running
+        shards); no rule is applied, nothing is bounded."""
+        with self._changed:
+            if tenant_id in self._where:
+                raise PlacementError(f"tenant {tenant_id!r} is on shard {self._where[tenant_id]} already")
+            self._shard(shard).tenants[tenant_id] = TenantFootprint(group_key, nbytes)
+            self._where[tenant_id] = shard
+            self._changed.notify_all()
+
     def unplace(self, tenant_id: str) -> None:
         """Forget the tenant (it was removed); nothing if it was not placed."""
         with self._changed:

@@ -212,9 +212,11 @@ class TrainingServiceConfig:
 
                 ray.kill(target, no_restart=True)
 
-        return TrainingShards(
+        shard_set = TrainingShards(
             shards, group_size=self.group_max, max_tenants_per_shard=self.max_tenants_per_shard, fence=fence
         )
+        shard_set.adopt()  # running shards (a restarted Master): their slots stay where they are
+        return shard_set
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from joynexus.actors import SerializedService, service_handle
+from joynexus.actors import SerializedService, handle_of, service_handle
 from joynexus.core.store import ControlPlaneStore
 from joynexus.core.tenants import BackendCapabilities
 from joynexus.master.loops.shard_loops import ShardLoops
@@ -140,3 +140,34 @@ def _assert_same(a, b):
             _assert_same(x, y)
     else:
         assert a == b
+
+
+def test_a_deployment_with_two_shards_runs_workloads_through_the_master(tmp_path):
+    """JOYNEXUS_TRAINING_SHARDS=2 in one process: the Master's actor-loop role steps a loop per
+    shard; two tenants of different module kinds land on different shards and both workloads
+    complete and publish."""
+    from joynexus.master.deployment import Deployment
+    from joynexus.master.workloads.manager import WorkloadManager
+    from joynexus.settings import Settings
+
+    dep = Deployment.in_process(Settings(data_dir=tmp_path / "data", torch_threads=1, training_shards=2))
+    try:
+        shards = handle_of(dep.training_service).target
+        assert isinstance(shards, TrainingShards) and shards.shard_count == 2
+        for i, (name, module) in enumerate((("dep-oft", "oft_mlp"), ("dep-flow", "flow_matching"))):
+            spec = sft_spec(name, tmp_path / "data-sets" / name, module=module, jobs=2)
+            write_dataset_for(spec, seed=i)
+            dep.creator.create(spec)
+        manager = WorkloadManager(dep).start()
+        try:
+            ids = [manager.submit(name, jobs=2).workload_id for name in ("dep-oft", "dep-flow")]
+            final = {s.tenant_id: s for s in manager.wait_all(ids, timeout_s=300)}
+        finally:
+            manager.stop()
+        assert {s.state for s in final.values()} == {"completed"}
+        assert {s.version for s in final.values()} == {2}
+        assert shards.placement.shard_of("dep-oft") != shards.placement.shard_of("dep-flow")
+        assert dep.inference_service.versions("dep-oft") == [2]
+        assert dep.training_service.heartbeat()["tenants"] == ["dep-flow", "dep-oft"]
+    finally:
+        dep.shutdown()

@@ -9,6 +9,7 @@ and the job it held goes back to `ready` (the plain loop's give-back) for the te
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -22,9 +23,19 @@ from joynexus.scheduling.training_scheduler import InvalidTransition, TrainingJo
 if TYPE_CHECKING:  # names the type only: the Master never imports the service's model stack
     from joynexus.services.training.shards import TrainingShards
 
-__all__ = ["ShardActorLoop", "ShardLoops"]
+__all__ = ["ShardActorLoop", "ShardLoops", "is_shard_set"]
 
 log = logging.getLogger(__name__)
+
+
+def is_shard_set(training: Any) -> bool:
+    """Whether a deployment's training service is a shard set (`TrainingShards`), told by its
+    shape, so the Master need not import the service's module (torch) to ask."""
+    return (
+        hasattr(training, "placement")
+        and hasattr(training, "shard_count")
+        and callable(getattr(type(training), "shard", None))
+    )
 
 
 class ShardActorLoop(ActorLoop):
@@ -103,6 +114,28 @@ class ShardLoops:
         self.loops = [ShardActorLoop(scheduler, shards, i, **loop_kwargs) for i in range(shards.shard_count)]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._steps: dict[int, concurrent.futures.Future[list[ActorOutcome]]] = {}
+
+    def step_round(self, wait_s: float = 0.2) -> list[ActorOutcome]:
+        """Start a step of every shard's loop that is not stepping already, then wait up to
+        `wait_s` for one to finish; the outcomes of the steps that finished. For a caller with one
+        beating thread (the Master's actor-loop role): the shards still step side by side."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(len(self.loops), thread_name_prefix="shard-loop")
+        for loop in self.loops:
+            if loop.index not in self._steps:
+                self._steps[loop.index] = self._pool.submit(loop.step_all, wait_s)
+        concurrent.futures.wait(self._steps.values(), timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        outcomes: list[ActorOutcome] = []
+        for index, future in list(self._steps.items()):
+            if future.done():
+                del self._steps[index]
+                try:
+                    outcomes += future.result()
+                except Exception:  # one shard's step failing must not stop the others' loops
+                    log.exception("a step of shard %d's loop failed", index)
+        return outcomes
 
     def start(self, wait_s: float = 0.2) -> None:
         self._stop.clear()
@@ -118,3 +151,6 @@ class ShardLoops:
         for thread in self._threads:
             thread.join(timeout_s)
         self._threads = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool, self._steps = None, {}

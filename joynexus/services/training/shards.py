@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+import time
+import uuid
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from joynexus.actors import handle_of, role_unavailable, service_handle
+from joynexus.actors import RoleUnavailable, handle_of, role_unavailable, service_handle
 from joynexus.core.tenants import TenantBackendConfig
 from joynexus.scheduling.shard_placement import PlacementError, ShardPlacement
 from joynexus.scheduling.training_jobs import TrainingJob
@@ -67,6 +70,7 @@ class TrainingShards:
         max_bytes_per_shard: int | None = None,
         move_timeout_s: float = 120.0,
         fence: Callable[[int], None] | None = None,
+        probe_timeout_s: float = 10.0,
     ) -> None:
         """`shards`: the services or their Ray actors, shard i at index i. `fence(i)`: makes sure a
         shard declared lost computes nothing more (Ray: kill its actor), so no tenant of it can train
@@ -84,6 +88,9 @@ class TrainingShards:
             raise ValueError(f"placement has {self.placement.shard_count} shards, {len(shards)} given")
         self.move_timeout_s = move_timeout_s
         self.fence = fence
+        self.probe_timeout_s = probe_timeout_s
+        # The set's own life: one lost shard is handled here, not as a restart of the whole role.
+        self.incarnation, self.started_at = uuid.uuid4().hex[:12], time.time()
         self._configs: dict[str, TenantBackendConfig] = {}
         self._incarnations: list[str | None] = [None] * len(shards)
         self._lifecycle = threading.RLock()  # adds, moves and recoveries one at a time
@@ -104,6 +111,21 @@ class TrainingShards:
         handle_of(self._handles[index]).retarget(handle_of(service).target)
         self._incarnations[index] = None
         self.placement.revive(index)
+
+    def adopt(self) -> dict[str, int]:
+        """Place every slot the shards already hold where it is (a new Master over running shards);
+        a tenant found on two shards (a move cut short) keeps the first and is removed from the
+        other. Tenant -> shard."""
+        adopted: dict[str, int] = {}
+        with self._lifecycle:
+            for index in self.placement.live_shards():
+                for tenant_id in self._handles[index].tenants():
+                    if tenant_id in adopted or self.placement.is_placed(tenant_id):
+                        self._handles[index].remove_tenant(tenant_id)
+                        continue
+                    self.placement.assign(tenant_id, index, nbytes=self._handles[index].slot_bytes(tenant_id))
+                    adopted[tenant_id] = index
+        return adopted
 
     # -- tenant lifecycle ------------------------------------------------------------------
     def add_tenant(self, config: TenantBackendConfig | dict[str, Any], resume: bool = True) -> dict[str, Any]:
@@ -243,8 +265,21 @@ class TrainingShards:
         return self._first_live().backbone_info()
 
     def heartbeat(self) -> dict[str, Any]:
-        """The first live shard's heartbeat, with every tenant of every shard."""
-        return {**self._first_live().heartbeat(), "tenants": self.tenants(), "shards": self.placement.summary()}
+        """Probe every live shard (`check_shard`: a lost one's tenants resume on the others), then
+        answer for the set: its own incarnation (a lost shard is not a restart of the role), every
+        tenant, and each shard's summary. Raises RoleUnavailable once every shard is lost."""
+        for index in self.placement.live_shards():
+            self.check_shard(index, self.probe_timeout_s)
+        if not self.placement.live_shards():
+            raise RoleUnavailable("training_service", "every Training Model Service shard is lost")
+        return {
+            "role": "training",
+            "incarnation": self.incarnation,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
+            "tenants": self.tenants(),
+            "shards": self.placement.summary(),
+        }
 
     def _first_live(self) -> TrainingModelService:
         live = self.placement.live_shards()
