@@ -263,7 +263,10 @@ class _training_world:  # noqa: N801 - a context manager used like a function
             config = TrainingServiceConfig.from_settings(settings)
             queue_actor = TrainingQueueConfig().actor(**where)
             actors = config.shard_actors(queue_actor, **where)
-            self._close += [lambda: [ray.kill(a) for a in (*actors, queue_actor)]]
+            self._close += [
+                lambda: [ray.kill(a) for a in (*actors, queue_actor)],
+                lambda: config.remove_shard_group(settings.ray_namespace),
+            ]
             queue = service_handle(TrainingQueue, queue_actor)
             shards = config.shard_set(actors)
         else:

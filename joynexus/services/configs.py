@@ -162,7 +162,7 @@ class TrainingServiceConfig:
         with `num_gpus` 1 every shard gets its own device), reserved together before any backbone
         loads, so M shards never start on fewer devices than they need."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import get_placement_group, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         resources = role_resources("training_service")
@@ -170,12 +170,22 @@ class TrainingServiceConfig:
         if resources.num_gpus:
             bundle["GPU"] = resources.num_gpus
         bundle.update(resources.resources)
-        group = placement_group(
-            [dict(bundle) for _ in range(self.shards)],
-            strategy="PACK",
-            name=f"{TRAINING_SERVICE_ACTOR_NAME}.shards",
-            lifetime="detached" if detached else None,
-        )
+        # One group per deployment (its namespace): a Master started again reuses the running one.
+        name = f"{TRAINING_SERVICE_ACTOR_NAME}.shards.{namespace or 'default'}"
+        try:
+            group = get_placement_group(name)
+        except ValueError:
+            group = placement_group(
+                [dict(bundle) for _ in range(self.shards)],
+                strategy="PACK",
+                name=name,
+                lifetime="detached" if detached else None,
+            )
+        if len(group.bundle_specs) != self.shards:
+            raise ValueError(
+                f"training shards: placement group {name!r} has {len(group.bundle_specs)} bundles, "
+                f"the settings ask for {self.shards} (JOYNEXUS_TRAINING_SHARDS); remove it (`joynexus down`) first"
+            )
         ray.get(group.ready(), timeout=ready_timeout_s)
         queue_arg = ActorName(TRAINING_QUEUE_ACTOR_NAME, namespace) if handle_of(queue).is_remote else queue
         return [
@@ -200,6 +210,19 @@ class TrainingServiceConfig:
             )
             for i in range(self.shards)
         ]
+
+    @staticmethod
+    def remove_shard_group(namespace: str | None = None) -> bool:
+        """Release the shards' placement group of the deployment in `namespace` (its actors gone);
+        False if there is none."""
+        from ray.util.placement_group import get_placement_group, remove_placement_group
+
+        try:
+            group = get_placement_group(f"{TRAINING_SERVICE_ACTOR_NAME}.shards.{namespace or 'default'}")
+        except ValueError:
+            return False
+        remove_placement_group(group)
+        return True
 
     def shard_set(self, shards: list[Any]) -> TrainingShards:
         """The shard set over `shard_actors`' actors (or local services): a lost shard is fenced
