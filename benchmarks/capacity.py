@@ -6,7 +6,8 @@
 1. Measure, here, the per-operation costs the model is driven by (tiny backbone unless --costs
    names a JSON file of costs measured elsewhere, e.g. on a GPU run; keys as printed):
    - backbone forward by batch: `encode` of n samples, n in 1..32, fitted as f0 + f1 * n;
-   - module step: one tenant's `train_batch` of one microbatch minus the forward of that microbatch;
+   - module step: a grouped step (`train_group`) of 1 and of 8 same-architecture tenants minus its
+     forward, fitted as group + step * g (the losses of one architecture batch into one computation);
    - module forward (serving): one tenant's `sample` of a batch minus its forward;
    - store cycle: reserve -> ready -> lease -> complete of one job in the control-plane store;
    - Master per job: the actor loop's own seconds per job (leases, staleness check, completion,
@@ -16,7 +17,7 @@
 2. Model, for the paper's 2-2-4 layout scaled (training : inference : environment GPUs = 1 : 1 : 2;
    below 8 GPUs the roles share devices) and each tenant count, every component's capacity:
    - a training shard: g = min(group_max, tenants on it) tenants per grouped step, R rounds per
-     job: g / (R * (f0 + f1 * g * mb + g * module_step)) jobs/s; M shards: M times that;
+     job: g / (R * (f0 + f1 * g * mb + group + g * step)) jobs/s; M shards: M times that;
    - the store: one serialized writer (SQLite): 1 / store_cycle jobs/s;
    - the Master: its per-job seconds run in one process (the GIL): 1 / master_job jobs/s;
    - an inference replica: B requests per batch over its tenants: B / (f0 + f1 * B + m * module_fwd)
@@ -54,7 +55,8 @@ GROUP_MAX = 8
 class Costs:
     forward_f0_s: float  # backbone forward of n samples: f0 + f1 * n
     forward_f1_s: float
-    module_step_s: float  # one tenant's update on one microbatch (after the forward)
+    module_step_s: float  # a grouped step's updates (after its forward): module_group_s + module_step_s * g
+    module_group_s: float  # ... the part a grouped step pays once, whatever its g tenants
     module_forward_s: float  # one tenant's serving forward on a batch (after the forward)
     store_cycle_s: float  # reserve -> ready -> lease -> complete of one job
     master_job_s: float  # the actor loop's own seconds per job
@@ -84,9 +86,10 @@ def measure_costs(work: Path, repeats: int, mode: str) -> Costs:
     from joynexus.scheduling.training_scheduler import READY, TrainingScheduler
 
     torch.set_num_threads(1)
-    with _training_world(work / "costs", shards=1, tenants=1, jobs=4 * repeats) as world:
+    with _training_world(work / "costs", shards=1, tenants=GROUP_MAX, jobs=2 * repeats) as world:
         service, config = world.shards.shard(0), world.producers[0].config
         tenant_id = config.tenant_id
+        configs = [p.config for p in world.producers]
         forward = {}
         for n in (1, 32):
             images = [[torch.rand(3, 32, 32)] for _ in range(n)]
@@ -94,14 +97,22 @@ def measure_costs(work: Path, repeats: int, mode: str) -> Costs:
         f1 = (forward[32] - forward[1]) / 31
         f0 = max(0.0, forward[1] - f1)
         batch = _microbatch(config, MICROBATCH)
-        step = _median_time(lambda: service.train_batch(tenant_id, batch), repeats) - (f0 + f1 * MICROBATCH)
+        # A grouped step of g same-architecture tenants (one forward, their losses batched into one
+        # computation, each its own AdamW): its module part for g = 1 and GROUP_MAX, fitted linearly.
+        module = {}
+        for g in (1, GROUP_MAX):
+            group = [(c.tenant_id, _microbatch(c, MICROBATCH)) for c in configs[:g]]
+            took = _median_time(lambda group=group: service.train_group(group), repeats)
+            module[g] = max(1e-6, took - (f0 + f1 * g * MICROBATCH))
+        step = (module[GROUP_MAX] - module[1]) / (GROUP_MAX - 1)
+        group_s = max(0.0, module[1] - step)
         # Serving: the tenant module's own forward (`predict`) on a batch's features, what the
         # Inference Model Service runs per tenant after the batch's one backbone forward.
         local = service.target  # the in-process TrainingModelService (behind its lock)
         features = local.encode(*_microbatch_inputs(batch))
         state = torch.as_tensor(batch["state"])
-        module = local.slot_table.slot(tenant_id).module
-        serve = _median_time(lambda: module.predict(features, state), 10 * repeats)
+        head = local.slot_table.slot(tenant_id).module
+        serve = _median_time(lambda: head.predict(features, state), 10 * repeats)
         # The actor loop's own seconds per job: real jobs, one at a time, wall minus training seconds.
         outcomes, wall = world.run(group_max=1)
         master_job = max(1e-6, (wall - sum(o.metrics["seconds"] for o in outcomes)) / len(outcomes))
@@ -125,7 +136,7 @@ def measure_costs(work: Path, repeats: int, mode: str) -> Costs:
     store.dispose()
     front = _measure_front_call(mode, repeats)
     env_step = _measure_env_step(repeats)
-    return Costs(f0, f1, max(step, 1e-6), max(serve, 1e-6), store_cycle, master_job, front, env_step)
+    return Costs(f0, f1, max(step, 1e-6), group_s, max(serve, 1e-6), store_cycle, master_job, front, env_step)
 
 
 def _microbatch_inputs(batch: dict[str, Any]) -> tuple[list[list[Any]], list[str]]:
@@ -338,16 +349,27 @@ def layout_224(gpus: int) -> Layout:
 def shard_jobs_per_s(costs: Costs, tenants_on_shard: float, group_max: int = GROUP_MAX) -> float:
     g = max(1, min(group_max, math.floor(tenants_on_shard)))
     rounds = SAMPLES_PER_JOB / MICROBATCH
-    return g / (rounds * (costs.forward(g * MICROBATCH) + g * costs.module_step_s))
+    return g / (rounds * (costs.forward(g * MICROBATCH) + costs.module_group_s + g * costs.module_step_s))
 
 
-def model(costs: Costs, layout: Layout, tenants: int, *, batch: int = 32, workers_per_gpu: int = 8) -> dict[str, Any]:
+def model(
+    costs: Costs,
+    layout: Layout,
+    tenants: int,
+    *,
+    batch: int = 32,
+    workers_per_gpu: int = 8,
+    loop_processes: int = 1,
+    store_writers: int = 1,
+) -> dict[str, Any]:
+    """`loop_processes`: processes the actor loops' per-job work runs in (1: the Master's, today);
+    `store_writers`: store cycles that can run at once (1: SQLite's one writer)."""
     per_shard = tenants / layout.training
     shard = shard_jobs_per_s(costs, per_shard) * layout.share
     training = {
         "shards": layout.training * shard,
-        "store": 1 / costs.store_cycle_s,
-        "master": 1 / costs.master_job_s,
+        "store": store_writers / costs.store_cycle_s,
+        "master": loop_processes / costs.master_job_s,
     }
     tenants_per_replica = tenants / layout.inference
     distinct = min(batch, max(1, math.ceil(tenants_per_replica)))
@@ -368,10 +390,11 @@ def model(costs: Costs, layout: Layout, tenants: int, *, batch: int = 32, worker
     }  # fmt: skip
 
 
-def predict_shards(costs: Costs, shards: int, tenants: int, cores: float) -> float:
-    """The model's jobs/s for the validation runs: `shards` devices of this host (its cores: a shard
-    beyond the free cores shares one), the same store and Master bounds."""
-    parallel = min(shards, max(1.0, cores))
+def predict_shards(costs: Costs, shards: int, tenants: int, parallel_devices: float) -> float:
+    """The model's jobs/s for the validation runs: the shards run side by side on at most
+    `parallel_devices` (Ray: one process per shard on this host's cores; in process: one Python
+    interpreter for them all), the same store and Master bounds."""
+    parallel = min(shards, max(1.0, parallel_devices))
     shard = shard_jobs_per_s(costs, tenants / shards)
     return min(parallel * shard, 1 / costs.store_cycle_s, 1 / costs.master_job_s)
 
@@ -409,12 +432,12 @@ def main() -> None:
                              jobs=args.validate_jobs, mode=args.mode) as world:  # fmt: skip
             outcomes, wall = world.run(group_max=GROUP_MAX)
         measured[shards] = len(outcomes) / wall
-    free_cores = max(1.0, (os.cpu_count() or 1) - load_before)
+    devices = float(os.cpu_count() or 1) if args.mode == "ray" else 1.0  # in process: one interpreter (GIL)
     print(f"\n== validation: measured here ({args.mode}, {args.validate_tenants} tenants x {args.validate_jobs} jobs, "
-          f"load average before {load_before:.1f}, {free_cores:.1f} free cores) ==")  # fmt: skip
+          f"load average before {load_before:.1f}, shards side by side on at most {devices:.0f}) ==")  # fmt: skip
     print(f"{'shards':>7} {'measured jobs/s':>16} {'model jobs/s':>13} {'model/measured':>15}")
     for shards, jobs_s in measured.items():
-        predicted = predict_shards(costs, shards, args.validate_tenants, free_cores)
+        predicted = predict_shards(costs, shards, args.validate_tenants, devices)
         print(f"{shards:>7} {jobs_s:>16.3f} {predicted:>13.3f} {predicted / jobs_s:>14.2f}x")
     print(f"measured 2 shards / 1 shard: {measured[2] / measured[1]:.2f}x")
 
@@ -429,12 +452,23 @@ def main() -> None:
             print(f"{gpus:>5} {row['layout']:>9} {tenants:>8} {row['jobs_per_s']:>9.2f} {row['efficiency']:>9.0%} "
                   f"{row['jobs_bottleneck']:>11} {row['requests_per_s']:>11.1f} "
                   f"{row['requests_bottleneck']:>15}")  # fmt: skip
-    first = next((r for r in rows if r["jobs_bottleneck"] != "shards"), None)
+    first = next((r for r in rows if r["jobs_bottleneck"] != "shards" and not r.get("plan")), None)
     if first is None:
         print("first jobs/s bottleneck: none up to the largest size (the shards themselves)")
     else:
         print(f"first jobs/s bottleneck: the {first['jobs_bottleneck']} at {first['gpus']} GPUs, "
               f"{first['tenants']} tenants ({first['efficiency']:.0%} of linear)")  # fmt: skip
+    # The plan for the first bound: each shard's actor loop in its own process beside its shard
+    # (the Master keeps placement and bookkeeping), and a PostgreSQL store with concurrent writers.
+    print("\n== the plan: a loop process per shard, a store with 8 concurrent writers ==")
+    print(f"{'GPUs':>5} {'layout':>9} {'tenants':>8} {'jobs/s':>9} {'of linear':>10} {'jobs bound':>11}")
+    for gpus in (16, 32, 64):
+        for tenants in (300, 1000):
+            layout = layout_224(gpus)
+            row = model(costs, layout, tenants, loop_processes=layout.training, store_writers=8)
+            rows.append({**row, "plan": True})
+            print(f"{gpus:>5} {row['layout']:>9} {tenants:>8} {row['jobs_per_s']:>9.2f} {row['efficiency']:>9.0%} "
+                  f"{row['jobs_bottleneck']:>11}")  # fmt: skip
     (run_dir / "results.json").write_text(
         json.dumps({"costs": asdict(costs), "measured": measured, "model": rows}, indent=2)
     )
