@@ -281,6 +281,15 @@ class Settings(BaseModel):
     spill_dir: Path | None = Field(
         default_factory=lambda: Path(v).resolve() if (v := os.environ.get("JOYNEXUS_SPILL_DIR", "").strip()) else None
     )
+    # Training Model Service shards (issue 45): M services, each its own backbone on its own device
+    # (a bundle of one placement group in Ray), each holding a subset of the tenants; 1 is one service.
+    training_shards: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_TRAINING_SHARDS", 1), ge=1, le=1024, validate_default=True
+    )
+    # Tenants one shard may hold (None: no bound but the memory of its residency tiers).
+    max_tenants_per_shard: int | None = Field(
+        default_factory=lambda: _env_optional_int("JOYNEXUS_MAX_TENANTS_PER_SHARD"), ge=1, validate_default=True
+    )
 
     # Ray resources per role (issue 12): JSON {role: {num_cpus, num_gpus, memory, resources}}, e.g.
     # '{"inference_service": {"num_gpus": 0.25}, "training_service": {"num_gpus": 0.5}}' to co-locate

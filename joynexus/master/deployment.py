@@ -109,12 +109,16 @@ class Deployment:
         settings = settings or Settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         queue = TrainingQueueConfig().build()
-        training = TrainingServiceConfig.from_settings(settings).build(queue)
+        training_config = TrainingServiceConfig.from_settings(settings)
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
+        training: Any = SerializedService(training_config.build(queue))
+        if training_config.shards > 1:  # M shards, each its own backbone (issue 45)
+            others = [SerializedService(training_config.build(queue)) for _ in range(training_config.shards - 1)]
+            training = training_config.shard_set([training, *others])
         deployment = cls._assemble(
             settings,
             service_handle(TrainingQueue, queue),
-            service_handle(TrainingModelService, SerializedService(training)),
+            service_handle(TrainingModelService, training),
             service_handle(InferenceModelService, InferenceServiceConfig.from_settings(settings).build()),
             service_handle(EnvironmentService, EnvironmentServiceConfig.from_settings(settings).build()),
         )
@@ -180,7 +184,11 @@ def create_service_actors(settings: Settings, *, detached: bool = False) -> tupl
     configure_placement(settings.resources)  # each role's Ray resources, for the actors made below
     where = {"namespace": settings.ray_namespace, "detached": detached}
     queue = TrainingQueueConfig().actor(**where)
-    service = TrainingServiceConfig.from_settings(settings).actor(queue, **where)
+    training_config = TrainingServiceConfig.from_settings(settings)
+    if training_config.shards > 1:  # M shard actors on one placement group, one tenant-keyed set (issue 45)
+        service = training_config.shard_set(training_config.shard_actors(queue, **where))
+    else:
+        service = training_config.actor(queue, **where)
     inference = InferenceServiceConfig.from_settings(settings).actor(**where)
     environment = EnvironmentServiceConfig.from_settings(settings).actor(**where)
     # A non-detached actor is destroyed once the handle that created it goes away (handles got by

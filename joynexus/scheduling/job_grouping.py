@@ -12,7 +12,7 @@ Staleness (eq. 1) is the caller's check on every leased job, as for the head job
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import bindparam, select, update
@@ -60,9 +60,11 @@ def lease_companions(
     *,
     domains: Iterable[str] = ("vla",),
     owner: str = "",
+    tenant_ids: Collection[str] | None = None,
 ) -> list[TrainingJob]:
     """Lease up to `max_n` ready jobs of tenants other than `first`'s (one each) with `first`'s
-    group key, in lease order; [] when `first` trains alone."""
+    group key, in lease order; [] when `first` trains alone. `tenant_ids`: only these tenants' jobs
+    (a Training Model Service shard's, `scheduling.shard_leases`); None: any tenant's."""
     key = group_key(first)
     domains = list(domains)
     if key is None or max_n < 1 or not domains:
@@ -76,6 +78,7 @@ def lease_companions(
                 _JOBS.c.task_type == first.task_type,
                 _JOBS.c.domain.in_(domains),
                 _JOBS.c.tenant_id != first.tenant_id,
+                *([] if tenant_ids is None else [_JOBS.c.tenant_id.in_(sorted(tenant_ids))]),
             )
             .order_by(_JOBS.c.priority.desc(), _JOBS.c.ready_seq.asc())
             .limit(max_n * _CANDIDATES_PER_SLOT)

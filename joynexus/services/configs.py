@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.actors import ActorName, handle_of, named_actor, service_handle
+from joynexus.actors import ActorName, handle_of, named_actor, role_resources, service_handle
 from joynexus.artifacts.s3 import export_endpoint
 from joynexus.artifacts.stores import checkpoint_blobs
 from joynexus.models.backbone import METADATA_FILE, BackboneSource
@@ -40,6 +40,7 @@ from joynexus.services.producers.service import ProducerService, producer_actor_
 from joynexus.services.residency import DEFAULT_MAX_RESIDENT_SERVING, DEFAULT_MAX_RESIDENT_TENANTS
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS
 from joynexus.services.training.service import TRAINING_SERVICE_ACTOR_NAME, TrainingModelService
+from joynexus.services.training.shards import TrainingShards
 from joynexus.settings import RoleResources, ScalingPolicy, Settings
 
 
@@ -99,6 +100,9 @@ class TrainingServiceConfig:
     max_resident_tenants: int = DEFAULT_MAX_RESIDENT_TENANTS
     spill_dir: str | None = None
     max_active_tenants: int = DEFAULT_MAX_ACTIVE_TENANTS
+    shards: int = 1  # Training Model Service shards (`shard_actors`, `services.training.shards`)
+    max_tenants_per_shard: int | None = None
+    group_max: int = 8  # placement keeps up to this many group-compatible tenants on one shard
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TrainingServiceConfig:
@@ -112,6 +116,9 @@ class TrainingServiceConfig:
             max_resident_tenants=settings.max_resident_tenants,
             spill_dir=str(settings.resolved_spill_dir),
             max_active_tenants=settings.max_active_tenants,
+            shards=settings.training_shards,
+            max_tenants_per_shard=settings.max_tenants_per_shard,
+            group_max=settings.training_group_max,
         )
 
     def export_endpoint(self) -> None:
@@ -149,6 +156,93 @@ class TrainingServiceConfig:
             num_cpus=1,
             **self._options(),
         )
+
+    def shard_actors(
+        self, queue: Any, *, namespace: str | None = None, detached: bool = False, ready_timeout_s: float = 600.0
+    ) -> list[Any]:
+        """The `shards` Training Model Service actors (`joynexus.training_service.shard-<i>`), shard i
+        on bundle i of one placement group: each bundle is the role's resources (`training_service`:
+        with `num_gpus` 1 every shard gets its own device), reserved together before any backbone
+        loads, so M shards never start on fewer devices than they need."""
+        import ray
+        from ray.util.placement_group import get_placement_group, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        resources = role_resources("training_service")
+        bundle = {"CPU": 1.0 if resources.num_cpus is None else resources.num_cpus}
+        if resources.num_gpus:
+            bundle["GPU"] = resources.num_gpus
+        bundle.update(resources.resources)
+        # One group per deployment (its namespace): a Master started again reuses the running one.
+        name = f"{TRAINING_SERVICE_ACTOR_NAME}.shards.{namespace or 'default'}"
+        try:
+            group = get_placement_group(name)
+        except ValueError:
+            group = placement_group(
+                [dict(bundle) for _ in range(self.shards)],
+                strategy="PACK",
+                name=name,
+                lifetime="detached" if detached else None,
+            )
+        if len(group.bundle_specs) != self.shards:
+            raise ValueError(
+                f"training shards: placement group {name!r} has {len(group.bundle_specs)} bundles, "
+                f"the settings ask for {self.shards} (JOYNEXUS_TRAINING_SHARDS); remove it (`joynexus down`) first"
+            )
+        ray.get(group.ready(), timeout=ready_timeout_s)
+        queue_arg = ActorName(TRAINING_QUEUE_ACTOR_NAME, namespace) if handle_of(queue).is_remote else queue
+        return [
+            named_actor(
+                TrainingModelService,
+                f"{TRAINING_SERVICE_ACTOR_NAME}.shard-{i}",
+                self.backbone,
+                self.checkpoint_root,
+                queue_arg,
+                self.num_threads,
+                namespace=namespace,
+                detached=detached,
+                role="training_service",
+                ray_resources=RoleResources(
+                    num_cpus=bundle["CPU"],
+                    num_gpus=resources.num_gpus,
+                    memory=resources.memory,
+                    resources=resources.resources,
+                ),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+                **self._options(),
+            )
+            for i in range(self.shards)
+        ]
+
+    @staticmethod
+    def remove_shard_group(namespace: str | None = None) -> bool:
+        """Release the shards' placement group of the deployment in `namespace` (its actors gone);
+        False if there is none."""
+        from ray.util.placement_group import get_placement_group, remove_placement_group
+
+        try:
+            group = get_placement_group(f"{TRAINING_SERVICE_ACTOR_NAME}.shards.{namespace or 'default'}")
+        except ValueError:
+            return False
+        remove_placement_group(group)
+        return True
+
+    def shard_set(self, shards: list[Any]) -> TrainingShards:
+        """The shard set over `shard_actors`' actors (or local services): a lost shard is fenced
+        (its actor killed for good) before its tenants resume elsewhere."""
+
+        def fence(index: int) -> None:
+            target = handle_of(shards[index]).target
+            if handle_of(target).is_remote:
+                import ray
+
+                ray.kill(target, no_restart=True)
+
+        shard_set = TrainingShards(
+            shards, group_size=self.group_max, max_tenants_per_shard=self.max_tenants_per_shard, fence=fence
+        )
+        shard_set.adopt()  # running shards (a restarted Master): their slots stay where they are
+        return shard_set
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
 __all__ = [
@@ -80,6 +81,8 @@ __all__ = [
     "ResidencyLimits",
     "TenantResidency",
     "UnknownEntry",
+    "decode_paged",
+    "encode_paged",
     "pins_during_call",
     "pins_until_settled",
     "rebuild_module",
@@ -301,6 +304,7 @@ class TenantResidency(Generic[K, V]):
         `close`); None: a fresh temporary folder."""
         self.pager = pager
         self.limits = limits
+        self.name = name
         base = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         # One folder per residency (per service incarnation): two processes never share files. Named
@@ -394,6 +398,26 @@ class TenantResidency(Generic[K, V]):
         releases what it holds), else None. Pins on it lapse (their release is a no-op)."""
         with self._lock:
             return self._drop(key)
+
+    def detach(self, key: K) -> bytes:
+        """Take `key` out in the paging format (what a page-out writes: its spill file's bytes if it
+        is paged out, else the pager's spill of its value) and forget it, as `remove` does; the bytes
+        restore elsewhere with the same kind of pager (`decode_paged`, `Pager.restore`): a tenant
+        moving between shards. Refused while the value is pinned or its pager will not let it go."""
+        with self._lock:
+            entry = self._entry(key)
+            if entry.pins:
+                raise RuntimeError(f"{self.name}: {key!r} is in use ({entry.pins} pins) and cannot be detached")
+            if entry.value is None:
+                assert entry.path is not None
+                data = entry.path.read_bytes()
+            else:
+                if not self.pager.can_page_out(key, entry.value):
+                    raise RuntimeError(f"{self.name}: {key!r} cannot leave now (its pager refuses a page-out)")
+                data = encode_paged(*self.pager.spill(key, entry.value))
+                self.pager.evicted(key, entry.value)
+            self._drop(key)
+            return data
 
     def page_out(self, key: K) -> bool:
         """Page `key` out now; False if it is not resident, pinned, or refused by its pager."""
@@ -501,10 +525,8 @@ class TenantResidency(Generic[K, V]):
     def _page_in(self, key: K, entry: _Entry[V]) -> None:
         assert entry.path is not None
         # One read, then tensors built from the bytes (copies: the file may go right after).
-        data = entry.path.read_bytes()
-        (header_length,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(json.loads(data[8 : 8 + header_length])["__metadata__"][_META_KEY])
-        entry.value = self.pager.restore(key, load_tensors(data), meta)
+        tensors, meta = decode_paged(entry.path.read_bytes())
+        entry.value = self.pager.restore(key, tensors, meta)
         if not self.pager.immutable:  # it will change: the file is stale from its first step on
             self._delete_file(entry)
         entry.nbytes = self.pager.nbytes(entry.value)
@@ -564,6 +586,19 @@ class TenantResidency(Generic[K, V]):
             self._lru.clear()
             self._resident_bytes = 0
             self._finalizer()
+
+
+def encode_paged(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> bytes:
+    """A pager's (tensors, meta) as the bytes of a spill file (safetensors, the JSON in its metadata)."""
+    cpu = {name: t.detach().to("cpu", copy=t.device.type == "cpu").contiguous() for name, t in tensors.items()}
+    return save_tensors(cpu, metadata={_META_KEY: json.dumps(dict(meta), separators=(",", ":"))})
+
+
+def decode_paged(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The (tensors, meta) of a spill file's bytes (`encode_paged`, a page-out's file)."""
+    (header_length,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(json.loads(data[8 : 8 + header_length])["__metadata__"][_META_KEY])
+    return load_tensors(data), meta
 
 
 def pins_during_call(residency_attribute: str) -> Callable[[Callable[..., R]], Callable[..., R]]:

@@ -22,6 +22,7 @@ TIMEOUT_S = 900
 # script -> (its smallest options, a line of the table it prints last: a regex, multiline).
 SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "abuse.py": (["--quick"], r"^victim under +robots hanging up: p99 +\d+ ms = +[\d.]+x idle"),
+    "capacity.py": (["--quick"], r"^first jobs/s bottleneck: "),
     "chaos_soak.py": (["--quick"], r"^acknowledged versions: \d+; lost or changed: 0"),
     "cli_latency.py": (["--quick"], r"^down +[\d.]+ +[\d.]+ +[\d.]+x$"),
     "control_plane.py": (["--quick"], r"^correctness: every job leased once and completed exactly once"),

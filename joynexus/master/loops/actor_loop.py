@@ -118,9 +118,17 @@ class ActorLoop:
     def step_all(self, wait_s: float = 0.5) -> list[ActorOutcome]:
         """Lease the head job and up to `group_max` - 1 companions, train them, finish each; their
         outcomes, head first ([] when no job was ready within `wait_s`)."""
+        jobs = self._lease_jobs()
+        if not jobs:
+            self._wait_for_ready(wait_s)
+            return []
+        return self._train_leased(jobs)
+
+    # The three steps of `step_all`, overridden by a shard's loop (`shard_loops.ShardActorLoop`).
+    def _lease_jobs(self) -> list[TrainingJob]:
+        """The head job and its companions, leased to this loop ([] when none is ready)."""
         job = self.scheduler.lease_next(consumer_role="actor", domains=self.domains, owner=self.owner)
         if job is None:
-            self.scheduler.wait_for_ready(consumer_role="actor", domains=self.domains, timeout_s=wait_s)
             return []
         companions: list[TrainingJob] = []
         if self.group_max > 1:
@@ -130,9 +138,13 @@ class ActorLoop:
                 )
             except Exception:  # the head job still trains; companions are an optimization
                 log.exception("leasing companions of job %s failed", job.job_id)
-        if not companions:
-            return [self._single(job)]
-        return self._group([job, *companions])
+        return [job, *companions]
+
+    def _wait_for_ready(self, wait_s: float) -> None:
+        self.scheduler.wait_for_ready(consumer_role="actor", domains=self.domains, timeout_s=wait_s)
+
+    def _train_leased(self, jobs: list[TrainingJob]) -> list[ActorOutcome]:
+        return [self._single(jobs[0])] if len(jobs) == 1 else self._group(jobs)
 
     def _single(self, job: TrainingJob) -> ActorOutcome:
         try:

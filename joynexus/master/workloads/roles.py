@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from joynexus.actors import handle_of
 from joynexus.master.loops.actor_loop import ActorLoop
+from joynexus.master.loops.shard_loops import ShardLoops, is_shard_set
 from joynexus.master.workloads.base import FINAL_WORKLOAD_STATES, WorkloadBase
 
 log = logging.getLogger(__name__)
@@ -69,12 +71,16 @@ class RoleSupervisor(WorkloadBase):
         """One iteration of the role's work."""
         deployment = self.deployment
         if role.name == "actor_loop":
-            actor = ActorLoop(
-                deployment.scheduler, deployment.training_service, owner=role.owner, on_outcome=self._on_outcome,
-                on_unavailable=self.on_unavailable, max_attempts=self.max_job_attempts,
-                service_restarting=self._service_restarting, retired=role.stop,
+            loop_options = dict(
+                owner=role.owner, on_outcome=self._on_outcome, on_unavailable=self.on_unavailable,
+                max_attempts=self.max_job_attempts, service_restarting=self._service_restarting, retired=role.stop,
                 group_max=deployment.settings.training_group_max, on_trained=self._on_trained,
             )  # fmt: skip
+            training = handle_of(deployment.training_service).target
+            if is_shard_set(training):  # a loop per Training Model Service shard, stepped side by side
+                shard_loops = ShardLoops(deployment.scheduler, training, **loop_options)
+                return lambda: shard_loops.step_round(0.2)
+            actor = ActorLoop(deployment.scheduler, deployment.training_service, **loop_options)
             return lambda: actor.step(0.2)
         if role.name == "producer_follower":
 

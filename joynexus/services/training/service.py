@@ -220,6 +220,22 @@ class TrainingModelService:
         removes those). False if it had no slot."""
         return self.slot_table.remove(tenant_id)
 
+    @pins_during_call("_slots")
+    def slot_bytes(self, tenant_id: str) -> int:
+        """Bytes of the tenant's slot in memory (module, optimizer, adapter): what shard placement weighs."""
+        return self._slot(tenant_id).nbytes()
+
+    @pins_during_call("_slots")  # a scope without pins: `detach` refuses a slot that another call pinned
+    def page_out_tenant(self, tenant_id: str) -> bytes:
+        """Take the tenant's slot out of this service in the paging format (`SlotTable.detach`), to
+        `page_in_tenant` on another shard; its checkpoints stay where they are (shared storage)."""
+        return self.slot_table.detach(tenant_id)
+
+    @pins_during_call("_slots")
+    def page_in_tenant(self, data: bytes) -> dict[str, Any]:
+        """A slot `page_out_tenant` took out elsewhere, resident here bit-exact (`SlotTable.attach`)."""
+        return self.slot_table.attach(bytes(data))
+
     def _slot(self, tenant_id: str) -> TenantSlot:
         """The tenant's slot (`SlotTable.slot`), pinned until the calling method returns."""
         return self.slot_table.slot(tenant_id)
@@ -351,9 +367,7 @@ class TrainingModelService:
         return load_slot_state(self.slot_table, self._slot(tenant_id), version)
 
     @pins_during_call("_slots")
-    def discard_pending_gradients(
-        self, tenant_id: str, expect: tuple[int, int] | None = None
-    ) -> dict[str, Any]:
+    def discard_pending_gradients(self, tenant_id: str, expect: tuple[int, int] | None = None) -> dict[str, Any]:
         """Drop the gradients `forward_backward` calls summed since the last optimizer step (an
         abandoned chain of futures, `services.call_futures`); parameters, optimizer state and
         version stay. `expect`: (version, accumulated microbatches) the chain's last call left;

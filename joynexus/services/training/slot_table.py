@@ -32,7 +32,7 @@ from joynexus.models.action_modules import ActionModuleConfig, build_action_modu
 from joynexus.models.adapters import LoraAdapterConfig, join_tenant_state, split_tenant_state
 from joynexus.models.backbone import ResidentBackbone
 from joynexus.models.placement import cpu_copy
-from joynexus.services.residency import ResidencyLimits, TenantResidency, UnknownEntry
+from joynexus.services.residency import ResidencyLimits, TenantResidency, UnknownEntry, decode_paged
 from joynexus.services.training.packing import ActiveSlots
 from joynexus.services.training.pager import SlotPager
 from joynexus.services.training.slots import PendingGradients, TenantSlot, TenantSlotError, UnknownTenant
@@ -57,7 +57,7 @@ class SlotTable:
         self.active = active
         # tenant -> what forward_backward has accumulated since the tenant's last optimizer step.
         self.pending_gradients: dict[str, PendingGradients] = {}
-        pager = SlotPager(backbone, self.device, active, self.pending_gradients, self.pack_least_recent)
+        pager = self.pager = SlotPager(backbone, self.device, active, self.pending_gradients, self.pack_least_recent)
         # A mapping of every registered tenant id to its slot (see `slot`).
         self.residency: TenantResidency[str, TenantSlot] = TenantResidency(
             pager, limits, spill_dir, name="training-slots"
@@ -210,6 +210,37 @@ class SlotTable:
         # A resident adapter tenant's adapter is on the backbone (a paged-out one's left with its page-out).
         self.backbone.adapters.remove(tenant_id)
         return True
+
+    def detach(self, tenant_id: str) -> bytes:
+        """Take the tenant's slot out in the paging format (`TenantResidency.detach`): every number
+        of it, optimizer state, counters and loss history included, to `attach` on another shard.
+        Refused while it holds pending gradients (a `forward_backward` chain waits for its step)."""
+        if tenant_id not in self.residency:
+            raise UnknownTenant(tenant_id)
+        if tenant_id in self.pending_gradients:
+            raise TenantSlotError(f"tenant {tenant_id!r} has pending gradients: step or discard them before moving it")
+        data = self.residency.detach(tenant_id)
+        self.active.discard(tenant_id)
+        return data
+
+    def attach(self, data: bytes) -> dict[str, Any]:
+        """A slot another service `detach`-ed, resident here exactly as it left (packed slots come
+        back packed and materialize on first use). Refused if the tenant already has a slot here or
+        targets another base model."""
+        tensors, meta = decode_paged(data)
+        config = TenantBackendConfig.model_validate(meta["config"])
+        if config.base_model_id != self.backbone.model_id:
+            raise TenantSlotError(
+                f"tenant {config.tenant_id!r} targets base model {config.base_model_id!r}, "
+                f"this service holds {self.backbone.model_id!r}"
+            )
+        if config.tenant_id in self.residency:
+            raise TenantSlotError(f"tenant {config.tenant_id!r} already has a slot here")
+        slot = self.pager.restore(config.tenant_id, tensors, meta)
+        self.residency.add(config.tenant_id, slot)
+        if slot.is_active:
+            self.active.activated(config.tenant_id)
+        return {"tenant_id": config.tenant_id, "version": slot.version, "issued_version": slot.issued_version}
 
     def issue_version(self, slot: TenantSlot) -> int:
         """Number a parameter change: the next never-issued version, made durable BEFORE the slot

@@ -25,6 +25,7 @@ from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
 from joynexus.models.backbone.layer_prefix import LayerPrefix
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
+from joynexus.services.training.gradient_sync import reduce_gradients
 from joynexus.services.training.slot_table import SlotTable
 from joynexus.services.training.slots import (
     Microbatch,
@@ -87,8 +88,11 @@ def backward_loss(slot: TenantSlot, compute_loss: Callable[[], torch.Tensor], *,
 def clip_gradients(
     slot: TenantSlot, params: list[torch.nn.Parameter] | None = None, max_norm: float = MAX_GRAD_NORM
 ) -> torch.Tensor:
-    """Clip the slot's gradients to norm `max_norm`; a non-finite norm raises (the caller drops them)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(slot.parameters() if params is None else params, max_norm)
+    """Clip the slot's gradients to norm `max_norm`; a non-finite norm raises (the caller drops them).
+    On a rank of a data-parallel group they are first summed over the group (`data_parallel`)."""
+    params = list(slot.parameters() if params is None else params)
+    reduce_gradients(slot, params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if not torch.isfinite(grad_norm):
         raise TenantSlotError(f"tenant {slot.config.tenant_id!r}: non-finite gradient norm {grad_norm.item()}")
     return grad_norm
