@@ -153,16 +153,18 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def pss_bytes(pids: list[int]) -> int:
-    """Proportional set size of the processes and their descendants: shared pages (torch's
-    libraries) split among the processes mapping them, so a sum over processes counts each once."""
-    total = 0
+def pss_by_process(pids: list[int]) -> dict[str, int]:
+    """Proportional set size of the processes and their descendants, per command name: shared
+    pages (torch's libraries) split among the processes mapping them, so a sum counts each once."""
+    total: dict[str, int] = {}
     for pid in {p for root in pids for p in process_tree(root)}:
         try:
             text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        total += next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:"))
+        pss = next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:"))
+        total[name] = total.get(name, 0) + pss
     return total
 
 
@@ -323,6 +325,7 @@ class StreamRobot:
         self.ws = connect(url.replace("http://", "ws://") + "/v1/stream", additional_headers=headers, max_size=None)
         self.loads(self.ws.recv())  # ready
         self.seq = 0
+        self.batch_samples: list[int] = []  # samples of the service batch each answer rode in
 
     def request(self) -> None:
         self.seq += 1
@@ -330,6 +333,7 @@ class StreamRobot:
         answer = self.loads(self.ws.recv())
         if answer["type"] != "actions":
             raise RuntimeError(answer)
+        self.batch_samples.append(answer["batch_samples"])
 
     def close(self) -> None:
         self.ws.close()
@@ -395,6 +399,11 @@ class LeRobotRobot:
         self.channel.close()
 
 
+def closing(robots: list[Any]) -> None:
+    for robot in robots:
+        robot.close()
+
+
 def closed_loop(robots: list[Any], warmup_s: float, seconds: float) -> dict[str, float]:
     """Every robot in its own thread sends one request after another; requests that end inside the
     window (after the warm-up) are counted, their round trips kept."""
@@ -436,16 +445,18 @@ def closed_loop(robots: list[Any], warmup_s: float, seconds: float) -> dict[str,
 
 
 def measured(system: str, n: int, robots: list[Any], pids: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        row = {"system": system, "tenants": n, **closed_loop(robots, args.warmup, args.seconds)}
-    finally:
-        for robot in robots:
-            robot.close()
-    row["pss_gib"] = pss_bytes(pids) / GIB
+    """One point: the robots' closed loop, then the system's PSS (the robots stay open)."""
+    row = {"system": system, "tenants": n, **closed_loop(robots, args.warmup, args.seconds)}
+    row["pss_by_process"] = pss_by_process(pids)
+    row["pss_gib"] = sum(row["pss_by_process"].values()) / GIB
     row["per_gib"] = row["requests_per_s"] / row["pss_gib"]
+    batches = [b for robot in robots for b in getattr(robot, "batch_samples", [])]
+    row["batch_samples"] = float(np.mean(batches)) if batches else None  # JoyNexus's stream reports it
+    largest = sorted(row["pss_by_process"].items(), key=lambda item: -item[1])[:4]
     print(
         f"  {system:<22} {n} tenant(s): {row['requests_per_s']:7.2f} req/s, p50 {row['p50_ms']:8.1f} ms, "
-        f"p99 {row['p99_ms']:8.1f} ms, PSS {row['pss_gib']:.2f} GiB",
+        f"p99 {row['p99_ms']:8.1f} ms, PSS {row['pss_gib']:.2f} GiB "
+        f"({', '.join(f'{name} {size / GIB:.2f}' for name, size in largest)})",
         flush=True,
     )
     return row
@@ -479,11 +490,15 @@ def joynexus_phase(setup: Setup, kind: str) -> list[dict[str, Any]]:
         for n in args.tenants:
             while len(deployment.tenants) < n:
                 setup.tenant(deployment, len(deployment.tenants))
-            robots = [StreamRobot(deployment.url, t) for t in deployment.tenants[:n]]
-            rows.append(measured(f"joynexus {kind}", n, robots, [deployment.process.pid], args))
+            systems = {f"joynexus {kind}": StreamRobot}
             if args.openpi and kind == "in-process":
-                robots = [OpenPIRobot(deployment.url, t) for t in deployment.tenants[:n]]
-                rows.append(measured("openpi shared", n, robots, [deployment.process.pid], args))
+                systems["openpi shared"] = OpenPIRobot
+            for system, robot in systems.items():
+                robots = [robot(deployment.url, t) for t in deployment.tenants[:n]]
+                try:
+                    rows.append(measured(system, n, robots, [deployment.process.pid], args))
+                finally:
+                    closing(robots)
     finally:
         deployment.stop()
     return rows
@@ -505,8 +520,7 @@ def lerobot_phase(setup: Setup) -> list[dict[str, Any]]:
                 )
             rows.append(measured("lerobot", n, robots[:n], [s.process.pid for s in servers[:n]], args))
     finally:
-        for robot in robots:
-            robot.close()
+        closing(robots)
         for server in servers:
             server.stop()
     return rows
@@ -523,7 +537,10 @@ def openpi_per_tenant_phase(setup: Setup) -> list[dict[str, Any]]:
             for deployment in started:
                 setup.tenant(deployment.ready(), deployments.index(deployment))
             robots = [OpenPIRobot(d.url, d.tenants[0]) for d in deployments[:n]]
-            rows.append(measured("openpi per tenant", n, robots, [d.process.pid for d in deployments[:n]], args))
+            try:
+                rows.append(measured("openpi per tenant", n, robots, [d.process.pid for d in deployments[:n]], args))
+            finally:
+                closing(robots)
     finally:
         for deployment in deployments:
             deployment.stop()
@@ -537,7 +554,10 @@ def report(rows: list[dict[str, Any]], setup: Setup) -> None:
         f"state {STATE_DIM}, chunk {size.chunk}, {size.steps} Euler steps; torch threads {args.threads} per process, "
         f"{os.cpu_count()} CPU core(s); {args.seconds:g} s windows after {args.warmup:g} s"
     )
-    header = f"{'tenants':>7} {'system':<22} {'req/s':>8} {'p50 ms':>9} {'p99 ms':>9} {'PSS GiB':>8} {'req/s/GiB':>10}"
+    header = (
+        f"{'tenants':>7} {'system':<22} {'req/s':>8} {'p50 ms':>9} {'p99 ms':>9} {'PSS GiB':>8} {'req/s/GiB':>10} "
+        f"{'batch':>6}"
+    )
     print(header)
     print("-" * len(header))
     by = {(r["system"], r["tenants"]): r for r in rows}
@@ -546,9 +566,10 @@ def report(rows: list[dict[str, Any]], setup: Setup) -> None:
             if (r := by.get((system, n))) is not None:
                 print(
                     f"{n:>7} {system:<22} {r['requests_per_s']:>8.2f} {r['p50_ms']:>9.1f} {r['p99_ms']:>9.1f} "
-                    f"{r['pss_gib']:>8.2f} {r['per_gib']:>10.2f}"
+                    f"{r['pss_gib']:>8.2f} {r['per_gib']:>10.2f} "
+                    + (f"{r['batch_samples']:>6.2f}" if r["batch_samples"] is not None else f"{'-':>6}")
                 )
-    print()
+    print("(batch: mean samples of the Inference Model Service batch each JoyNexus answer rode in)\n")
     for n in args.tenants:
         for system in JOYNEXUS:
             ours, peer = by.get((system, n)), by.get(("lerobot", n))
