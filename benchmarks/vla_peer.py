@@ -2,7 +2,7 @@
 tenants of ONE deployment (grouped) vs N LeRobot async-inference `PolicyServer` processes, one
 policy each (issue 44, item 2).
 
-  .venv/bin/python benchmarks/vla_peer.py [--tenants 2 4 8] [--seconds 10] [--size small|published]
+  .venv/bin/python benchmarks/vla_peer.py [--tenants 2 4 8] [--rounds 3 --seconds 5] [--size small|published]
 
 Checkpoints: N LeRobot policy directories of the same base (the deployment's backbone), written by
 LeRobot's own classes (`build_lerobot_smolvla_checkpoint`: ``SmolVLAPolicy.save_pretrained`` and its
@@ -10,9 +10,9 @@ processor pipelines), each with its own expert (drawn from its own seed: what fi
 over a frozen VLM leaves different). A family is its checkpoint builder (`FAMILIES`): SmolVLA now.
 
 Every robot sends ONE observation per request and waits for its chunk (a closed loop, one client
-per tenant / server, all at once, in threads of this process). Per system, over `--seconds` after a
-warm-up: requests/s, p50 / p99 round trip, resident memory (PSS of every process of the system, from
-/proc/PID/smaps_rollup, at the end of the window), requests/s per GB, and JoyNexus / peer.
+per tenant / server, all at once, in threads of this process). Per system and N: requests/s, p50 /
+p99 round trip, resident memory (PSS of every process of the system, from /proc/PID/smaps_rollup,
+after the point's rounds), requests/s per GB, and JoyNexus / peer.
 
 - ``joynexus ray`` / ``joynexus in-process``: one deployment, N smolvla tenants created from the
   checkpoints, each robot on its tenant's ``/v1/stream``; the Inference Queue groups concurrent
@@ -27,10 +27,12 @@ warm-up: requests/s, p50 / p99 round trip, resident memory (PSS of every process
 - OpenPI-style (``--openpi``, on by default at the small size): the stock ``openpi-client`` against one
   deployment per tenant (what one ``serve_policy.py`` per policy is) vs the one shared deployment.
 
-Phases run one after another (the other systems stopped: nothing idle holds the cores); the table
-comes at the end. Every server process runs ``--threads`` torch threads (default 1, JoyNexus's own
-default; a LeRobot process left alone takes one per core). ``--quick``: the tiny backbone, 2
-tenants, the in-process deployment, 1.5 s windows (a smoke run).
+Every system runs from the start (each holds its memory; an idle one takes next to no CPU); per N,
+`--rounds` rounds measure them in turn, the order alternating, so a shared host's drifting load hits
+them alike; round trips are pooled over the rounds, PSS read after. The table comes at the end.
+Every server process runs ``--threads`` torch threads (default 1, JoyNexus's own default; a LeRobot
+process left alone takes one per core). ``--quick``: the tiny backbone, 2 tenants, the in-process
+deployment, one round of 1.5 s (a smoke run).
 """
 
 from __future__ import annotations
@@ -404,7 +406,7 @@ def closing(robots: list[Any]) -> None:
         robot.close()
 
 
-def closed_loop(robots: list[Any], warmup_s: float, seconds: float) -> dict[str, float]:
+def closed_loop(robots: list[Any], warmup_s: float, seconds: float) -> dict[str, Any]:
     """Every robot in its own thread sends one request after another; requests that end inside the
     window (after the warm-up) are counted, their round trips kept."""
     start = threading.Barrier(len(robots) + 1)
@@ -433,36 +435,10 @@ def closed_loop(robots: list[Any], warmup_s: float, seconds: float) -> dict[str,
     if failures:
         raise RuntimeError(f"{len(failures)} robot(s) failed") from failures[0]
     inside = [(b, e) for out in done for b, e in out if window["t0"] <= e <= window["t1"]]
-    latencies = [1000.0 * (e - b) for b, e in inside]
-    if not latencies:
-        raise RuntimeError(f"no request completed inside the {seconds:g} s window")
-    return {
-        "requests": len(inside),
-        "requests_per_s": len(inside) / seconds,
-        "p50_ms": float(np.percentile(latencies, 50)),
-        "p99_ms": float(np.percentile(latencies, 99)),
-    }
+    return {"seconds": seconds, "latencies_ms": [1000.0 * (e - b) for b, e in inside]}
 
 
-def measured(system: str, n: int, robots: list[Any], pids: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """One point: the robots' closed loop, then the system's PSS (the robots stay open)."""
-    row = {"system": system, "tenants": n, **closed_loop(robots, args.warmup, args.seconds)}
-    row["pss_by_process"] = pss_by_process(pids)
-    row["pss_gib"] = sum(row["pss_by_process"].values()) / GIB
-    row["per_gib"] = row["requests_per_s"] / row["pss_gib"]
-    batches = [b for robot in robots for b in getattr(robot, "batch_samples", [])]
-    row["batch_samples"] = float(np.mean(batches)) if batches else None  # JoyNexus's stream reports it
-    largest = sorted(row["pss_by_process"].items(), key=lambda item: -item[1])[:4]
-    print(
-        f"  {system:<22} {n} tenant(s): {row['requests_per_s']:7.2f} req/s, p50 {row['p50_ms']:8.1f} ms, "
-        f"p99 {row['p99_ms']:8.1f} ms, PSS {row['pss_gib']:.2f} GiB "
-        f"({', '.join(f'{name} {size / GIB:.2f}' for name, size in largest)})",
-        flush=True,
-    )
-    return row
-
-
-# -- phases ---------------------------------------------------------------------------------------
+# -- the systems ----------------------------------------------------------------------------------
 @dataclass
 class Setup:
     args: argparse.Namespace
@@ -481,70 +457,156 @@ class Setup:
         deployment.add_tenant(f"robot-{i}", self.model_id, self.family, self.checkpoints[i], self.side, self.size.chunk)
 
 
-def joynexus_phase(setup: Setup, kind: str) -> list[dict[str, Any]]:
-    """One deployment of ``kind``; tenants added as N grows; /v1/stream robots (and, on the
-    in-process one, the openpi client: the shared side of the OpenPI-style comparison)."""
-    args, rows = setup.args, []
-    deployment = setup.deployment(f"joynexus-{kind}", kind).ready()
-    try:
-        for n in args.tenants:
-            while len(deployment.tenants) < n:
-                setup.tenant(deployment, len(deployment.tenants))
-            systems = {f"joynexus {kind}": StreamRobot}
-            if args.openpi and kind == "in-process":
-                systems["openpi shared"] = OpenPIRobot
-            for system, robot in systems.items():
-                robots = [robot(deployment.url, t) for t in deployment.tenants[:n]]
-                try:
-                    rows.append(measured(system, n, robots, [deployment.process.pid], args))
-                finally:
-                    closing(robots)
-    finally:
-        deployment.stop()
-    return rows
+class Shared:
+    """N tenants of ONE JoyNexus deployment, robots of one protocol (fresh per round)."""
 
+    def __init__(self, name: str, setup: Setup, deployment: Deployment, robot: type) -> None:
+        self.name, self.setup, self.deployment, self.robot = name, setup, deployment, robot
 
-def lerobot_phase(setup: Setup) -> list[dict[str, Any]]:
-    """N PolicyServer processes, one policy each, servers (and their robots) added as N grows."""
-    args, rows = setup.args, []
-    servers: list[PeerServer] = []
-    robots: list[LeRobotRobot] = []
-    try:
-        for n in args.tenants:
-            while len(servers) < n:
-                servers.append(PeerServer(setup.tmp / f"lerobot-{len(servers)}", args.threads))
-            while len(robots) < n:
-                i = len(robots)
-                robots.append(
-                    LeRobotRobot(servers[i].port, setup.family, setup.checkpoints[i], setup.side, setup.size.chunk)
-                )
-            rows.append(measured("lerobot", n, robots[:n], [s.process.pid for s in servers[:n]], args))
-    finally:
+    def grow(self, n: int) -> None:
+        while len(self.deployment.tenants) < n:
+            self.setup.tenant(self.deployment, len(self.deployment.tenants))
+
+    def robots(self, n: int) -> list[Any]:
+        return [self.robot(self.deployment.url, t) for t in self.deployment.tenants[:n]]
+
+    def release(self, robots: list[Any]) -> None:
         closing(robots)
-        for server in servers:
+
+    def pids(self, n: int) -> list[int]:
+        return [self.deployment.process.pid]
+
+    def stop(self) -> None:
+        self.deployment.stop()
+
+
+class LeRobotPeer:
+    """N PolicyServer processes, one policy each; each robot set up once (one policy load per server)."""
+
+    name = "lerobot"
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup, self.servers, self.clients = setup, [], []
+
+    def grow(self, n: int) -> None:
+        setup = self.setup
+        while len(self.servers) < n:
+            self.servers.append(PeerServer(setup.tmp / f"lerobot-{len(self.servers)}", setup.args.threads))
+        while len(self.clients) < n:
+            i = len(self.clients)
+            port, checkpoint = self.servers[i].port, setup.checkpoints[i]
+            self.clients.append(LeRobotRobot(port, setup.family, checkpoint, setup.side, setup.size.chunk))
+
+    def robots(self, n: int) -> list[Any]:
+        return self.clients[:n]
+
+    def release(self, robots: list[Any]) -> None:
+        pass
+
+    def pids(self, n: int) -> list[int]:
+        return [s.process.pid for s in self.servers[:n]]
+
+    def stop(self) -> None:
+        closing(self.clients)
+        for server in self.servers:
             server.stop()
-    return rows
 
 
-def openpi_per_tenant_phase(setup: Setup) -> list[dict[str, Any]]:
+class OpenPIPerTenant:
     """One JoyNexus deployment per tenant (what one openpi serve_policy.py per policy is)."""
-    args, rows = setup.args, []
-    deployments: list[Deployment] = []
-    try:
-        for n in args.tenants:
-            started = [setup.deployment(f"openpi-{i}") for i in range(len(deployments), n)]
-            deployments += started  # launched side by side, then each given its tenant
-            for deployment in started:
-                setup.tenant(deployment.ready(), deployments.index(deployment))
-            robots = [OpenPIRobot(d.url, d.tenants[0]) for d in deployments[:n]]
-            try:
-                rows.append(measured("openpi per tenant", n, robots, [d.process.pid for d in deployments[:n]], args))
-            finally:
-                closing(robots)
-    finally:
-        for deployment in deployments:
+
+    name = "openpi per tenant"
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup, self.deployments = setup, []
+
+    def grow(self, n: int) -> None:
+        started = [self.setup.deployment(f"openpi-{i}") for i in range(len(self.deployments), n)]
+        self.deployments += started  # launched side by side, then each given its tenant
+        for deployment in started:
+            self.setup.tenant(deployment.ready(), self.deployments.index(deployment))
+
+    def robots(self, n: int) -> list[Any]:
+        return [OpenPIRobot(d.url, d.tenants[0]) for d in self.deployments[:n]]
+
+    def release(self, robots: list[Any]) -> None:
+        closing(robots)
+
+    def pids(self, n: int) -> list[int]:
+        return [d.process.pid for d in self.deployments[:n]]
+
+    def stop(self) -> None:
+        for deployment in self.deployments:
             deployment.stop()
-    return rows
+
+
+def systems_of(setup: Setup) -> list[Any]:
+    """Every system of the run, started (each holds its tenants' memory from here on)."""
+    args, systems = setup.args, []
+    try:
+        for kind in args.deployments:
+            deployment = setup.deployment(f"joynexus-{kind}", kind).ready()
+            systems.append(Shared(f"joynexus {kind}", setup, deployment, StreamRobot))
+            if args.openpi and kind == "in-process":
+                systems.append(Shared("openpi shared", setup, deployment, OpenPIRobot))
+        systems.append(LeRobotPeer(setup))
+        if args.openpi:
+            systems.append(OpenPIPerTenant(setup))
+    except BaseException:
+        stop_all(systems)
+        raise
+    return systems
+
+
+def stop_all(systems: list[Any]) -> None:
+    for system in systems:
+        system.stop()
+
+
+def point(systems: list[Any], n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every system at N tenants, in `--rounds` rounds that alternate their order (a shared host's
+    load drifts over minutes: each round hits every system alike); round trips pooled, PSS after."""
+    for system in systems:
+        system.grow(n)
+    pooled: dict[str, dict[str, Any]] = {s.name: {"seconds": 0.0, "latencies_ms": [], "batches": []} for s in systems}
+    for r in range(args.rounds):
+        for system in systems if r % 2 == 0 else systems[::-1]:
+            robots = system.robots(n)
+            try:
+                got = closed_loop(robots, args.warmup, args.seconds)
+                pooled[system.name]["batches"] += [b for robot in robots for b in getattr(robot, "batch_samples", [])]
+            finally:
+                system.release(robots)
+            pooled[system.name]["seconds"] += got["seconds"]
+            pooled[system.name]["latencies_ms"] += got["latencies_ms"]
+    return [summary(system.name, n, pooled[system.name], system.pids(n)) for system in systems]
+
+
+def summary(system: str, n: int, pooled: dict[str, Any], pids: list[int]) -> dict[str, Any]:
+    latencies = pooled["latencies_ms"]
+    if not latencies:
+        raise RuntimeError(f"{system}: no request completed inside its windows")
+    row: dict[str, Any] = {
+        "system": system,
+        "tenants": n,
+        "requests": len(latencies),
+        "requests_per_s": len(latencies) / pooled["seconds"],
+        "p50_ms": float(np.percentile(latencies, 50)),
+        "p99_ms": float(np.percentile(latencies, 99)),
+        "pss_by_process": pss_by_process(pids),
+    }
+    row["pss_gib"] = sum(row["pss_by_process"].values()) / GIB
+    row["per_gib"] = row["requests_per_s"] / row["pss_gib"]
+    # JoyNexus's stream reports the service batch each answer rode in (the warm-up's answers too).
+    row["batch_samples"] = float(np.mean(pooled["batches"])) if pooled["batches"] else None
+    largest = sorted(row["pss_by_process"].items(), key=lambda item: -item[1])[:4]
+    print(
+        f"  {system:<22} {n} tenant(s): {row['requests_per_s']:7.2f} req/s, p50 {row['p50_ms']:8.1f} ms, "
+        f"p99 {row['p99_ms']:8.1f} ms, PSS {row['pss_gib']:.2f} GiB "
+        f"({', '.join(f'{name} {size / GIB:.2f}' for name, size in largest)})",
+        flush=True,
+    )
+    return row
 
 
 def report(rows: list[dict[str, Any]], setup: Setup) -> None:
@@ -552,7 +614,8 @@ def report(rows: list[dict[str, Any]], setup: Setup) -> None:
     print(
         f"\n{setup.family.policy_type} over {size.preset} ({vlm_layers(size)} layers), {setup.side} px, 1 camera, "
         f"state {STATE_DIM}, chunk {size.chunk}, {size.steps} Euler steps; torch threads {args.threads} per process, "
-        f"{os.cpu_count()} CPU core(s); {args.seconds:g} s windows after {args.warmup:g} s"
+        f"{os.cpu_count()} CPU core(s); {args.rounds} x {args.seconds:g} s windows (each after "
+        f"{args.warmup:g} s) per point"
     )
     header = (
         f"{'tenants':>7} {'system':<22} {'req/s':>8} {'p50 ms':>9} {'p99 ms':>9} {'PSS GiB':>8} {'req/s/GiB':>10} "
@@ -616,8 +679,9 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--image-size", type=int, default=None, help="override the size's camera side")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="smolvla")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measurement window per point")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds before each window")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measurement window per round")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each window")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per point, the systems' order alternating")
     # 1: JoyNexus's own default (JOYNEXUS_TORCH_THREADS); each peer process gets the same.
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every server process")
     parser.add_argument(
@@ -628,15 +692,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny backbone, 2 tenants, 2 s windows")
     args = parser.parse_args()
     if args.quick:
-        args.size, args.tenants, args.seconds, args.warmup, args.deployments = "tiny", [2], 1.5, 0.5, ["in-process"]
+        args.size, args.tenants, args.seconds, args.warmup, args.rounds = "tiny", [2], 1.5, 0.5, 1
+        args.deployments = ["in-process"]
     args.tenants = sorted(set(args.tenants))
     if args.openpi is None:
         args.openpi = args.size != "published" and "in-process" in args.deployments
     with tempfile.TemporaryDirectory(prefix="joynexus-vla-peer-") as tmp:
         setup = prepare(args, Path(tmp))
-        rows = [row for kind in args.deployments for row in joynexus_phase(setup, kind)] + lerobot_phase(setup)
-        if args.openpi:
-            rows += openpi_per_tenant_phase(setup)
+        systems = systems_of(setup)
+        try:
+            rows = [row for n in args.tenants for row in point(systems, n, args)]
+        finally:
+            stop_all(systems)
     report(rows, setup)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
