@@ -18,7 +18,8 @@ after the point's rounds), requests/s per GB, and JoyNexus / peer.
   checkpoints, each robot on its tenant's ``/v1/stream``; the Inference Queue groups concurrent
   requests into one prefix forward + each tenant's expert. Ray: what `joynexus serve` runs, a local
   Ray (its GCS, raylet and dashboard processes and one worker per service actor, all children of the
-  API server's process, all counted) started by `connect(mode="ray")`; in-process: the services as
+  API server's process, all counted) started by `connect(mode="ray")`, its workers at niceness 0
+  (Ray's default 15 loses the CPU to any other process of a shared host); in-process: the services as
   objects of the API server's process, as `benchmarks/policy_server.py` starts it.
 - ``lerobot``: N ``python -m lerobot.async_inference.policy_server`` processes (``inference_latency``
   0, so it never pads a reply), each robot driving its server with LeRobot's own gRPC messages as its
@@ -27,9 +28,11 @@ after the point's rounds), requests/s per GB, and JoyNexus / peer.
 - OpenPI-style (``--openpi``, on by default at the small size): the stock ``openpi-client`` against one
   deployment per tenant (what one ``serve_policy.py`` per policy is) vs the one shared deployment.
 
-Every system runs from the start (each holds its memory; an idle one takes next to no CPU); per N,
-`--rounds` rounds measure them in turn, the order alternating, so a shared host's drifting load hits
-them alike; round trips are pooled over the rounds, PSS read after. The table comes at the end.
+Systems are measured side by side in two groups (JoyNexus's deployments and the LeRobot peer; then
+the OpenPI-style pair): a group's systems are all up while it runs (each holds its memory; an idle
+one takes next to no CPU); per N, `--rounds` rounds measure them in turn, the order alternating, so
+a shared host's drifting load hits them alike; round trips are pooled over the rounds, PSS read
+after. The table comes at the end.
 Every server process runs ``--threads`` torch threads (default 1, JoyNexus's own default; a LeRobot
 process left alone takes one per core). ``--quick``: the tiny backbone, 2 tenants, the in-process
 deployment, one round of 1.5 s (a smoke run).
@@ -211,6 +214,10 @@ def _serve_ray(conn: Any) -> None:
     from joynexus.connect import connect
     from joynexus.settings import Settings
 
+    # Ray starts its workers at niceness 15; on a host shared with other work (this benchmark's
+    # peers at 0, other sessions' tests) that hands them the CPU. A dedicated host runs nothing else:
+    # 0 puts the service actors on equal terms with the peer's processes.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     cluster = connect(Settings(), mode="ray")  # starts a local Ray: its processes are this one's children
     app = create_app(cluster, ApiSettings(), admin_key=ADMIN_KEY)
     port = free_port()
@@ -458,10 +465,11 @@ class Setup:
 
 
 class Shared:
-    """N tenants of ONE JoyNexus deployment, robots of one protocol (fresh per round)."""
+    """N tenants of ONE JoyNexus deployment, robots of one protocol (fresh per round); `owner`: it
+    stops the deployment (two protocols may share one)."""
 
-    def __init__(self, name: str, setup: Setup, deployment: Deployment, robot: type) -> None:
-        self.name, self.setup, self.deployment, self.robot = name, setup, deployment, robot
+    def __init__(self, name: str, setup: Setup, deployment: Deployment, robot: type, owner: bool = True) -> None:
+        self.name, self.setup, self.deployment, self.robot, self.owner = name, setup, deployment, robot, owner
 
     def grow(self, n: int) -> None:
         while len(self.deployment.tenants) < n:
@@ -477,7 +485,8 @@ class Shared:
         return [self.deployment.process.pid]
 
     def stop(self) -> None:
-        self.deployment.stop()
+        if self.owner:
+            self.deployment.stop()
 
 
 class LeRobotPeer:
@@ -540,22 +549,28 @@ class OpenPIPerTenant:
             deployment.stop()
 
 
-def systems_of(setup: Setup) -> list[Any]:
-    """Every system of the run, started (each holds its tenants' memory from here on)."""
-    args, systems = setup.args, []
+def system_groups(setup: Setup) -> list[list[Any]]:
+    """The systems, in groups measured side by side: JoyNexus's deployments with the LeRobot peer,
+    then the OpenPI-style pair (one shared deployment vs one per tenant). A group's systems are all
+    up while it runs (each holding its memory), and stopped before the next group starts: all at
+    once would not fit a small host at 8 tenants."""
+    args = setup.args
+    shared_openpi = args.openpi and "in-process" in args.deployments
+    first: list[Any] = []
     try:
         for kind in args.deployments:
             deployment = setup.deployment(f"joynexus-{kind}", kind).ready()
-            systems.append(Shared(f"joynexus {kind}", setup, deployment, StreamRobot))
-            if args.openpi and kind == "in-process":
-                systems.append(Shared("openpi shared", setup, deployment, OpenPIRobot))
-        systems.append(LeRobotPeer(setup))
-        if args.openpi:
-            systems.append(OpenPIPerTenant(setup))
+            owner = not (shared_openpi and kind == "in-process")  # the OpenPI group's shared side stops it
+            first.append(Shared(f"joynexus {kind}", setup, deployment, StreamRobot, owner))
+            if not owner:
+                openpi_shared = Shared("openpi shared", setup, deployment, OpenPIRobot)
+        first.append(LeRobotPeer(setup))
     except BaseException:
-        stop_all(systems)
+        stop_all(first)
         raise
-    return systems
+    if not args.openpi:
+        return [first]
+    return [first, [openpi_shared, OpenPIPerTenant(setup)]] if shared_openpi else [first, [OpenPIPerTenant(setup)]]
 
 
 def stop_all(systems: list[Any]) -> None:
@@ -699,11 +714,16 @@ def main() -> None:
         args.openpi = args.size != "published" and "in-process" in args.deployments
     with tempfile.TemporaryDirectory(prefix="joynexus-vla-peer-") as tmp:
         setup = prepare(args, Path(tmp))
-        systems = systems_of(setup)
+        groups, rows = system_groups(setup), []
         try:
-            rows = [row for n in args.tenants for row in point(systems, n, args)]
-        finally:
-            stop_all(systems)
+            for group in groups:
+                try:
+                    rows += [row for n in args.tenants for row in point(group, n, args)]
+                finally:
+                    stop_all(group)
+        except BaseException:
+            stop_all([system for group in groups for system in group])  # stopping twice is harmless
+            raise
     report(rows, setup)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
