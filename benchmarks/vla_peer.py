@@ -296,11 +296,27 @@ class Deployment:
             self.process.kill()
 
 
+def peer_port() -> int:
+    """A free port above the kernel's ephemeral range: gRPC servers bind with SO_REUSEPORT, so a
+    port a Ray process (ours or another's) takes from that range meanwhile would be shared with it."""
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = np.random.default_rng()
+    for _ in range(100):
+        port = int(rng.integers(high + 1, 65536)) if high < 65000 else int(rng.integers(1024, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port for a PolicyServer")
+
+
 class PeerServer:
     """One LeRobot async-inference PolicyServer process, as its docs start it."""
 
     def __init__(self, cwd: Path, threads: int) -> None:
-        self.port = free_port()
+        self.port = peer_port()
         cwd.mkdir(parents=True, exist_ok=True)  # the module opens ./logs at import: a folder of its own
         args = ["--host=127.0.0.1", f"--port={self.port}", "--inference_latency=0", "--obs_queue_timeout=60"]
         self.process = subprocess.Popen(
