@@ -53,6 +53,10 @@ SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "smolvla_grouped.py": (["--quick"], r"whole policies [\d.]+ GiB \([\d.]+x\)"),
     "sweep.py": (["--quick"], r"sequential / side by side = [\d.]+x"),
     "training_throughput.py": (["--quick"], r"^ +2 +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+$"),
+    "vla_peer.py": (
+        ["--quick"],
+        r"^2 tenants: joynexus in-process / lerobot requests/s [\d.]+x, PSS [\d.]+x, requests/s per GiB [\d.]+x",
+    ),
 }
 
 
