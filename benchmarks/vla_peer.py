@@ -7,7 +7,9 @@ policy each (issue 44, item 2).
 Checkpoints: N LeRobot policy directories of the same base (the deployment's backbone), written by
 LeRobot's own classes (`build_lerobot_smolvla_checkpoint`: ``SmolVLAPolicy.save_pretrained`` and its
 processor pipelines), each with its own expert (drawn from its own seed: what fine-tuning the expert
-over a frozen VLM leaves different). A family is its checkpoint builder (`FAMILIES`): SmolVLA now.
+over a frozen VLM leaves different). A family is its checkpoint builder (`FAMILIES`): SmolVLA, and
+π0 (`--family pi0`: `build_lerobot_pi0_checkpoint` over a PaliGemma deployment; LeRobot's servers
+run under openpi's transformers patch, `_pi0_policy_server.py`).
 
 Every robot sends ONE observation per request and waits for its chunk (a closed loop, one client
 per tenant / server, all at once, in threads of this process). Per system and N: requests/s, p50 /
@@ -97,7 +99,10 @@ SIZES = {
 # -- checkpoints ---------------------------------------------------------------------------------
 def vlm_layers(size: Size) -> int:
     from joynexus.models.backbone import TinyBackboneSpec
+    from joynexus.models.backbone.paligemma import PALIGEMMA_PRESETS
 
+    if size.preset in PALIGEMMA_PRESETS:
+        return PALIGEMMA_PRESETS[size.preset].depth
     return size.layers or TinyBackboneSpec.preset(size.preset).text_layers
 
 
@@ -130,17 +135,88 @@ def write_smolvla_checkpoints(backbone: Any, root: Path, count: int, size: Size)
     return roots
 
 
+PI0_CONFIG_DIR = "paligemma-config"
+
+
+def pi0_expert(backbone: Any) -> tuple[int, ...]:
+    """π0's published gemma_300m expert over the published PaliGemma; a 32-wide one over a small one."""
+    from joynexus.artifacts.lerobot_pi0 import gemma_shape
+    from joynexus.models.action_modules.pi0 import GEMMA_VARIANTS
+
+    vlm = gemma_shape(backbone.model.config.text_config)
+    if vlm == GEMMA_VARIANTS["gemma_2b"]:
+        return GEMMA_VARIANTS["gemma_300m"]
+    return (32, vlm[1], 64, *vlm[3:])
+
+
+def write_pi0_checkpoints(backbone: Any, root: Path, count: int, size: Size) -> list[Path]:
+    """`count` LeRobot π0 directories over ``backbone``'s PaliGemma (`build_lerobot_pi0_checkpoint`:
+    LeRobot's own ``PI0Policy.save_pretrained`` and its processor pipelines), each expert from its own
+    seed; the PaliGemma's config beside them for the peer's servers (`_pi0_policy_server.py`)."""
+    from joynexus.artifacts.lerobot_pi0 import build_lerobot_pi0_checkpoint
+
+    backbone.model.config.save_pretrained(root / PI0_CONFIG_DIR)
+    return [
+        build_lerobot_pi0_checkpoint(
+            root / f"pi0-{i}",
+            backbone,
+            kind="pi0",
+            camera_keys=[f"observation.images.{CAMERA}"],
+            state_dim=STATE_DIM,
+            action_dim=ACTION_DIM,
+            expert=pi0_expert(backbone),
+            stats=STATS,
+            seed=100 + i,
+            chunk_size=size.chunk,
+            n_action_steps=size.chunk,
+            num_inference_steps=size.steps,
+        )  # fmt: skip
+        for i in range(count)
+    ]
+
+
+def pi0_server(root: Path, backbone: Any) -> tuple[list[str], dict[str, str]]:
+    """LeRobot's PolicyServer under openpi's transformers patch, small variants registered when the
+    shapes are not LeRobot's published ones."""
+    from joynexus.artifacts.lerobot_pi0 import gemma_shape
+    from joynexus.models.action_modules.pi0 import GEMMA_VARIANTS
+
+    script = str(Path(__file__).with_name("_pi0_policy_server.py"))
+    if gemma_shape(backbone.model.config.text_config) == GEMMA_VARIANTS["gemma_2b"]:
+        return [script], {}
+    env = {
+        "JOYNEXUS_PI0_PALIGEMMA": str(root / PI0_CONFIG_DIR),
+        "JOYNEXUS_PI0_EXPERT": ",".join(str(v) for v in pi0_expert(backbone)),
+    }
+    return [script], env
+
+
+def lerobot_server(root: Path, backbone: Any) -> tuple[list[str], dict[str, str]]:
+    return ["-m", "lerobot.async_inference.policy_server"], {}
+
+
 @dataclass(frozen=True)
 class Family:
-    """What the benchmark needs of a VLA family: LeRobot's policy type, the JoyNexus module kind
-    and a checkpoint builder (backbone, folder, count, size) -> directories."""
+    """What the benchmark needs of a VLA family: LeRobot's policy type, the JoyNexus module kind,
+    a checkpoint builder (backbone, folder, count, size) -> directories, its sizes (backbone presets)
+    and how LeRobot's PolicyServer for it is started (checkpoint folder, backbone) -> (args, env)."""
 
     policy_type: str
     module_kind: str
     write_checkpoints: Callable[[Any, Path, int, Size], list[Path]]
+    sizes: dict[str, Size]
+    server: Callable[[Path, Any], tuple[list[str], dict[str, str]]] = lerobot_server
 
 
-FAMILIES = {"smolvla": Family("smolvla", "smolvla", write_smolvla_checkpoints)}
+PI0_SIZES = {
+    "tiny": Size("paligemma-tiny", None, None, chunk=4, steps=3),
+    "small": Size("paligemma-tiny", None, None),
+    "published": Size("paligemma-3b", None, None),  # π0's: PaliGemma 3B (SigLIP at 224 px, Gemma 2B) + Gemma 300M
+}
+FAMILIES = {
+    "smolvla": Family("smolvla", "smolvla", write_smolvla_checkpoints, SIZES),
+    "pi0": Family("pi0", "pi0", write_pi0_checkpoints, PI0_SIZES, pi0_server),
+}
 
 
 # -- processes and their memory ------------------------------------------------------------------
@@ -315,14 +391,14 @@ def peer_port() -> int:
 class PeerServer:
     """One LeRobot async-inference PolicyServer process, as its docs start it."""
 
-    def __init__(self, cwd: Path, threads: int) -> None:
+    def __init__(self, cwd: Path, threads: int, command: list[str], env: dict[str, str]) -> None:
         self.port = peer_port()
         cwd.mkdir(parents=True, exist_ok=True)  # the module opens ./logs at import: a folder of its own
         args = ["--host=127.0.0.1", f"--port={self.port}", "--inference_latency=0", "--obs_queue_timeout=60"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lerobot.async_inference.policy_server", *args],
+            [sys.executable, *command, *args],
             cwd=cwd,
-            env={**os.environ, **thread_env(threads)},
+            env={**os.environ, **thread_env(threads), **env},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -471,6 +547,7 @@ class Setup:
     model_id: str
     side: int
     tmp: Path
+    server: tuple[list[str], dict[str, str]] = ([], {})  # the family's PolicyServer command and environment
 
     def deployment(self, name: str, deployment: str = "in-process") -> Deployment:
         """A deployment launched (not yet ready)."""
@@ -516,7 +593,9 @@ class LeRobotPeer:
     def grow(self, n: int) -> None:
         setup = self.setup
         while len(self.servers) < n:
-            self.servers.append(PeerServer(setup.tmp / f"lerobot-{len(self.servers)}", setup.args.threads))
+            command, env = setup.server
+            cwd = setup.tmp / f"lerobot-{len(self.servers)}"
+            self.servers.append(PeerServer(cwd, setup.args.threads, command, env))
         while len(self.clients) < n:
             i = len(self.clients)
             port, checkpoint = self.servers[i].port, setup.checkpoints[i]
@@ -688,7 +767,8 @@ def prepare(args: argparse.Namespace, tmp: Path) -> Setup:
     from joynexus.services.configs import backbone_source
     from joynexus.settings import Settings
 
-    size = SIZES[args.size]
+    family = FAMILIES[args.family]
+    size = family.sizes[args.size]
     if args.image_size:
         size = Size(size.preset, args.image_size, size.layers, size.chunk, size.steps)
     settings = Settings(
@@ -699,9 +779,9 @@ def prepare(args: argparse.Namespace, tmp: Path) -> Setup:
     )
     torch.set_num_threads(args.threads)
     backbone = backbone_source(settings).build(DevicePlacement(device="cpu"))
-    family = FAMILIES[args.family]
     checkpoints = family.write_checkpoints(backbone, tmp / "checkpoints", max(args.tenants), size)
-    return Setup(args, family, size, checkpoints, backbone.model_id, backbone.image_size, tmp)
+    server = family.server(tmp / "checkpoints", backbone)
+    return Setup(args, family, size, checkpoints, backbone.model_id, backbone.image_size, tmp, server)
 
 
 def main() -> None:
