@@ -190,7 +190,8 @@ class SlotTrainer:
         kept), clipped. Raising leaves no gradient behind."""
         slot.module.train()
         slot.optimizer.zero_grad(set_to_none=True)
-        params = slot.parameters()
+        # Trained ones only: an RL head's state statistics are parameters that no gradient moves.
+        params = [param for param in slot.parameters() if param.requires_grad]
         try:
             loss = compute_loss() if compute_loss is not None else module_loss(slot, features, batch)
             check_finite_loss(slot, loss)
