@@ -33,6 +33,7 @@ SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "gpu_check.py": (["--preset", "tiny", "--steps", "1", "--repeats", "1"], r"^== checkpoint round trip =="),
     "group_batching.py": (["--quick"], r"flow_matching +throughput [\d.]+x with group batching"),
     "grpo_pusht_groups.py": (["--quick"], r"^\d+/\d+ groups carry no signal"),
+    "lora_vs_peft.py": (["--quick"], r"^heads off: speed-up ours [\d.]+x vs stock [\d.]+x"),
     "mixed_workload.py": (
         ["--quick", "--rl-jobs", "2", "--sft-jobs", "2", "--sim-jobs", "10"],
         r"^goal >= 1\.5x: measured [\d.]+x",
