@@ -1225,8 +1225,11 @@ def measure_pair(
         print(f"  together: {together.wall_s:.2f} s (last update per tenant: {finished})", flush=True)
         sizes = [n for work in together.tenants.values() for n in work.group_sizes]
         grouped = sum(1 for n in sizes if n > 1)
-        print(f"  together: {grouped} of {len(sizes)} jobs trained in grouped steps (JOYNEXUS_TRAINING_GROUP_MAX; "
-              f"mean group size {sum(sizes) / max(1, len(sizes)):.2f}; SFT and RL jobs group)", flush=True)
+        print(
+            f"  together: {grouped} of {len(sizes)} jobs trained in grouped steps (JOYNEXUS_TRAINING_GROUP_MAX; "
+            f"mean group size {sum(sizes) / max(1, len(sizes)):.2f}; SFT and RL jobs group)",
+            flush=True,
+        )
 
     for run in (run_together, run_isolated) if together_first else (run_isolated, run_together):
         run()
