@@ -165,8 +165,9 @@ def main() -> int:
 
     table = {}
     for label, run in (("heads off", heads_off), ("with heads", with_heads)):
-        for forward in (stock_forward, ours_forward):  # warm-up
-            run(forward, False), run(forward, True)
+        for _ in range(3):  # warm-up: the first calls of each shape run several times slower (kernel choice, caches)
+            for forward in (stock_forward, ours_forward):
+                run(forward, False), run(forward, True)
         timings: dict[tuple[str, bool], list[float]] = {}
         for _ in range(args.repeats):  # interleaved: both paths see the same load drift
             for path, forward in (("stock PEFT", stock_forward), ("ours", ours_forward)):
