@@ -15,8 +15,10 @@ in seconds and ms per job.
 Tenants (the paper's mix, small): three RL tenants with different rollout cadences — PushT-reach
 with 4 envs x 16 steps, PushT-reach with 2 envs x 24 steps, PushT with 4 envs x 12 steps of
 2-action chunks (GRPO + PPO, so every rollout makes exactly envs x horizon inference samples and the
-work is the same both ways) — and one SFT tenant on a synthetic LeRobot dataset, at a lower priority
-(ready RL updates go first at the actor). Every tenant: 32x32 top camera, tiny backbone, 1 torch thread,
+work is the same both ways) — and two SFT tenants on a synthetic LeRobot dataset, at a lower priority
+(ready RL updates go first at the actor). Together, the actor trains ready jobs of several tenants,
+SFT and RL alike, in grouped steps (`train_jobs`: one shared backbone forward per round); the share of
+jobs trained grouped and the mean group size are printed. Every tenant: 32x32 top camera, tiny backbone, 1 torch thread,
 12 jobs (--quick: 4), checkpoints at the end of its workload (--checkpoint-every N: every N jobs; a
 checkpoint per job adds a durable write per job to the one actor loop, the same both ways).
 
@@ -113,7 +115,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PAPER = {"efficiency": 1.39, "training": (0.208, 0.413), "inference": (0.281, 0.375)}
 BASE_MODEL = "joynexus/tiny-smolvlm"
-SFT_TENANT = "sft-demos"
+SFT_TENANT = "sft-demos"  # the SFT tenant whose standalone pace the node replay takes
+# Two SFT tenants (paper 5.1: several SFT and RL tenants on one node): same demonstrations, their
+# own heads, optimizers and learning rates; their jobs group with each other and with RL updates.
+SFT_TENANTS = (SFT_TENANT, "sft-demos-b")
 OBSERVATION = {"cameras": ["top"], "image_size": [32, 32], "action_dim": 2}
 
 
@@ -158,19 +163,21 @@ def rl_spec(t: RLTenant, jobs: int, checkpoint_every: int = 0, model: str = BASE
     }  # fmt: skip
 
 
-def sft_spec(root: Path, jobs: int, checkpoint_every: int = 0, model: str = BASE_MODEL) -> dict[str, Any]:
+def sft_spec(
+    root: Path, jobs: int, checkpoint_every: int = 0, model: str = BASE_MODEL, tenant: str = SFT_TENANT
+) -> dict[str, Any]:
     return {
-        "tenant": SFT_TENANT,
+        "tenant": tenant,
         "base_model": model,
         "task": "sft",
         "action_module": {"kind": "oft_mlp", "size": "tiny"},
         "observation": {**OBSERVATION, "state_dim": 4, "action_chunk": 1, "instruction": "move the arm to the target"},
-        "dataset": {"root": str(root), "repo_id": "bench/sft-demos"},
+        "dataset": {"root": str(root), "repo_id": "bench/sft-demos"},  # one dataset, two tenants
         "scheduling": {"priority": 0, "max_in_flight_jobs": 16, "completion_target": jobs},  # prefetch 16
         "training": {
             "samples_per_job": 64,
             "microbatch_size": 16,
-            "learning_rate": 1e-3,
+            "learning_rate": 1e-3 if tenant == SFT_TENANT else 5e-4,
             "checkpoint_every_jobs": checkpoint_every,
         },
     }
@@ -1218,8 +1225,11 @@ def measure_pair(
         print(f"  together: {together.wall_s:.2f} s (last update per tenant: {finished})", flush=True)
         sizes = [n for work in together.tenants.values() for n in work.group_sizes]
         grouped = sum(1 for n in sizes if n > 1)
-        print(f"  together: {grouped} of {len(sizes)} jobs trained in grouped steps (JOYNEXUS_TRAINING_GROUP_MAX; "
-              f"mean group size {sum(sizes) / max(1, len(sizes)):.2f}; RL updates train alone)", flush=True)
+        print(
+            f"  together: {grouped} of {len(sizes)} jobs trained in grouped steps (JOYNEXUS_TRAINING_GROUP_MAX; "
+            f"mean group size {sum(sizes) / max(1, len(sizes)):.2f}; SFT and RL jobs group)",
+            flush=True,
+        )
 
     for run in (run_together, run_isolated) if together_first else (run_isolated, run_together):
         run()
@@ -1276,7 +1286,7 @@ def main() -> int:
     sim_jobs = args.sim_jobs or (50 if args.quick else 200)
 
     print(f"mixed SFT + RL ({args.mode} deployments): {len(RL_TENANTS)} RL tenants x {rl_jobs} PPO updates, "
-          f"1 SFT tenant x {sft_jobs} jobs, {repeats} isolated/together pair(s); load average "
+          f"{len(SFT_TENANTS)} SFT tenants x {sft_jobs} jobs, {repeats} isolated/together pair(s); load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     recorded: dict[str, Any] = {}
@@ -1292,7 +1302,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mixed-workload-") as tmp:
         sft_root = write_sft_dataset(Path(tmp) / "datasets" / "sft-demos")
         specs = [rl_spec(t, rl_jobs, args.checkpoint_every) for t in RL_TENANTS]
-        specs.append(sft_spec(sft_root, sft_jobs, args.checkpoint_every))
+        specs += [sft_spec(sft_root, sft_jobs, args.checkpoint_every, tenant=tenant) for tenant in SFT_TENANTS]
         for k in range(repeats):
             # The trace is recorded in the first repeat, where the isolated runs come first.
             pairs.append(measure_pair(specs, Path(tmp), args.timeout, together_first=k % 2 == 1,

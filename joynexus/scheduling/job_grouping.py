@@ -27,9 +27,9 @@ __all__ = ["GROUPABLE_TASK_TYPES", "group_key", "lease_companions"]
 
 _JOBS = TrainingJobRecord.__table__
 
-# Task types whose jobs the Training Model Service steps as a group (`train_jobs`); an RL job's PPO
-# epochs run alone.
-GROUPABLE_TASK_TYPES = frozenset({"sft"})
+# Task types whose jobs the Training Model Service steps as a group (`train_jobs`): SFT microbatches
+# and RL jobs' PPO microbatches share one backbone forward per round, in any mix.
+GROUPABLE_TASK_TYPES = frozenset({"sft", "rl"})
 
 # How many candidates one read considers per wanted companion (others are skipped: same tenant,
 # another group key, or taken by a concurrent leaser).
@@ -46,11 +46,12 @@ _TAKE = Prepared(
 def group_key(job: TrainingJob) -> tuple[Any, ...] | None:
     """Jobs with equal keys may share one grouped step; None: the job trains alone. One Training
     Model Service holds one frozen backbone, so the frozen-prefix boundary (base model, canonical
-    prefix shape) is the same for all its tenants; what differs is who consumes the job, its task
-    type, and the base model a producer may name in the job's metadata."""
+    prefix shape) is the same for all its tenants; what differs is who consumes the job and the base
+    model a producer may name in the job's metadata. SFT and RL jobs mix (each keeps its own
+    objective and its own staleness check)."""
     if job.task_type not in GROUPABLE_TASK_TYPES:
         return None
-    return (job.consumer_role, job.task_type, job.metadata.get("base_model"))
+    return (job.consumer_role, job.metadata.get("base_model"))
 
 
 def lease_companions(
@@ -75,7 +76,7 @@ def lease_companions(
             .where(
                 _JOBS.c.state == READY,
                 _JOBS.c.consumer_role == first.consumer_role,
-                _JOBS.c.task_type == first.task_type,
+                _JOBS.c.task_type.in_(sorted(GROUPABLE_TASK_TYPES)),
                 _JOBS.c.domain.in_(domains),
                 _JOBS.c.tenant_id != first.tenant_id,
                 *([] if tenant_ids is None else [_JOBS.c.tenant_id.in_(sorted(tenant_ids))]),

@@ -35,6 +35,7 @@ SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "group_batching.py": (["--quick"], r"flow_matching +throughput [\d.]+x with group batching"),
     "grpo_pusht_groups.py": (["--quick"], r"^\d+/\d+ groups carry no signal"),
     "master_plane.py": (["--quick", "--replicas", "1"], r"^master CPU per job: [\d.]+ s; control p99 [\d.]+ ms"),
+    "lora_vs_peft.py": (["--quick"], r"^heads off: speed-up ours [\d.]+x vs stock [\d.]+x"),
     "mixed_workload.py": (
         ["--quick", "--rl-jobs", "2", "--sft-jobs", "2", "--sim-jobs", "10"],
         r"^goal >= 1\.5x: measured [\d.]+x",

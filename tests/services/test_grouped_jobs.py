@@ -136,24 +136,24 @@ def test_companions_keep_lease_order_one_job_per_tenant_and_admission(tmp_path):
     sched.register_policy("r0", "rl", max_policy_staleness=0)
     order = [_reserve_ready(sched, t) for t in ("t0", "t0", "t1", "t2", "t3")]
     rl = _reserve_ready(sched, "r0", task="rl", behavior_policy_version=0)
+    other_base = sched.reserve(tenant_id="t1", task_type="sft", sample_count=4, metadata={"base_model": "other"})
     head = sched.lease_next(owner="actor")
     assert head.job_id == order[0].job_id
-    # t0's second job waits for its first; the RL job trains alone; two companions at most.
+    # t0's second job waits for its first; two companions at most.
     companions = sched.lease_companions(head, 2, owner="actor")
     assert [j.job_id for j in companions] == [order[2].job_id, order[3].job_id]
     assert all(j.state == LEASED and j.lease_owner == "actor" for j in companions)
-    # A higher-priority job comes first among companions, then FIFO.
+    # A higher-priority job comes first among companions, then FIFO; an RL job joins an SFT group
+    # (one backbone forward per round; its staleness is the loop's check, its objective its own).
     urgent = _reserve_ready(sched, "urgent")
-    assert [j.tenant_id for j in sched.lease_companions(head, 8, owner="actor")] == ["urgent", "t3"]
-    assert sched.get(urgent.job_id).state == LEASED
+    assert [j.tenant_id for j in sched.lease_companions(head, 8, owner="actor")] == ["urgent", "t3", "r0"]
+    assert sched.get(urgent.job_id).state == LEASED and sched.get(rl.job_id).state == LEASED
     # Only admitted jobs are leased: t0 is at its in-flight bound, leased or not.
     assert sched.reserve(tenant_id="t0", task_type="sft", sample_count=4) is None
-    assert sched.get(order[1].job_id).state == READY and sched.get(rl.job_id).state == READY
-    # An RL head job gets no companions (PPO epochs run alone; eq. 1 is checked on it by the loop).
-    rl_head = sched.lease_next(owner="actor")
-    assert rl_head.job_id in {order[1].job_id, rl.job_id}
-    rl_job = rl_head if rl_head.task_type == "rl" else sched.lease_next(owner="actor")
-    assert rl_job.task_type == "rl" and sched.lease_companions(rl_job, 4, owner="actor") == []
+    assert sched.get(order[1].job_id).state == READY
+    # Another base model is another group.
+    sched.mark(other_base.job_id, READY)
+    assert sched.lease_companions(sched.lease_next(owner="actor"), 4, owner="actor") == []
 
 
 def test_stale_rl_head_is_dropped_and_group_max_one_is_the_old_loop(tmp_path, monkeypatch):
@@ -161,7 +161,10 @@ def test_stale_rl_head_is_dropped_and_group_max_one_is_the_old_loop(tmp_path, mo
     sched.register_policy("r0", "rl", max_policy_staleness=0)
     sched.register_policy("t1", "sft")
     stale = _reserve_ready(sched, "r0", task="rl", behavior_policy_version=0)
-    _reserve_ready(sched, "t1")
+    # Another base model: not the stale head's companion (this fake service trains nothing).
+    sched.mark(
+        sched.reserve(tenant_id="t1", task_type="sft", sample_count=4, metadata={"base_model": "b"}).job_id, READY
+    )
 
     class Versions:  # the loop asks only versions before dropping a stale job
         def policy_version(self, tenant_id: str) -> int:

@@ -255,11 +255,11 @@ class TrainingModelService:
 
     @pins_during_call("_slots")
     def train_jobs(self, jobs: list[TrainingJob | dict[str, Any]]) -> list[dict[str, Any]]:
-        """Several tenants' leased jobs (one each) trained together: each round steps the next
-        microbatch of every job through ONE shared backbone forward (`train_group`), then each
-        tenant's own update. Per-job results in order, `train_job`'s fields, or `error` for a job
-        that failed alone (NaN, bad data, empty partition) while the others completed
-        (`job_groups`)."""
+        """Several tenants' leased SFT and RL jobs (one each) trained together: each round steps
+        the next microbatch of every job (an RL job's next PPO microbatch) through ONE shared
+        backbone forward (`GroupTrainer.train_members`), then each tenant's own update. Per-job
+        results in order, `train_job`'s fields, or `error` for a job that failed alone (NaN, bad
+        data, empty partition) while the others completed (`job_groups`)."""
         return self.job_groups.train_jobs(jobs)
 
     @pins_during_call("_slots")

@@ -11,21 +11,19 @@ training (`grouped`) and the lower-layer primitives (`primitives`).
 from __future__ import annotations
 
 import time
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
-from joynexus.algorithms.rl import PPOLoss, ppo_loss
 from joynexus.core.service_metrics import service_metrics
-from joynexus.models.action_modules import ActionModule, PrefixRows, by_prefix_layout, uses_layer_prefix
+from joynexus.models.action_modules import PrefixRows, by_prefix_layout, uses_layer_prefix
 from joynexus.models.backbone import BackboneFeatures, ResidentBackbone
 from joynexus.models.backbone.layer_prefix import LayerPrefix
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingJob
 from joynexus.services.training.gradient_sync import reduce_gradients
+from joynexus.services.training.ppo import FeatureRows, PpoRun, rl_fields, rl_record
 from joynexus.services.training.slot_table import SlotTable
 from joynexus.services.training.slots import (
     Microbatch,
@@ -36,7 +34,6 @@ from joynexus.services.training.slots import (
     loss_generator,
     microbatch_to_tensors,
 )
-from joynexus.spec import RLSpec
 
 __all__ = [
     "MAX_GRAD_NORM",
@@ -52,7 +49,8 @@ __all__ = [
 
 # Fields an SFT partition carries per sample; tenant and schema annotations travel with each row.
 SFT_FIELDS = ("images", "state", "action", "action_is_pad", "task", "tenant_id", "schema_signature")
-# An RL partition adds what the rollout recorded and the advantage stage derived.
+# An RL partition adds what the rollout recorded and the advantage stage derived (a flow head's
+# recorded chain too: `ppo.rl_fields`).
 RL_FIELDS = (*SFT_FIELDS, "log_prob", "advantage", "return")
 
 # The gradient-norm bound of every update (serial, grouped, optim_step).
@@ -184,15 +182,22 @@ class SlotTrainer:
         self.apply_step(slot, batch, value)
         return value
 
-    def gradients(self, slot: TenantSlot, features: BackboneFeatures, batch: Microbatch) -> float:
-        """The first half of `update` from a graph other tenants share: loss, then gradients of
-        THIS slot's parameters only (autograd.grad, the graph kept), clipped. Raising leaves no
-        gradient behind."""
+    def gradients(
+        self,
+        slot: TenantSlot,
+        features: BackboneFeatures,
+        batch: Microbatch,
+        compute_loss: Callable[[], torch.Tensor] | None = None,
+    ) -> float:
+        """The first half of `update` from a graph other tenants share: loss (`compute_loss`, as
+        in `update`), then gradients of THIS slot's parameters only (autograd.grad, the graph
+        kept), clipped. Raising leaves no gradient behind."""
         slot.module.train()
         slot.optimizer.zero_grad(set_to_none=True)
-        params = slot.parameters()
+        # Trained ones only: an RL head's state statistics are parameters that no gradient moves.
+        params = [param for param in slot.parameters() if param.requires_grad]
         try:
-            loss = module_loss(slot, features, batch)
+            loss = compute_loss() if compute_loss is not None else module_loss(slot, features, batch)
             check_finite_loss(slot, loss)
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             for param, grad in zip(params, grads, strict=True):
@@ -302,70 +307,25 @@ class SlotTrainer:
     def _train_rl_partition(
         self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob
     ) -> tuple[list[float], int, dict[str, Any]]:
-        """PPO over a rollout partition (paper A.6): `ppo_epochs` passes of clipped-surrogate updates
-        in microbatches, each pass reading the partition through its own Training Queue cursor.
-        The backbone is frozen, so each sample's features are computed once and reused."""
-        rl = slot.config.rl
-        if rl is None:
-            raise TenantSlotError(f"tenant {slot.config.tenant_id!r} is not an RL tenant; job {job.job_id} is 'rl'")
-        losses: list[float] = []
-        stats: dict[str, list[float]] = {"clip_fraction": [], "approx_kl": [], "value_loss": [], "entropy": []}
+        """PPO over a rollout partition (paper A.6), one microbatch step after another (`PpoRun`)."""
+        run = self.ppo_run(queue, slot, job)
+        while (step := run.next_microbatch()) is not None:
+            run.step_alone(step)
+        return run.finish()
+
+    def ppo_run(self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob) -> PpoRun:
+        """An RL job's PPO update ready to step (serial here, or in a group): with the decoupled
+        objective, the proximal log-probabilities are computed first (their forwards fill the
+        run's feature cache)."""
+        rl = slot.config.rl  # None: PpoRun refuses the job
+        fields = rl_fields(SFT_FIELDS, slot.module)
         features_cache = FeatureRows()
-        module = slot.module
-        samples = 0
-        seen_states: list[torch.Tensor] = []
-        # A flow head's density is over its recorded denoising chain, which the partition then carries.
-        record = module.rl_record_field
-        fields = RL_FIELDS if record in RL_FIELDS else (*RL_FIELDS, record)
-        # Each epoch reads the partition in a fresh order (PPO's minibatch shuffle): in rollout order
-        # a minibatch is a few consecutive time steps, so its normalized advantages and its gradient
-        # are those of one stretch of the episode, the same stretches in the same order every epoch.
-        # Seeded by the job: a re-run of the job shuffles the same way.
-        sample_count = int(queue.describe(job.partition_id)["num_samples"])
         proximal = (
             self._proximal_log_probs(queue, slot, job, fields, features_cache)
-            if rl.off_policy_correction == "decoupled"
+            if rl is not None and rl.off_policy_correction == "decoupled"
             else None
         )
-        shuffle = np.random.default_rng([slot.config.seed % 2**32, zlib.crc32(job.job_id.encode())])
-        for epoch in range(rl.ppo_epochs):
-            order = shuffle.permutation(sample_count).tolist()
-            while True:
-                meta = queue.get_meta(
-                    job.partition_id, fields, slot.config.microbatch_size, f"ppo-epoch-{epoch}", order=order
-                )
-                if meta is None:
-                    break
-                data = queue.get_data(meta)
-                check_annotations(data, job.tenant_id, slot.config.schema_signature)
-                batch = self.prepare(slot, data)
-                if slot.adapter is not None or uses_layer_prefix(module):
-                    # The features depend on the adapter (a layer-wise expert's prefix on its state
-                    # token), which every step changes: no reuse.
-                    features = self.encode_slot(slot, batch)
-                else:
-                    features = features_cache.get(meta.indices, lambda b=batch: self.encode(b.images, b.instructions))
-                anchor = None if proximal is None else proximal[list(meta.indices)]
-                objective = _PpoObjective(module, rl, features, batch, data, self.device, anchor)
-                step_started = time.perf_counter()
-                losses.append(self.update(slot, features, batch, compute_loss=objective))
-                service_metrics().training_step_seconds.labels("serial").observe(time.perf_counter() - step_started)
-                out = objective.last
-                assert out is not None
-                stats["clip_fraction"].append(float(out.clip_fraction))
-                stats["approx_kl"].append(float(out.approx_kl))
-                if module.config.value_head:  # only what the algorithm computes: GRPO has no critic
-                    stats["value_loss"].append(float(out.value.detach()))
-                stats["entropy"].append(float(out.entropy.detach()))
-                if epoch == 0:
-                    samples += meta.size
-                    seen_states.append(batch.state)
-        # The state statistics move after the update: its ratios were taken under the statistics
-        # the rollout's behavior version acted with (this version's), the next version acts with these.
-        if seen_states:
-            module.observe_states(torch.cat(seen_states))
-        summary = {f"rl/{k}": float(np.mean(v)) for k, v in stats.items() if v}
-        return losses, samples, {"rl_stats": summary}
+        return PpoRun(self, queue, slot, job, fields, features_cache, proximal)
 
     def _proximal_log_probs(
         self, queue: TrainingQueue, slot: TenantSlot, job: TrainingJob, fields: tuple[str, ...],
@@ -390,77 +350,3 @@ class SlotTrainer:
                 record = rl_record(module, batch, data, self.device)
                 log_prob, _ = module.record_log_prob(features, batch.state, record)
             out[list(meta.indices)] = log_prob.detach()
-
-
-def rl_record(module: ActionModule, batch: Microbatch, data: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """What the policy's density is over: the action chunk, or a flow head's recorded chain
-    (`rl_record_field`)."""
-    field = module.rl_record_field
-    if field == "action":
-        return batch.action
-    return torch.as_tensor(np.asarray(data[field], np.float32), device=device)
-
-
-class FeatureRows:
-    """Backbone features kept per sample index for one PPO update: the backbone is frozen, so a
-    sample's features never change between epochs; each is encoded once, and a shuffled minibatch is
-    gathered from the rows (right-padded to its longest, as `BackboneFeatures.concat` does)."""
-
-    def __init__(self) -> None:
-        self._rows: dict[int, BackboneFeatures] = {}
-
-    def get(self, indices: Sequence[int], encode: Callable[[], BackboneFeatures]) -> BackboneFeatures:
-        """The features of `indices`; `encode()` (the minibatch's own forward, in that order) runs
-        when any of them is new."""
-        if any(i not in self._rows for i in indices):
-            features = encode()
-            for row, index in enumerate(indices):
-                self._rows[index] = features.select([row])
-            return features
-        return BackboneFeatures.concat([self._rows[i] for i in indices])
-
-
-class _PpoObjective:
-    """The clipped-surrogate loss of one RL microbatch (`algorithms.rl.ppo_loss`), as `update`'s
-    `compute_loss`; keeps the last evaluation's parts (`last`) for the job's statistics."""
-
-    def __init__(
-        self,
-        module: ActionModule,
-        rl: RLSpec,
-        features: BackboneFeatures,
-        batch: Microbatch,
-        data: dict[str, Any],
-        device: torch.device,
-        proximal_log_prob: torch.Tensor | None = None,
-    ) -> None:
-        self.module, self.rl, self.features, self.batch = module, rl, features, batch
-        behavior = torch.as_tensor(np.asarray(data["log_prob"], dtype=np.float32), device=device)
-        # Decoupled (`rl.off_policy_correction`): clipped around the proximal policy, weighted by
-        # proximal / behavior; otherwise clipped around the behavior policy.
-        self.old_log_prob = behavior if proximal_log_prob is None else proximal_log_prob
-        self.behavior_log_prob = None if proximal_log_prob is None else behavior
-        self.advantages = torch.as_tensor(np.asarray(data["advantage"], dtype=np.float32), device=device)
-        self.returns = torch.as_tensor(np.asarray(data["return"], dtype=np.float32), device=device)
-        self.record = rl_record(module, batch, data, device)
-        self.last: PPOLoss | None = None
-
-    def __call__(self) -> torch.Tensor:
-        module, rl, features, batch = self.module, self.rl, self.features, self.batch
-        new_log_prob, entropy = module.record_log_prob(features, batch.state, self.record)
-        values = module.value(features, batch.state) if module.config.value_head else None
-        self.last = ppo_loss(
-            new_log_prob,
-            self.old_log_prob,
-            self.advantages,
-            values=values,
-            returns=self.returns if values is not None else None,
-            entropy=entropy,
-            clip=rl.clip,
-            value_coef=rl.value_coef,
-            entropy_coef=rl.entropy_coef,
-            # GRPO advantages are normalized within their groups already (0 outside them).
-            normalize_advantages=rl.advantage != "grpo",
-            behavior_log_prob=self.behavior_log_prob,
-        )
-        return self.last.total
