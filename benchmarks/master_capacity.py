@@ -53,7 +53,9 @@ def run(n: int, jobs: int, base: Path) -> dict[str, float]:
             states = [manager.get(w).state for w in ids]
             peak_threads = max(peak_threads, threading.active_count() - before)
             for name, cpu in thread_cpu_by_name().items():
-                if "producer" in name or name in ("actor_loop", "advantage_stage", "admission"):
+                # the producer replica's threads (issue 40: its data loops, `{kind}-{tenant}`, and advantage stage)
+                # and the Master's own (actor loop, admission)
+                if name.split("-")[0] in PRODUCER_THREADS or name in ("actor_loop", "admission"):
                     master_cpu[name] = max(master_cpu.get(name, 0.0), cpu)
             if all(s in ("completed", "failed", "cancelled") for s in states):
                 break
@@ -69,15 +71,18 @@ def run(n: int, jobs: int, base: Path) -> dict[str, float]:
             "wall_s": wall,
             "jobs_per_s": completed / wall,
             "threads_per_workload": peak_threads / n,
-            # the data loops: in a cluster too these run in the Master's process
+            # the data loops: in process the producer replica's threads; in a cluster its own actors
             "producer_cpu_ms_per_job": 1000
-            * sum(v for k, v in master_cpu.items() if "producer" in k)
+            * sum(v for k, v in master_cpu.items() if k.split("-")[0] in PRODUCER_THREADS)
             / max(completed, 1),
             # in process the actor loop runs the training step itself; in a cluster it waits on the remote service
             "actor_loop_cpu_ms_per_job": 1000 * master_cpu.get("actor_loop", 0.0) / max(completed, 1),
         }
     finally:
         dep.shutdown()
+
+
+PRODUCER_THREADS = ("sft", "rl", "eval", "advantages")
 
 
 def main() -> None:

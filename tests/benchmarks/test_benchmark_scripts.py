@@ -34,6 +34,7 @@ SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "gpu_check.py": (["--preset", "tiny", "--steps", "1", "--repeats", "1"], r"^== checkpoint round trip =="),
     "group_batching.py": (["--quick"], r"flow_matching +throughput [\d.]+x with group batching"),
     "grpo_pusht_groups.py": (["--quick"], r"^\d+/\d+ groups carry no signal"),
+    "master_capacity.py": (["--workloads", "2", "--jobs", "1"], r"^workloads=2 completed=2 jobs=2 "),
     "master_plane.py": (["--quick", "--replicas", "1"], r"^master CPU per job: [\d.]+ s; control p99 [\d.]+ ms"),
     "lora_vs_peft.py": (["--quick"], r"^heads off: speed-up ours [\d.]+x vs stock [\d.]+x"),
     "mixed_workload.py": (
