@@ -20,10 +20,9 @@ from joynexus.artifacts.lerobot_pi0 import build_lerobot_pi0_checkpoint, gemma_s
 from joynexus.artifacts.openpi_transformers import openpi_transformers
 from joynexus.models.backbone import BackboneSource, PaliGemmaBackbone
 from joynexus.models.placement import DevicePlacement
-from joynexus.protocol.wire import Tensor
 from tests.api.conftest import ADMIN_KEY, ApiWorld, TenantHandle, wire
+from tests.api.test_smolvla_tenants import TASK, our_actions  # the same robot request (one task, pinned seeds)
 
-TASK = "pick up the cube"
 CAMERAS = ("front", "wrist")  # the "arm" schema: 32 x 32 frames (LeRobot and we resize them to 28), state 4, action 3
 EXPERT = (32, 2, 64, 8, 1, 8)  # width, depth, mlp_dim, heads, kv_heads, head_dim (the tiny PaliGemma's attention)
 STATS = {
@@ -118,19 +117,6 @@ def lerobot_actions(kind: str, root: Path, backbone, sample: dict, seeds: list[i
         obs |= {"observation.state": torch.from_numpy(sample["state"]), "task": [TASK] * n}
         noise = torch.cat([torch.randn(1, 2, 4, generator=torch.Generator().manual_seed(s)) for s in seeds])
         return post(policy.predict_action_chunk(pre(obs), noise=noise)).numpy()
-
-
-def our_actions(world, tenant, sample, seeds, version: int | None = None) -> np.ndarray:
-    n = len(sample["state"])
-    body = {
-        "observations": {**wire({"images": sample["images"], "state": sample["state"]}), "instructions": [TASK] * n},
-        "seeds": seeds,
-    }
-    if version is not None:
-        body["policy_version"] = version
-    response = world.client.post("/v1/predict", json=body, headers=tenant.headers)
-    assert response.status_code == 200, response.text
-    return Tensor.model_validate(response.json()["actions"]).to_numpy()
 
 
 @pytest.mark.parametrize("kind", ["pi0", "pi05"])

@@ -1,8 +1,9 @@
 """What every backbone family does the same way, whatever its architecture: the checks on an
 ``encode`` batch, camera images made canonical (resized, normalized, padded to the camera slots),
 the causal + key-padding attention mask of a right-padded prompt, the hosting of tenants' LoRA
-adapters on the family's text model (`TenantAdapterHost`), and the features of image-free prompts
-kept per instruction (`TenantAdapterHost.encode`)."""
+adapters on the family's text model (`TenantAdapterHost`), the features of image-free prompts
+kept per instruction (`TenantAdapterHost.encode`), and the layer-wise prefix primitives of a family whose
+experts read every decoder layer (`LayerPrefixHost`: SmolVLA's Idefics3, π0's PaliGemma)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from joynexus.models.backbone.base import BackboneFeatures
+from joynexus.models.backbone.layer_prefix import (
+    IDEFICS3_PREFIX_WEIGHTS,
+    LayerPrefix,
+    PrefixWeightLayout,
+    layer_prefix_of,
+    prefix_weights_digest,
+)
 
 if TYPE_CHECKING:
     from joynexus.models.adapters import BackboneAdapters
@@ -24,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_CACHED_INSTRUCTIONS",
+    "LayerPrefixHost",
     "TenantAdapterHost",
     "canonical_pixels",
     "causal_padding_mask",
@@ -235,3 +244,54 @@ class TenantAdapterHost:
     def placement_info(self) -> dict[str, Any]:
         """Where this backbone computes (device, dtype, autocast, GPU name): for heartbeats and stats."""
         return dict(self._placement_info)
+
+
+class LayerPrefixHost:
+    """The prefix primitives a layer-wise expert needs, the same for every family that has them: the
+    family's text model is ``text_model`` (its ``layers``), its tokenizer ``tokenizer``, the names of
+    the weights a prefix reads ``prefix_weights``; `TenantAdapterHost` supplies the lock and routing."""
+
+    prefix_weights: PrefixWeightLayout = IDEFICS3_PREFIX_WEIGHTS
+    _prefix_digests: dict[int, str]
+
+    def tokenize_prompts(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) of texts, right-padded to the longest, truncated at ``max_length`` tokens, as
+        LeRobot's tokenizer step calls this tokenizer (special tokens included)."""
+        out = self.tokenizer(
+            list(texts), max_length=max_length, truncation=True, padding="longest", padding_side="right",
+            return_tensors="pt",
+        )  # fmt: skip
+        return out["input_ids"].to(self.device), out["attention_mask"].to(self.device).bool()
+
+    def layer_prefix(
+        self,
+        embeds: torch.Tensor,
+        pad_mask: torch.Tensor,
+        att_mask: torch.Tensor,
+        num_layers: int,
+        *,
+        grad: bool = False,
+    ) -> LayerPrefix:
+        """The per-layer key/value cache of a prefix of embeddings through the first ``num_layers``
+        decoder layers (`layer_prefix.layer_prefix_of`); ``grad`` keeps the graph back to ``embeds``
+        (a tenant-made prefix token) while every base weight stays frozen."""
+        layers = self.text_model.layers
+        if not 1 <= num_layers <= len(layers):
+            raise ValueError(f"num_layers={num_layers}: backbone {self.model_id!r} has 1..{len(layers)} decoder layers")
+        context = contextlib.nullcontext() if grad else torch.inference_mode()
+        with self._adapter_lock, self.adapter_routing(None, embeds.shape[0]), context:
+            return layer_prefix_of(
+                list(layers[:num_layers]),
+                embeds.to(self.device, self.dtype),
+                pad_mask.to(self.device),
+                att_mask.to(self.device),
+                self.prefix_geometry,
+            )
+
+    def prefix_digest(self, num_layers: int) -> str:
+        """sha256 of the weights a `num_layers` layer prefix reads (`prefix_weights`), as float32:
+        equal for a LeRobot checkpoint's VLM part. The base is frozen: one digest per layer count."""
+        key = int(num_layers)
+        if key not in self._prefix_digests:
+            self._prefix_digests[key] = prefix_weights_digest(self.base_state_dict(), key, self.prefix_weights)
+        return self._prefix_digests[key]

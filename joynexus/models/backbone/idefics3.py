@@ -64,6 +64,7 @@ from joynexus.models.backbone.base import (
     register_backbone_family,
 )
 from joynexus.models.backbone.common import (
+    LayerPrefixHost,
     TenantAdapterHost,
     canonical_pixels,
     causal_padding_mask,
@@ -71,10 +72,7 @@ from joynexus.models.backbone.common import (
 )
 from joynexus.models.backbone.hf_directory import ChatTemplatePrompt, load_hf_directory, read_chat_template
 from joynexus.models.backbone.layer_prefix import (
-    LayerPrefix,
     PrefixGeometry,
-    layer_prefix_of,
-    prefix_weights_digest,
 )
 from joynexus.models.backbone.tiny import (
     CHAT_TEMPLATE,
@@ -97,7 +95,7 @@ LLAMA_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
 
 
 @register_backbone_family("idefics3")
-class ResidentBackbone(TenantAdapterHost):
+class ResidentBackbone(LayerPrefixHost, TenantAdapterHost):
     """Frozen, memory-resident VLM that turns (camera images, instruction) into token features."""
 
     family: ClassVar[str] = "idefics3"
@@ -363,47 +361,6 @@ class ResidentBackbone(TenantAdapterHost):
         with torch.no_grad():
             return self.model.text_model.get_input_embeddings()(token_ids.to(self.device)).float()
 
-    def tokenize_prompts(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, mask) of texts, right-padded to the longest, truncated at ``max_length`` tokens, as
-        LeRobot's tokenizer step calls this tokenizer (special tokens included)."""
-        out = self.tokenizer(
-            list(texts), max_length=max_length, truncation=True, padding="longest", padding_side="right",
-            return_tensors="pt",
-        )
-        return out["input_ids"].to(self.device), out["attention_mask"].to(self.device).bool()
-
-    def layer_prefix(
-        self,
-        embeds: torch.Tensor,
-        pad_mask: torch.Tensor,
-        att_mask: torch.Tensor,
-        num_layers: int,
-        *,
-        grad: bool = False,
-    ) -> LayerPrefix:
-        """The per-layer key/value cache of a prefix of embeddings through the first ``num_layers``
-        decoder layers (`layer_prefix.layer_prefix_of`); ``grad`` keeps the graph back to ``embeds``
-        (a tenant-made prefix token) while every base weight stays frozen."""
-        layers = self.model.text_model.layers
-        if not 1 <= num_layers <= len(layers):
-            raise ValueError(f"num_layers={num_layers}: backbone {self.model_id!r} has 1..{len(layers)} decoder layers")
-        context = contextlib.nullcontext() if grad else torch.inference_mode()
-        with self._adapter_lock, self.adapter_routing(None, embeds.shape[0]), context:
-            return layer_prefix_of(
-                list(layers[:num_layers]),
-                embeds.to(self.device, self.dtype),
-                pad_mask.to(self.device),
-                att_mask.to(self.device),
-                self.prefix_geometry,
-            )
-
-    def prefix_digest(self, num_layers: int) -> str:
-        """sha256 of the weights a `num_layers` layer prefix reads (vision tower, connector, token
-        embeddings, the first layers), as float32: equal for a LeRobot checkpoint's VLM part."""
-        key = int(num_layers)
-        if key not in self._prefix_digests:
-            self._prefix_digests[key] = prefix_weights_digest(self.base_state_dict(), key)
-        return self._prefix_digests[key]
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write config + safetensors weights + tokenizer + HF processor + joynexus metadata. The

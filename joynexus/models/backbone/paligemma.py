@@ -18,7 +18,6 @@ Gemma decoder (``language_model``), whose Linear layers carry Llama's names.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -46,13 +45,16 @@ from joynexus.models.backbone.base import (
     BackboneFeatures,
     register_backbone_family,
 )
-from joynexus.models.backbone.common import TenantAdapterHost, canonical_pixels, validate_encode_inputs
+from joynexus.models.backbone.common import (
+    LayerPrefixHost,
+    TenantAdapterHost,
+    canonical_pixels,
+    validate_encode_inputs,
+)
 from joynexus.models.backbone.layer_prefix import (
-    LayerPrefix,
     PrefixGeometry,
     PrefixWeightLayout,
     layer_prefix_of,
-    prefix_weights_digest,
 )
 from joynexus.models.backbone.tiny import _TOKENIZER_CORPUS
 from joynexus.models.placement import DevicePlacement
@@ -197,13 +199,14 @@ def _spec_model_id(spec: PaliGemmaSpec, seed: int) -> str:
 
 
 @register_backbone_family("paligemma")
-class PaliGemmaBackbone(TenantAdapterHost):
+class PaliGemmaBackbone(LayerPrefixHost, TenantAdapterHost):
     """Frozen PaliGemma whose prefix π0 / π0.5 experts attend to (module docstring)."""
 
     family: ClassVar[str] = "paligemma"
     model_types: ClassVar[tuple[str, ...]] = SUPPORTED_MODEL_TYPES
     lora_targets: ClassVar[tuple[str, ...]] = GEMMA_DECODER_LINEARS
     presets: ClassVar[dict[str, PaliGemmaSpec]] = PALIGEMMA_PRESETS
+    prefix_weights = PALIGEMMA_PREFIX_WEIGHTS
     instances_created: ClassVar[int] = 0
     _instances_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -371,48 +374,6 @@ class PaliGemmaBackbone(TenantAdapterHost):
         with torch.no_grad():
             return self.language_model.embed_tokens(token_ids.to(self.device)).float()
 
-    def tokenize_prompts(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, mask) right-padded to the longest, truncated at ``max_length`` (with <bos>), as
-        LeRobot's tokenizer step calls PaliGemma's tokenizer."""
-        out = self.tokenizer(
-            list(texts),
-            max_length=max_length,
-            truncation=True,
-            padding="longest",
-            padding_side="right",
-            return_tensors="pt",
-        )
-        return out["input_ids"].to(self.device), out["attention_mask"].to(self.device).bool()
-
-    def layer_prefix(
-        self,
-        embeds: torch.Tensor,
-        pad_mask: torch.Tensor,
-        att_mask: torch.Tensor,
-        num_layers: int,
-        *,
-        grad: bool = False,
-    ) -> LayerPrefix:
-        """Every decoder layer's keys/values of a prefix of embeddings (π0's experts read all of them)."""
-        layers = self.language_model.layers
-        if not 1 <= num_layers <= len(layers):
-            raise ValueError(f"num_layers={num_layers}: backbone {self.model_id!r} has 1..{len(layers)} decoder layers")
-        context = contextlib.nullcontext() if grad else torch.inference_mode()
-        with self._adapter_lock, self.adapter_routing(None, embeds.shape[0]), context:
-            return layer_prefix_of(
-                list(layers[:num_layers]),
-                embeds.to(self.device, self.dtype),
-                pad_mask.to(self.device),
-                att_mask.to(self.device),
-                self.prefix_geometry,
-            )
-
-    def prefix_digest(self, num_layers: int) -> str:
-        """sha256 of the weights a prefix reads, as float32: equal for a LeRobot π0 checkpoint's PaliGemma."""
-        key = int(num_layers)
-        if key not in self._prefix_digests:
-            self._prefix_digests[key] = prefix_weights_digest(self.base_state_dict(), key, PALIGEMMA_PREFIX_WEIGHTS)
-        return self._prefix_digests[key]
 
     # ------------------------------------------------------------------ encode (token features)
     def _encode_features(
