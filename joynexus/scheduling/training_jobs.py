@@ -136,6 +136,12 @@ class TrainingJob:
     def schema_signature(self) -> str | None:
         return self.metadata.get("schema_signature")
 
+    def read_task(self, name: str) -> str:
+        """The Training Queue task name this attempt reads its partition under. A job re-queued
+        from a replaced (hung, not dead) lease owner is read from its start by the next owner,
+        whatever the retired one consumed meanwhile: each attempt has its own cursors."""
+        return f"{name}@{self.attempts}"
+
     @classmethod
     def from_row(cls, row: Row) -> TrainingJob:
         """From a Core row of the training_jobs table (a SELECT or an UPDATE ... RETURNING)."""

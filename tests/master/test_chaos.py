@@ -413,3 +413,28 @@ def test_a_simulated_crash_resumes_from_the_store_never_reissues_versions_and_ca
         assert_no_dead_owner(cluster)
     finally:
         cluster.close()
+
+
+def test_a_job_taken_back_from_a_replaced_owner_is_read_from_its_start(tmp_path, specs):
+    """A loop replaced as hung may still be reading its job's partition (slow, not dead): whatever it
+    consumed, the job re-queued for the replacement trains on every sample of its partition, not on
+    what the retired reader left (it failed with "holds no samples" when the cursor was shared)."""
+    dep = Deployment.in_process(settings_for(tmp_path / "data"))
+    try:
+        dep.creator.create(specs["alpha"])
+        dep.training_service.add_tenant(dep.creator.get("alpha").backend_config)
+        producer = _dead_master_jobs(dep, specs["alpha"], "wl-replaced")
+        producer.produce_once()
+        retired, replacement = "master-0/actor-retired", "master-0/actor-replacement"
+        job = dep.scheduler.lease_next(owner=retired)
+        first = dep.training_service.train_job(job)  # the retired loop read the whole partition
+        (requeued,) = dep.scheduler.recover_orphans([replacement], has_partition=dep.queue.has_partition)
+        assert requeued.attempts == 1 and requeued.state == "ready"
+        again = dep.scheduler.lease_next(owner=replacement)
+        assert again.job_id == job.job_id
+        second = dep.training_service.train_job(again)
+        assert second["samples"] == first["samples"] == job.sample_count
+        dep.scheduler.complete(again.job_id, {"samples": second["samples"]}, owner=replacement)
+        assert dep.scheduler.get(job.job_id).state == "completed"
+    finally:
+        dep.shutdown()

@@ -114,7 +114,7 @@ def test_each_ppo_epoch_reads_the_rollout_in_a_fresh_order_and_encodes_each_samp
         assert actor.step().state == COMPLETED
     finally:
         producer.close()
-    epochs = [sum(reads[f"ppo-epoch-{e}"], ()) for e in range(2)]
+    epochs = [sum(reads[f"ppo-epoch-{e}@0"], ()) for e in range(2)]  # attempt 0
     assert [sorted(e) for e in epochs] == [list(range(12))] * 2  # every sample once per epoch
     assert epochs[0] != tuple(range(12)) and epochs[0] != epochs[1]  # shuffled, afresh each epoch
     assert sum(encoded) == 12  # the frozen backbone: one forward per sample over both epochs

@@ -81,7 +81,9 @@ class AdvantageStage:
                 raise ValueError(f"tenant {job.tenant_id!r} has no rl section")
             present = set(self.queue.describe(job.partition_id)["fields"])
             fields = ADVANTAGE_INPUT_FIELDS + tuple(f for f in OPTIONAL_ADVANTAGE_FIELDS if f in present)
-            meta = self.queue.get_meta(job.partition_id, fields, job.sample_count, "compute_advantages_and_returns")
+            meta = self.queue.get_meta(
+                job.partition_id, fields, job.sample_count, job.read_task("compute_advantages_and_returns")
+            )
             if meta is None or meta.size != job.sample_count:
                 raise ValueError(f"partition {job.partition_id} holds {0 if meta is None else meta.size} samples, "
                                  f"the job planned {job.sample_count}")  # fmt: skip

@@ -115,7 +115,9 @@ class JobGroupTrainer:
                 step = run.ppo.next_microbatch()
                 run.done = step is None
                 return step
-            meta = queue.get_meta(run.job.partition_id, SFT_FIELDS, run.slot.config.microbatch_size, "train")
+            meta = queue.get_meta(
+                run.job.partition_id, SFT_FIELDS, run.slot.config.microbatch_size, run.job.read_task("train")
+            )
             if meta is None:
                 run.done = True
                 return None

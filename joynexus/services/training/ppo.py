@@ -186,7 +186,7 @@ class PpoRun:
                 self.job.partition_id,
                 self.fields,
                 self.slot.config.microbatch_size,
-                f"ppo-epoch-{self.epoch}",
+                self.job.read_task(f"ppo-epoch-{self.epoch}"),
                 order=self._order,
             )
             if meta is None:

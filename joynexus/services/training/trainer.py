@@ -296,7 +296,7 @@ class SlotTrainer:
         losses: list[float] = []
         samples = 0
         while True:
-            meta = queue.get_meta(job.partition_id, SFT_FIELDS, slot.config.microbatch_size, "train")
+            meta = queue.get_meta(job.partition_id, SFT_FIELDS, slot.config.microbatch_size, job.read_task("train"))
             if meta is None:
                 return losses, samples
             data = queue.get_data(meta)
@@ -336,7 +336,7 @@ class SlotTrainer:
         module = slot.module
         out = torch.zeros(int(queue.describe(job.partition_id)["num_samples"]), device=self.device)
         while True:
-            meta = queue.get_meta(job.partition_id, fields, slot.config.microbatch_size, "ppo-proximal")
+            meta = queue.get_meta(job.partition_id, fields, slot.config.microbatch_size, job.read_task("ppo-proximal"))
             if meta is None:
                 return out
             data = queue.get_data(meta)
