@@ -2,7 +2,8 @@
 one run (issue 23 item 4).
 
   .venv/bin/python benchmarks/real_size.py [--preset smolvlm-256m] [--image-size 64] [--threads 1]
-      [--repeats 7] [--peer-copies 3] [--quick] [--out var/benchmarks]
+      [--repeats 7] [--peer-copies 3] [--quick] [--grid [--grid-tenants 2,4,6,8] [--grid-batches 1,2,4,8]]
+      [--out var/benchmarks]
 
 The backbone is a preset at its published dimensions with random weights (compute and memory are the
 real ones); ``--image-size`` serves it at a smaller canonical camera side (a CPU cannot run 512 px
@@ -13,11 +14,12 @@ client threads biases either mode; the outside review's M4).
 
 1. Group batching (P1/P2) at 8 tenants x batch 1, for oft_mlp heads, flow_matching heads and a LoRA
    tenant mix (8 tenants, each its own adapter on the shared text model, oft heads): requests/s
-   grouped (one execute of the 8 requests) vs serial (8 executes), the bare-backbone bound at the
-   same shapes (8 forwards of batch 1 vs one forward of batch 8), the share of the bound reached,
-   and the efficiency bare_group / grouped (the share can exceed 100% when the batched module
-   decode gains more than the backbone: review M1). Medians of interleaved repeats with bootstrap
-   95% intervals over the repeats.
+   grouped (one execute of the 8 requests) vs serial (8 executes). The bound is measured on the same
+   service path (issue 42.2): serial vs ONE fused request per schema carrying every sample (queue,
+   pad, forward, decode included), so share = fused / grouped <= 100% up to noise; the bare-backbone
+   ratio (8 forwards of batch 1 vs one of batch 8, no queue or decode) is printed beside it as the
+   physical limit. ``--grid`` runs the same at N x b (default N in 2,4,6,8, b in 1,2,4,8: issue
+   42.3's P1 grid). Medians of interleaved repeats with bootstrap 95% intervals over the repeats.
 2. Memory: tensor bytes of one backbone + N tenants (N = 1, 100, 1000) in float32 and bfloat16 vs N
    separate copies of backbone + module. The backbone's float32 bytes and every tenant's module and
    adapter bytes are measured on the real instances; bfloat16 halves the backbone's floating tensors
@@ -132,17 +134,31 @@ def resident(device: torch.device) -> int:
 
 
 # ---------------------------------------------------------------------------------------- parts
-def group_batching(service: InferenceModelService, names: list[str], lora: bool, repeats: int) -> dict[str, Any]:
-    """Part 1 for one tenant mix: the service grouped vs serial, and the bare-backbone bound."""
+def group_batching(
+    service: InferenceModelService, names: list[str], lora: bool, repeats: int, batch: int = 1
+) -> dict[str, Any]:
+    """Part 1 for one tenant mix at len(names) tenants x `batch`: the service grouped vs serial,
+    the same-path bound and the bare-backbone bound (the physical limit).
+
+    The same-path bound (issue 42.2) is what grouping could at best give on this very path: the
+    serial requests against ONE request per schema carrying all their samples (a fused request:
+    the same images, texts and rows through the same submit -> queue -> pad -> forward -> decode,
+    but one tenant's head per schema instead of one per tenant). Grouping N tenants can only cost
+    more than that, so share = speedup / same-path bound = fused / grouped <= 100% up to noise;
+    the bare-backbone ratio (N forwards vs one, no queue, no decode) is printed beside it."""
     rng = np.random.default_rng(0)
-    reqs = [(name, observations(i, 1, rng)) for i, name in enumerate(names)]
+    reqs = [(name, observations(i, batch, rng)) for i, name in enumerate(names)]
+    fused_by_schema: dict[int, tuple[str, list[Any]]] = {}
+    for i, (name, obs) in enumerate(reqs):
+        fused_by_schema.setdefault(i % len(SCHEMAS), (name, []))[1].extend(obs)
+    fused = list(fused_by_schema.values())
     inputs = [
         ([[torch.as_tensor(img) for img in o.images] for o in obs], [o.instruction for o in obs]) for _, obs in reqs
     ]
-    keys = [[service._resolve(name, None).adapter_key] if lora else None for name in names]
+    keys = [[service._resolve(name, None).adapter_key] * batch if lora else None for name in names]
     all_images = [imgs for chunk, _ in inputs for imgs in chunk]
     all_text = [t for _, texts in inputs for t in texts]
-    all_keys = [k[0] for k in keys] if lora else None
+    all_keys = [k for ks in keys for k in ks] if lora else None
     backbone = service.backbone
 
     def serial() -> None:
@@ -152,6 +168,9 @@ def group_batching(service: InferenceModelService, names: list[str], lora: bool,
     def grouped() -> None:
         serve(service, reqs)
 
+    def one_request_per_schema() -> None:
+        serve(service, fused)
+
     def bare_serial() -> None:
         for (imgs, texts), key in zip(inputs, keys, strict=True):
             backbone.encode(imgs, texts, key)
@@ -160,31 +179,56 @@ def group_batching(service: InferenceModelService, names: list[str], lora: bool,
         backbone.encode(all_images, all_text, all_keys)
 
     t = timed_rounds(
-        {"serial": serial, "grouped": grouped, "bare_serial": bare_serial, "bare_group": bare_group}, repeats
-    )
-    speedup = ratio_ci(t["serial"], t["grouped"])
-    bound = ratio_ci(t["bare_serial"], t["bare_group"])
-    share = ratio_ci(
-        [s / g for s, g in zip(t["serial"], t["grouped"], strict=True)],
-        [s / g for s, g in zip(t["bare_serial"], t["bare_group"], strict=True)],
-    )
-    efficiency = ratio_ci(t["bare_group"], t["grouped"])
+        {"serial": serial, "grouped": grouped, "fused": one_request_per_schema, "bare_serial": bare_serial,
+         "bare_group": bare_group},
+        repeats,
+    )  # fmt: skip
     n = len(names)
     return {
         "tenants": n,
-        "batch": 1,
+        "batch": batch,
         "grouped_rps": n / statistics.median(t["grouped"]),
         "serial_rps": n / statistics.median(t["serial"]),
-        "speedup": speedup,
-        "bound": bound,
-        "share": share,
-        "efficiency": efficiency,
+        "speedup": ratio_ci(t["serial"], t["grouped"]),
+        "bound": ratio_ci(t["serial"], t["fused"]),
+        "share": ratio_ci(t["fused"], t["grouped"]),
+        "bare_bound": ratio_ci(t["bare_serial"], t["bare_group"]),
+        "bare_share": ratio_ci(
+            [s / g for s, g in zip(t["serial"], t["grouped"], strict=True)],
+            [s / g for s, g in zip(t["bare_serial"], t["bare_group"], strict=True)],
+        ),
+        "efficiency": ratio_ci(t["bare_group"], t["grouped"]),
         "forward_b1_ms": 1e3 * statistics.median(t["bare_serial"]) / n,
         "forward_b8_ms": 1e3 * statistics.median(t["bare_group"]),
         "grouped_ms": 1e3 * statistics.median(t["grouped"]),
         "serial_ms": 1e3 * statistics.median(t["serial"]),
+        "fused_ms": 1e3 * statistics.median(t["fused"]),
         "repeats": repeats,
     }
+
+
+def group_batching_line(mix: str, r: dict[str, Any]) -> str:
+    return (
+        f"  {mix:13} N={r['tenants']} b={r['batch']}: grouped {r['grouped_rps']:7.2f} req/s vs serial "
+        f"{r['serial_rps']:7.2f} req/s: {fmt(r['speedup'])}; same-path bound {fmt(r['bound'])}, share "
+        f"{fmt(r['share'], 100, '%')}; bare-backbone bound {fmt(r['bare_bound'])} (share of it "
+        f"{fmt(r['bare_share'], 100, '%')}); forward of one request {r['forward_b1_ms']:.1f} ms, of all "
+        f"{r['forward_b8_ms']:.1f} ms"
+    )
+
+
+def grid(
+    service: InferenceModelService, tenants: dict[str, list[str]], sizes: list[int], batches: list[int], repeats: int
+) -> list[dict[str, Any]]:
+    """P1 over the grid (issue 42.3): every mix at every N x b, each point its own interleaved rounds."""
+    rows = []
+    for mix, names in tenants.items():
+        for n in sizes:
+            for b in batches:
+                r = group_batching(service, names[:n], mix == "lora", repeats, b)
+                rows.append({"mix": mix, **r})
+                print(group_batching_line(mix, r), flush=True)
+    return rows
 
 
 def tenant_bytes(service: InferenceModelService, name: str) -> int:
@@ -299,13 +343,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # LoRA tenants last: once an adapter is on the backbone every forward is routed through them.
         tenants[mix] = add(mix, 100 * offset)
         r = results[mix] = group_batching(service, tenants[mix], mix == "lora", repeats)
-        print(
-            f"  {mix:13} grouped {r['grouped_rps']:7.2f} req/s vs serial {r['serial_rps']:7.2f} req/s: "
-            f"{fmt(r['speedup'])}; bare-backbone bound {fmt(r['bound'])}; share {fmt(r['share'], 100, '%')}; "
-            f"efficiency bare/grouped {fmt(r['efficiency'], 100, '%')}; forward b1 {r['forward_b1_ms']:.1f} ms, "
-            f"b8 {r['forward_b8_ms']:.1f} ms",
-            flush=True,
-        )
+        print(group_batching_line(mix, r), flush=True)
+    grid_rows: list[dict[str, Any]] = []
+    if args.grid:
+        sizes, batches = [int(v) for v in args.grid_tenants.split(",")], [int(v) for v in args.grid_batches.split(",")]
+        if max(sizes) > TENANTS:
+            raise SystemExit(f"--grid-tenants: at most {TENANTS} tenants per mix, got {max(sizes)}")
+        print(f"\n== 1b. P1 grid: N in {sizes} x b in {batches} (medians of {repeats} interleaved rounds, 95% CI)")
+        grid_rows = grid(service, tenants, sizes, batches, repeats)
 
     mem = memory(service, tenants)
     print("\n== 2. memory: one backbone + N tenants vs N separate copies of backbone + module (tensor bytes)")
@@ -334,8 +379,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     oft = results["oft_mlp"]
     per_extra = mem["tenant_bytes"]["oft_mlp"]
-    print("\n== table (issue 23): preset | parameters | forward b1 / b8 ms | grouped/serial | share of bound | "
-          "memory per extra tenant | vs one-model-per-tenant (throughput, memory)")  # fmt: skip
+    print("\n== table (issue 23): preset | parameters | forward b1 / b8 ms | grouped/serial | share of the same-path "
+          "bound | memory per extra tenant | vs one-model-per-tenant (throughput, memory)")  # fmt: skip
     print(
         f"  {args.preset} @ {spec.image_size}px, {torch.get_num_threads()} thread(s) | {params:,} | "
         f"{oft['forward_b1_ms']:.1f} / {oft['forward_b8_ms']:.1f} | "
@@ -355,6 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "module_size": module_size,
         "load_average": {"before": load_before[0], "after": load_after[0]},
         "group_batching": results,
+        "grid": grid_rows,
         "memory": mem,
         "peer": p,
     }
@@ -374,6 +420,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--peer-copies", type=int, default=3, help="real backbone copies of the peer baseline")
     parser.add_argument("--module-size", default="small", help="action module size preset (the spec default)")
     parser.add_argument("--quick", action="store_true", help="3 rounds, 2 peer copies, tiny heads (a smoke run)")
+    parser.add_argument("--grid", action="store_true", help="also part 1 over N x b (issue 42.3's P1 grid)")
+    parser.add_argument("--grid-tenants", default="2,4,6,8", help="the grid's tenant counts (at most 8)")
+    parser.add_argument("--grid-batches", default="1,2,4,8", help="the grid's per-request batch sizes")
     parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
     return run(parser.parse_args(argv))
 

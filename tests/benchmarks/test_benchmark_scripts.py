@@ -46,7 +46,10 @@ SMOKE_RUNS: dict[str, tuple[list[str], str]] = {
     "pipelined_loop.py": (["--quick"], r"client work 0 ms: blocking [\d.]+ steps/s, pipelined [\d.]+ steps/s, ratio"),
     "policy_server.py": (["--quick"], r"^ +4 \| +[\d.]+ / +[\d.]+ +[\d.]+ \|"),
     "predict_fairness.py": (["--quick"], r"^B's p50 under load, split off / split on: [\d.]+x"),
-    "real_size.py": (["--preset", "tiny", "--image-size", "48", "--quick"], r"^== table \(issue 23\)"),
+    "real_size.py": (
+        ["--preset", "tiny", "--image-size", "48", "--quick", "--grid", "--grid-tenants", "2", "--grid-batches", "1,2"],
+        r"^== table \(issue 23\)",
+    ),
     "replicas.py": (["--quick"], r"^throughput 3 replicas / 1 replica: [\d.]+x"),
     "rl_maniskill.py": (["--quick"], r"^seed 0: .*trained"),
     "rl_reliability.py": (["--quick"], r"^improved in [01] of 1 seeds"),
