@@ -1,6 +1,7 @@
 """The main paths on a GPU, beside the CPU in one run (issue 12.1): device placement end to end.
 
   .venv/bin/python benchmarks/gpu_check.py [--preset small] [--steps 5] [--repeats 5] [--group-batching]
+      [--real-size] [--training] [--mixed] [--dry-run] [--results FILE]
 
 1. Which accelerator this process sees (or, clearly, that there is none: then only the CPU path runs
    and the script still exits 0).
@@ -13,13 +14,21 @@
    float32 backbones on the CPU, the same checks).
 4. `benchmarks/group_batching.py --quick` with JOYNEXUS_DEVICE=cuda (with a GPU; on the CPU only when
    `--group-batching` asks for it: it takes minutes there).
-5. `benchmarks/real_size.py` at each real-size preset (smolvlm-256m, smolvlm-500m: published dimensions,
-   random weights) at their published 512 px with JOYNEXUS_DEVICE=cuda, so the first run on a GPU
-   reports them (on the CPU only when `--real-size` asks for it, at 64 px).
+5. `benchmarks/real_size.py --grid` at smolvlm-256m (published dimensions, random weights; more presets
+   with --real-size-presets) at the published 512 px with JOYNEXUS_DEVICE=cuda: the P1 grid N x b with
+   the same-path bound (issue 42.3); on the CPU only when `--real-size` asks for it, at 64 px, quick.
 6. `benchmarks/smolvla_grouped.py`: 8 SmolVLA, then 8 π0 and 8 π0.5 tenants (PaliGemma 3B + Gemma 300M
    experts) over one shared prefix each, at the families' published dimensions (SmolVLA at 512 px) on a
    GPU (grouped vs serial, the bare-prefix bound, memory per extra tenant in float32 and bfloat16);
    `--quick` on the CPU.
+7. `benchmarks/training_throughput.py` at smolvlm-256m, 512 px: grouped training vs one at a time at
+   2 / 4 / 8 tenants, 3 repeats (issue 42.4; `--training`: its --quick on the CPU).
+8. `benchmarks/mixed_workload.py` at smolvlm-256m: the mixed workload together vs isolated, 2 measured
+   pairs (issue 42.5; `--mixed`: its --quick on the CPU).
+On a GPU the whole script stays under 10 minutes (each part has its share as a timeout; a part past
+it is stopped, what it printed kept, and the next runs) and everything printed, this process's and
+every part's, goes to ONE results file (`--results`, default var/benchmarks/gpu_check-<time>.txt), so
+the first task lent a GPU fills the table in one call. `--dry-run` prints that plan and runs nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +62,7 @@ from joynexus.spec import parse_workload_spec  # noqa: E402
 SCHEMA = dict(cameras=["front", "wrist"], image_size=[64, 64], state_dim=8, action_dim=7, action_chunk=4)
 KINDS = ("oft_mlp", "flow_matching")
 ROWS = 16  # samples per training microbatch and per predict request
-REAL_SIZE_PRESETS = ("smolvlm-256m", "smolvlm-500m")
+REAL_SIZE_PRESETS = ("smolvlm-256m",)  # smolvlm-500m too with --real-size-presets (past the 10 minutes)
 
 
 def compiled_config(service: TrainingModelService, tenant: str, kind: str) -> Any:
@@ -192,8 +203,16 @@ def main() -> None:
     parser.add_argument(
         "--real-size-presets", default=",".join(REAL_SIZE_PRESETS), help="presets part 5 runs (comma-separated)"
     )
+    parser.add_argument("--training", action="store_true", help="also run training_throughput.py --quick on the CPU")
+    parser.add_argument("--mixed", action="store_true", help="also run mixed_workload.py --quick on the CPU")
+    parser.add_argument("--dry-run", action="store_true", help="print what a GPU run would run, run nothing")
+    parser.add_argument("--results", type=Path, default=None, help="the one results file (default var/benchmarks/)")
     args = parser.parse_args()
+    if args.dry_run:
+        dry_run(args)
+        return
     torch.set_num_threads(int(os.environ.get("JOYNEXUS_TORCH_THREADS", "1")))
+    results = Results(args.results or Path("var/benchmarks") / f"gpu_check-{time.strftime('%Y%m%d-%H%M%S')}.txt")
 
     gpu = torch.cuda.is_available()
     print(
@@ -267,54 +286,129 @@ def main() -> None:
         for line in check_round_trip(root, hops, args.preset):
             print(line)
 
-    if gpu or args.group_batching:
-        device = "cuda" if gpu else "cpu"
-        print(f"\n== benchmarks/group_batching.py --quick with JOYNEXUS_DEVICE={device} ==", flush=True)
-        script = Path(__file__).with_name("group_batching.py")
-        env = {**os.environ, "JOYNEXUS_DEVICE": device}
-        done = subprocess.run([sys.executable, str(script), "--quick"], env=env, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"group_batching.py --quick failed with exit code {done.returncode}")
-    else:
-        print("\n(group_batching.py --quick skipped: no GPU; pass --group-batching to run it on the CPU)")
-    if gpu or args.real_size:
-        run_real_size(gpu, [p for p in args.real_size_presets.split(",") if p])
-    else:
-        print("(real_size.py skipped: no GPU; pass --real-size to run it on the CPU at 64 px)")
-    run_smolvla(gpu)
+    for part in plan(gpu, args):
+        if not part.runs:
+            print(f"\n({part.name} skipped: {part.skip_reason})")
+            continue
+        run_part(part, results)
     if not gpu:
         print("\nNO GPU PRESENT: only the CPU path was checked.")
+    print(f"\nall of this run's output: {results.path}")
+    results.close()
 
 
-def run_real_size(gpu: bool, presets: list[str]) -> None:
-    """Part 5: benchmarks/real_size.py per real-size preset, in its own process (its memory figures
-    are its own), at 512 px on a GPU and 64 px (quick) on the CPU."""
-    device = "cuda" if gpu else "cpu"
-    script = Path(__file__).with_name("real_size.py")
-    env = {**os.environ, "JOYNEXUS_DEVICE": device}
-    for preset in presets:
-        command = [sys.executable, str(script), "--preset", preset, "--out", f"var/benchmarks/real-size-{preset}"]
-        command += ["--image-size", "512"] if gpu else ["--image-size", "64", "--quick"]
-        print(f"\n== benchmarks/real_size.py --preset {preset} with JOYNEXUS_DEVICE={device} ==", flush=True)
-        done = subprocess.run(command, env=env, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"real_size.py --preset {preset} failed with exit code {done.returncode}")
+@dataclass
+class Part:
+    """One benchmark the script runs in its own process (its memory figures are its own)."""
+
+    name: str
+    command: list[str]
+    timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    runs: bool = True
+    skip_reason: str = ""
 
 
-def run_smolvla(gpu: bool) -> None:
-    """Part 6: benchmarks/smolvla_grouped.py for SmolVLA, π0 and π0.5 (8 tenants over one prefix each:
-    grouped vs serial, the bound, memory per extra tenant in float32 and bfloat16) at the published
-    dimensions on a GPU (SmolVLA at 512 px); their --quick on the CPU."""
-    device = "cuda" if gpu else "cpu"
-    script = Path(__file__).with_name("smolvla_grouped.py")
+def plan(gpu: bool, args: argparse.Namespace) -> list[Part]:
+    """Parts 4-8 with their options on a GPU (`gpu`) or on this CPU. On a GPU they are sized so the
+    whole script stays under 10 minutes (issue 42.7): each part has its share as a timeout."""
+    here = Path(__file__).parent
+    device = {"JOYNEXUS_DEVICE": "cuda" if gpu else "cpu"}
+    py = sys.executable
+    parts = [
+        Part("group_batching.py --quick", [py, str(here / "group_batching.py"), "--quick"], 45, device,
+             runs=gpu or args.group_batching, skip_reason="no GPU; pass --group-batching to run it on the CPU"),
+    ]  # fmt: skip
+    for preset in [p for p in args.real_size_presets.split(",") if p]:
+        sized = ["--image-size", "512", "--grid", "--repeats", "3"] if gpu else ["--image-size", "64", "--quick"]
+        parts.append(
+            Part(f"real_size.py --preset {preset} (P1 grid at 512 px on a GPU, issue 42.3)",
+                 [py, str(here / "real_size.py"), "--preset", preset, *sized, "--out",
+                  f"var/benchmarks/real-size-{preset}"], 150, device, runs=gpu or args.real_size,
+                 skip_reason="no GPU; pass --real-size to run it on the CPU at 64 px")  # fmt: skip
+        )
     for family, published in (("smolvla", ["--image-size", "512"]), ("pi0", []), ("pi05", [])):
         sized = [*published, "--repeats", "5"] if gpu else ["--quick"]
-        command = [sys.executable, str(script), "--family", family, *sized]
-        shown = " ".join(command[2:])
-        print(f"\n== benchmarks/smolvla_grouped.py {shown} with JOYNEXUS_DEVICE={device} ==", flush=True)
-        done = subprocess.run(command, env={**os.environ, "JOYNEXUS_DEVICE": device}, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"smolvla_grouped.py --family {family} failed with exit code {done.returncode}")
+        parts.append(
+            Part(f"smolvla_grouped.py --family {family} (the VLA families' figures)",
+                 [py, str(here / "smolvla_grouped.py"), "--family", family, *sized], 35, device)  # fmt: skip
+        )
+    trained = (["--preset", "smolvlm-256m", "--image-size", "512", "--tenants", "2,4,8", "--jobs", "4",
+                "--repeats", "3"] if gpu else ["--quick"])  # fmt: skip
+    parts.append(
+        Part("training_throughput.py (grouped training at real size, issue 42.4)",
+             [py, str(here / "training_throughput.py"), "--mode", "inprocess", *trained], 90, device,
+             runs=gpu or args.training,
+             skip_reason="no GPU; pass --training to run its --quick on the CPU")  # fmt: skip
+    )
+    mixed = ["--preset", "smolvlm-256m", "--repeats", "2", "--quick"] if gpu else ["--quick"]
+    parts.append(
+        Part("mixed_workload.py (P3 together vs isolated, measured pairs, issue 42.5)",
+             [py, str(here / "mixed_workload.py"), "--mode", "inprocess", *mixed], 110, device,
+             runs=gpu or args.mixed, skip_reason="no GPU; pass --mixed to run its --quick on the CPU")  # fmt: skip
+    )
+    return parts
+
+
+class Results:
+    """One results file: this process's output and every part's, as it comes (a tee)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("w", buffering=1)
+        self._stdout = sys.stdout
+        sys.stdout = self
+
+    def write(self, text: str) -> int:
+        self._stdout.write(text)
+        self._file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stdout.flush()
+        self._file.flush()
+
+    def close(self) -> None:
+        sys.stdout = self._stdout
+        self._file.close()
+
+
+def run_part(part: Part, results: Results) -> None:
+    """Run one part, its output into the results file; a part past its share of the 10 minutes is
+    stopped and reported (what it printed stays), and the next part runs."""
+    shown = " ".join(part.command[2:])
+    env = ", ".join(f"{k}={v}" for k, v in part.env.items())
+    print(f"\n== {part.name}: {Path(part.command[1]).name} {shown} ({env}; at most {part.timeout_s:.0f} s) ==",
+          flush=True)  # fmt: skip
+    started = time.perf_counter()
+    process = subprocess.Popen(part.command, env={**os.environ, **part.env}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    timer = threading.Timer(part.timeout_s, process.kill)
+    timer.start()
+    try:
+        for line in process.stdout:
+            results.write(line)
+        code = process.wait()
+    finally:
+        timer.cancel()
+    took = time.perf_counter() - started
+    if code != 0:
+        if took >= part.timeout_s:
+            print(f"  -> {part.name}: stopped at its {part.timeout_s:.0f} s share (what it printed is above)")
+            return
+        raise SystemExit(f"{part.name} failed with exit code {code}")
+    print(f"  -> {part.name}: {took:.0f} s")
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    """What the script runs on a GPU, part by part, with each part's share of the 10 minutes."""
+    parts = plan(True, args)
+    print("dry run: on a GPU this script runs parts 1-3 in this process (placements, checkpoint round trip), then:")
+    for part in parts:
+        print(f"  {part.timeout_s:4.0f} s  {part.name}:\n          {' '.join(part.command[1:])}")
+    total = sum(p.timeout_s for p in parts)
+    print(f"parts 4-8 at most {total:.0f} s in all (the script under 10 minutes with parts 1-3); one results file")
 
 
 if __name__ == "__main__":

@@ -1264,6 +1264,10 @@ def main() -> int:
         "inprocess: every service a local object of this one process",
     )
     parser.add_argument(
+        "--preset", default="tiny", help="backbone preset every deployment serves (tiny; smolvlm-256m: issue 42.5)"
+    )
+    parser.add_argument("--image-size", type=int, default=None, help="canonical camera side (default: the preset's)")
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="sample the Master's process with py-spy during the first together run and print where the "
@@ -1284,8 +1288,17 @@ def main() -> int:
     sft_jobs = args.sft_jobs or (4 if args.quick else 12)
     repeats = args.repeats or (1 if args.quick else 2)
     sim_jobs = args.sim_jobs or (50 if args.quick else 200)
+    # Every deployment (in this process or its Ray actors) reads the backbone from the environment
+    # (Settings); the tenants name the model id that backbone is served under.
+    os.environ["JOYNEXUS_BACKBONE_PRESET"] = args.preset
+    if args.image_size:
+        os.environ["JOYNEXUS_BACKBONE_IMAGE_SIZE"] = str(args.image_size)
+    from joynexus.models.backbone import BackboneSource
+    from joynexus.models.backbone.tiny import spec_model_id
 
-    print(f"mixed SFT + RL ({args.mode} deployments): {len(RL_TENANTS)} RL tenants x {rl_jobs} PPO updates, "
+    model = spec_model_id(BackboneSource(preset=args.preset, image_size=args.image_size).preset_spec(), seed=0)
+
+    print(f"mixed SFT + RL ({args.mode} deployments, {model}): {len(RL_TENANTS)} RL tenants x {rl_jobs} PPO updates, "
           f"{len(SFT_TENANTS)} SFT tenants x {sft_jobs} jobs, {repeats} isolated/together pair(s); load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -1301,8 +1314,10 @@ def main() -> int:
     pairs: list[Pair] = []
     with tempfile.TemporaryDirectory(prefix="mixed-workload-") as tmp:
         sft_root = write_sft_dataset(Path(tmp) / "datasets" / "sft-demos")
-        specs = [rl_spec(t, rl_jobs, args.checkpoint_every) for t in RL_TENANTS]
-        specs += [sft_spec(sft_root, sft_jobs, args.checkpoint_every, tenant=tenant) for tenant in SFT_TENANTS]
+        specs = [rl_spec(t, rl_jobs, args.checkpoint_every, model=model) for t in RL_TENANTS]
+        specs += [
+            sft_spec(sft_root, sft_jobs, args.checkpoint_every, model=model, tenant=tenant) for tenant in SFT_TENANTS
+        ]
         for k in range(repeats):
             # The trace is recorded in the first repeat, where the isolated runs come first.
             pairs.append(measure_pair(specs, Path(tmp), args.timeout, together_first=k % 2 == 1,
