@@ -66,6 +66,13 @@ def test_tenants_go_to_the_least_loaded_replica_and_stay_there(replicas):
     assert front.start_workload("w3", "a", task="sft") == 0  # sticky: a's second workload, a's replica
     assert front.publish_weights("b") == 1
     assert front.live_owners() == {"o0", "o1"}  # learned when the front first asked (its sync)
+    # What `joynexus status` shows of each replica (the Master's `producers` role row).
+    health = front.health()
+    assert [(r["replica"], r["tenants"], r["workloads"]) for r in health["replicas"]] == [
+        (0, ["a"], ["w1", "w3"]),
+        (1, ["b"], ["w2"]),
+    ]
+    assert "(#0: 1 tenants, 2 workloads; #1: 1 tenants, 1 workloads)" in health["detail"]
 
 
 def test_a_dead_replicas_workloads_move_once_after_on_move(replicas):
@@ -83,6 +90,7 @@ def test_a_dead_replicas_workloads_move_once_after_on_move(replicas):
     front.poll()
     assert len(moved) == 1 and replicas[1].starts.count("w1") == 1  # moved once, not every round
     assert front.health()["healthy"] and "1 of 2" in front.health()["detail"]
+    assert "#0 gone: 0 tenants, 0 workloads; #1: 2 tenants, 2 workloads" in front.health()["detail"]
     replicas[1].dead = True
     with pytest.raises(NoProducerReplica):
         front.start_workload("w4", "c", task="sft")

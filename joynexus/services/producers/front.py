@@ -260,9 +260,24 @@ class ProducerFront:
         with self._lock:
             dead, total = len(self._dead), len(self.replicas)
             running = len(self._work)
+            replicas = [
+                {
+                    "replica": index,
+                    "answers": index not in self._dead,
+                    "tenants": sorted(t for t, i in self._tenant.items() if i == index),
+                    "workloads": sorted(w for w, placed in self._work.items() if placed[0] == index),
+                }
+                for index in range(total)
+            ]
+        each = "; ".join(
+            f"#{r['replica']}{'' if r['answers'] else ' gone'}: {len(r['tenants'])} tenants, "
+            f"{len(r['workloads'])} workloads"
+            for r in replicas
+        )
         return {
             "healthy": dead < total,
             "restarts": self.moves,
-            "detail": f"{total - dead} of {total} producer replicas answer; {running} workloads placed, "
+            "replicas": replicas,
+            "detail": f"{total - dead} of {total} producer replicas answer ({each}); {running} workloads placed, "
             f"{self.moves} moved",
         }
