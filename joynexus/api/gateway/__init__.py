@@ -86,7 +86,7 @@ class ApiGateway:
         self.sampling = Sampling(training, directory, admission, meter, limits)
         self.inference = Inference(inference, checkpoints, ServingSetStore(cluster.store), directory, admission, limits)
         self.env_sessions = Sessions(cluster.environment, directory, admission)
-        self.foreign = ForeignWeights(cluster.master, directory, admission)
+        self.foreign = ForeignWeights(cluster.master, training, directory, admission)
         self.evaluations = Evaluations(cluster.master)
         self.state_control = StateControl(cluster.master, directory, admission, keys)
         self.futures = CallQueue(cluster, self.training, self.sampling, self.inference, directory, admission, meter)
