@@ -108,9 +108,6 @@ class ApiGateway:
     def tenants(self) -> list[Tenant]:
         return self.directory.tenants()
 
-    def check_admission(self, tenant_id: str, *, storage: bool = False) -> None:
-        self.admission.check(tenant_id, storage=storage)
-
     def usage(self, tenant_id: str) -> s.Usage:
         self.meter.flush()  # read-your-writes, as the Master does for the services' meters
         return self.master.usage(tenant_id)
