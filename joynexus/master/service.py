@@ -486,26 +486,26 @@ class MasterService:
         self.check_tenant(tenant_id)
         return self.workloads.publish_weights(tenant_id)
 
-    def install_weights(
-        self,
-        tenant_id: str,
-        weights: bytes,
-        *,
-        source: str,
-        installed_by: str,
-        config: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Weights trained elsewhere (safetensors bytes of the tenant's state dict) as the tenant's
-        next version: checked, checkpointed, served, registered with provenance (`foreign_weights`).
-        Refused while a workload of the tenant runs (it would train over them)."""
-        from joynexus.master.foreign_weights import install_weights
+    def admit_weights_install(self, tenant_id: str, *, source: str, config: dict[str, Any] | None = None) -> None:
+        """Foreign weights, the control half before the install (`foreign_weights`): the tenant is
+        healthy and runs no workload (it would train over them), `source` and `config` are checked,
+        and its training slot exists. The API server then sends the weights to the Training Model
+        Service itself: they never pass through this process."""
+        from joynexus.master.foreign_weights import admit_install
 
         tenant = self.check_tenant(tenant_id)
         if self.workloads.count(tenant_id, "running"):
             raise ValueError(f"tenant: {tenant_id!r} has a running workload; wait for it or cancel it first")
-        return install_weights(
-            self.deployment, tenant, weights, source=source, installed_by=installed_by, config=config
-        )
+        admit_install(self.deployment, tenant, source=source, config=config)
+
+    def publish_installed_weights(
+        self, tenant_id: str, version: int, *, source: str, sha256: str, installed_by: str
+    ) -> dict[str, Any]:
+        """Foreign weights installed as `version`: served and registered with their provenance by the
+        tenant's producer replica (where the payload moves); returns the registration."""
+        self.check_tenant(tenant_id)
+        provenance = {"source": source, "sha256": sha256, "installed_by": installed_by}
+        return self.deployment.producers.publish_installed(tenant_id, int(version), provenance)
 
     # -- state control (issue 28.3; master/state_control.py) -----------------------------------------
     def load_state(self, tenant_id: str, version: int) -> dict[str, Any]:

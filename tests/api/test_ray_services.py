@@ -355,9 +355,10 @@ def test_predict_on_ray_answers_in_the_datasets_units(ray_api: RayApi):
 
 def test_openpi_clients_and_foreign_weights_run_on_the_resident_services(ray_api: RayApi, trained: Trained):
     """Issue 24.4 / 24.5 on the Ray path: /v1/openpi answered by the resident Inference Model
-    Service; foreign weights installed through the Master actor as a new version (checkpointed,
-    served, registered in MLflow with source / sha256); an evaluation declaration's comparison
-    table written by the Master actor."""
+    Service; foreign weights sent by the API server to the training actor as a new version
+    (checkpointed), admitted by the Master actor and served and registered in MLflow (source /
+    sha256) by the tenant's producer replica; an evaluation declaration's comparison table written
+    by the Master actor."""
     import base64
     import hashlib
 

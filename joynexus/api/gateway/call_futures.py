@@ -1,31 +1,28 @@
-"""Lower-layer sampling (`sample`, `compute_logprobs` on the caller's training slot) and futures of
-lower-layer calls (`services.call_futures`): a call is checked here exactly as its blocking form
-is, then queued behind the tenant's earlier calls; collecting it answers what the blocking call
-would have answered, its errors included.
+"""Futures of lower-layer calls (`services.call_futures`): a call is checked here exactly as its
+blocking form is, then queued behind the tenant's earlier calls; collecting it answers what the
+blocking call would have answered, its errors included.
 
 In Ray mode the queue is the deployment's one `CallFutures` actor, which every API replica shares
 (created by the first replica that needs it); in process it is a local object of this gateway."""
 
 from __future__ import annotations
 
-import secrets
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from pydantic import BaseModel
 
 from joynexus.actors import handle_of, running_actor, service_handle
-from joynexus.api.errors import ApiError, InvalidInput, QuotaExceeded
-from joynexus.api.gateway.base import GatewayBase
-from joynexus.api.gateway.inference import InferenceOperations, predict_result
+from joynexus.api.errors import ApiError, QuotaExceeded
+from joynexus.api.gateway.admission import Admission
+from joynexus.api.gateway.directory import TenantDirectory
+from joynexus.api.gateway.inference import Inference, predict_result
+from joynexus.api.gateway.sampling import Sampling, logprobs_result
 from joynexus.api.gateway.service_errors import service_errors
-from joynexus.api.gateway.tensors import observation_arrays, sample_columns
-from joynexus.api.gateway.training import TrainingPrimitives, timed_call
-from joynexus.core.metering import TRAINING
-from joynexus.data.normalization import SIMULATOR_BOUNDS_SOURCE, Normalizer
+from joynexus.api.gateway.training import TrainingCalls
+from joynexus.core.metering import UsageMeter
 from joynexus.protocol import sampling_schemas as ss
 from joynexus.protocol import schemas as s
-from joynexus.protocol.wire import Tensor
 from joynexus.services.call_futures import (
     CALL_FUTURES_ACTOR_NAME,
     CallFutures,
@@ -33,6 +30,9 @@ from joynexus.services.call_futures import (
     UnknownFuture,
     call_futures_actor,
 )
+
+if TYPE_CHECKING:
+    from joynexus.connect import Cluster
 
 # The field a service error of each call is reported under (as the blocking routes do).
 _ERROR_FIELD = {
@@ -51,68 +51,36 @@ RESULT_MODELS: dict[str, type[BaseModel]] = {
 }
 
 
-class FutureOperations(GatewayBase):
-    """Sampling and call futures; the checks of the blocking calls are theirs (`TrainingPrimitives`,
-    `InferenceOperations`), so a future is refused for exactly what the blocking call refuses."""
+class CallQueue:
+    """Futures of the lower-layer calls; the checks of the blocking calls are theirs (`TrainingCalls`,
+    `Sampling`, `Inference`), so a future is refused for exactly what the blocking call refuses."""
 
-    # -- sampling, blocking --------------------------------------------------------------------------
-    def sample(self, tenant_id: str, request: ss.SampleRequest) -> ss.SampleResult:
-        arguments = self.sample_arguments(tenant_id, request)
-        self.check_admission(tenant_id)
-        with service_errors("sample"):
-            result, seconds = timed_call("sample", self.cluster.training, tenant_id, **arguments)
-        seconds = result.get("seconds", seconds)  # the service's own time, not its queue
-        self.meter.record(tenant_id, TRAINING, "sample", device_seconds=seconds)
-        return sample_result(self, tenant_id, {**result, "seconds": seconds})
+    def __init__(
+        self,
+        cluster: Cluster,
+        training_calls: TrainingCalls,
+        sampling: Sampling,
+        inference: Inference,
+        directory: TenantDirectory,
+        admission: Admission,
+        meter: UsageMeter,
+    ):
+        self._cluster = cluster  # where the queue is made: the handles, the settings, whether we create actors
+        self._training_calls, self._sampling, self._inference = training_calls, sampling, inference
+        self._directory, self._admission, self._meter = directory, admission, meter
+        self._lock = threading.Lock()
+        self._futures: CallFutures | None = None
+        self._local: CallFutures | None = None  # the in-process queue this gateway made (closed by `close`)
 
-    def compute_logprobs(self, tenant_id: str, request: ss.ComputeLogprobsRequest) -> ss.ComputeLogprobsResult:
-        columns = sample_columns(self.tenant(tenant_id), request, self.limits.max_samples_per_request)
-        self.check_admission(tenant_id)
-        with service_errors("compute_logprobs"):
-            result, seconds = timed_call("compute_logprobs", self.cluster.training, tenant_id, columns)
-        seconds = result.get("seconds", seconds)
-        self.meter.record(tenant_id, TRAINING, "compute_logprobs", device_seconds=seconds)
-        return logprobs_result({**result, "seconds": seconds})
-
-    def sample_arguments(self, tenant_id: str, request: ss.SampleRequest) -> dict[str, Any]:
-        """`TrainingModelService.sample`'s checked arguments: the observations as columns (state
-        normalized as forward_backward normalizes it), n, temperature and a seed (drawn if none)."""
-        tenant = self.tenant(tenant_id)
-        obs = request.observations
-        images, state, instructions = observation_arrays(
-            tenant, obs.images, obs.state, obs.instructions, self.limits.max_samples_per_request
-        )
-        n = images.shape[0]
-        bound = self.limits.max_sampled_chunks_per_request
-        if n * request.n > bound:
-            raise InvalidInput(
-                "n",
-                f"{n} observations x n={request.n} are {n * request.n:,} chunks to draw, above the {bound:,} one "
-                "sampling call may draw (max_sampled_chunks_per_request): split the call",
-            )
-        normalizer = _normalizer(self, tenant_id)
-        if normalizer is not None:
-            state = normalizer.normalize_state(state)
-        columns = {
-            "images": images,
-            "state": state,
-            "task": instructions,
-            "tenant_id": [tenant_id] * n,
-            "schema_signature": [tenant.schema_signature] * n,
-        }
-        seed = request.seed if request.seed is not None else secrets.randbelow(2**63)
-        return {"batch": columns, "n": request.n, "temperature": request.temperature, "seed": seed}
-
-    # -- futures -------------------------------------------------------------------------------------
     def call_futures(self) -> CallFutures:
         """The deployment's call queue (created on first use; module docstring)."""
         with self._lock:
-            futures = getattr(self, "_call_futures", None)
-            if futures is None:
-                training, inference = handle_of(self.cluster.training), handle_of(self.cluster.inference)
+            if self._futures is None:
+                where = self._cluster
+                training, inference = handle_of(where.training), handle_of(where.inference)
                 if training.is_remote:
-                    settings = self.cluster.settings
-                    if self.cluster.creates_services:
+                    settings = where.settings
+                    if where.creates_services:
                         actor = call_futures_actor(
                             training.target,
                             inference.target,
@@ -121,49 +89,47 @@ class FutureOperations(GatewayBase):
                         )
                     else:  # a client of a deployment: the services' creator made it (`joynexus up`)
                         actor = running_actor(CALL_FUTURES_ACTOR_NAME, settings.ray_namespace, "the futures call queue")
-                    futures = service_handle(CallFutures, actor)
+                    self._futures = service_handle(CallFutures, actor)
                 else:
-                    futures = CallFutures(self.cluster.training, self.cluster.inference, meter=self.meter)
-                    self._local_call_futures = futures
-                self._call_futures = futures
-            return futures
+                    self._futures = self._local = CallFutures(where.training, where.inference, meter=self._meter)
+            return self._futures
 
-    def forget_call_futures(self) -> None:
+    def forget(self) -> None:
         """Drop the call queue's handle: a new Ray session (the follower reconnected) voids it; the
         next use looks the actor up again."""
         with self._lock:
-            self._call_futures = None
+            self._futures = None
 
-    def submit_call(self, tenant_id: str, kind: str, request: BaseModel | None) -> ss.FutureInfo:
+    def submit(self, tenant_id: str, kind: str, request: BaseModel | None) -> ss.FutureInfo:
         """Check `request` as the blocking `kind` call would, then queue it: the future's info."""
         if kind == "forward_backward":
             assert isinstance(request, s.ForwardBackwardRequest)
-            columns = TrainingPrimitives.forward_backward_columns(self, tenant_id, request)  # type: ignore[arg-type]
+            columns = self._training_calls.forward_backward_columns(tenant_id, request)
             loss_config = None if request.loss_config is None else request.loss_config.model_dump(exclude_none=True)
             args: dict[str, Any] = {"batch": columns, "loss": request.loss, "loss_config": loss_config}
         elif kind == "optim_step":
             assert request is None or isinstance(request, s.OptimStepRequest)
-            self.tenant(tenant_id)
+            self._directory.tenant(tenant_id)
             adamw = None if request is None else request.model_dump(exclude_none=True)
             args = {"adamw": adamw or None}
         elif kind == "predict":
             assert isinstance(request, s.PredictRequest)
-            args = InferenceOperations.predict_arguments(self, tenant_id, request)  # type: ignore[arg-type]
+            args = self._inference.predict_arguments(tenant_id, request)
         elif kind == "sample":
             assert isinstance(request, ss.SampleRequest)
-            args = self.sample_arguments(tenant_id, request)
+            args = self._sampling.sample_arguments(tenant_id, request)
         else:
             assert isinstance(request, ss.ComputeLogprobsRequest)
-            args = {"batch": sample_columns(self.tenant(tenant_id), request, self.limits.max_samples_per_request)}
+            args = {"batch": self._sampling.logprobs_columns(tenant_id, request)}
         if kind != "optim_step":
-            self.check_admission(tenant_id)
+            self._admission.check(tenant_id)
         try:
             info = self.call_futures().submit(tenant_id, kind, args)
         except FutureRefused as error:
             raise QuotaExceeded(str(error), [("futures", str(error))]) from None
         return ss.FutureInfo(**info)
 
-    def collect_call(self, tenant_id: str, future_id: str, wait_s: float) -> tuple[ss.FutureInfo, BaseModel | None]:
+    def collect(self, tenant_id: str, future_id: str, wait_s: float) -> tuple[ss.FutureInfo, BaseModel | None]:
         """(the future's info, the call's answer when it is done); a failed call raises its own
         error, as the blocking call would have."""
         try:
@@ -186,26 +152,17 @@ class FutureOperations(GatewayBase):
         if kind == "predict":
             return public, predict_result(raw)
         if kind == "sample":
-            return public, sample_result(self, tenant_id, raw)
+            return public, self._sampling.sample_result(tenant_id, raw)
         return public, logprobs_result(raw)
 
-    def stop(self) -> None:
-        # A gateway used again after a stop (a server's lifespan ended, another began over the same
-        # gateway) makes a new queue on first use instead of submitting to a closed one.
+    def close(self) -> None:
+        """Close the in-process queue this gateway made. A gateway used again after a stop (a
+        server's lifespan ended, another began over the same gateway) makes a new queue on first
+        use instead of submitting to a closed one."""
         with self._lock:
-            local = getattr(self, "_local_call_futures", None)
-            self._local_call_futures = self._call_futures = None
+            local, self._local, self._futures = self._local, None, None
         if local is not None:
             local.close()
-        super().stop()
-
-
-def _normalizer(gateway: GatewayBase, tenant_id: str) -> Normalizer | None:
-    """The tenant's normalizer when forward_backward applies it (a dataset's; not simulator bounds)."""
-    normalizer = Normalizer.from_dict(gateway.tenant(tenant_id, healthy=False).backend_config.normalization)
-    if normalizer is None or normalizer.source == SIMULATOR_BOUNDS_SOURCE:
-        return None
-    return normalizer
 
 
 def forward_backward_result(raw: dict[str, Any]) -> s.ForwardBackwardResult:
@@ -225,28 +182,4 @@ def optim_step_result(raw: dict[str, Any]) -> s.OptimStepResult:
     return s.OptimStepResult(**{k: raw[k] for k in fields}, **used, device_seconds=raw.get("seconds", 0.0))
 
 
-def sample_result(gateway: GatewayBase, tenant_id: str, raw: dict[str, Any]) -> ss.SampleResult:
-    """Sampled actions in the units forward_backward takes (a dataset normalizer undone)."""
-    actions = np.asarray(raw["actions"], dtype=np.float32)
-    normalizer = _normalizer(gateway, tenant_id)
-    if normalizer is not None:
-        actions = np.asarray(normalizer.unnormalize_action(actions), dtype=np.float32)
-    log_probs = raw.get("log_probs")
-    return ss.SampleResult(
-        actions=Tensor.from_numpy(actions),
-        log_probs=None if log_probs is None else Tensor.from_numpy(np.asarray(log_probs, dtype=np.float32)),
-        version=raw["version"],
-        seed=raw["seed"],
-        device_seconds=raw.get("seconds", 0.0),
-    )
-
-
-def logprobs_result(raw: dict[str, Any]) -> ss.ComputeLogprobsResult:
-    return ss.ComputeLogprobsResult(
-        log_probs=Tensor.from_numpy(np.asarray(raw["log_probs"], dtype=np.float32)),
-        version=raw["version"],
-        device_seconds=raw.get("seconds", 0.0),
-    )
-
-
-__all__ = ["RESULT_MODELS", "FutureOperations"]
+__all__ = ["RESULT_MODELS", "CallQueue"]

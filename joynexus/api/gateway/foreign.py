@@ -1,61 +1,62 @@
-"""Foreign weights (a tenant's own, or the admin's for any tenant) and evaluation declarations:
-thin calls of the Master Service, its errors as API errors."""
+"""Foreign weights (a tenant's own, or the admin's for any tenant): weights trained elsewhere
+installed as the tenant's next version.
+
+The uploaded bytes go from here to the Training Model Service (which checks each tensor against the
+tenant's slot, issues the next version and checkpoints it), never through the Master Service: the
+Master admits the install before (healthy tenant, no running workload, source and config checked)
+and has the tenant's producer replica serve and register the new version after (`master/
+foreign_weights.py`). The services' and the Master's errors come back as API errors."""
 
 from __future__ import annotations
 
-from joynexus.api.errors import ApiError, NotFound, QuotaExceeded
-from joynexus.api.gateway.base import GatewayBase
-from joynexus.api.gateway.service_errors import invalid_from
-from joynexus.master.errors import AdmissionRefused, TenantUnavailable
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from joynexus.api.errors import ApiError, NotFound
+from joynexus.api.gateway.admission import Admission
+from joynexus.api.gateway.directory import TenantDirectory
+from joynexus.api.gateway.service_errors import cause_of, invalid_from, service_errors
+from joynexus.master.errors import TenantUnavailable
 from joynexus.protocol import schemas as s
 
+if TYPE_CHECKING:
+    from joynexus.master.service import MasterService
+    from joynexus.services.training.service import TrainingModelService
 
-class ForeignOperations(GatewayBase):
-    def install_weights(
-        self, tenant_id: str, request: s.InstallWeightsRequest, installed_by: str
-    ) -> s.InstalledWeights:
-        self.tenant(tenant_id)
-        self.check_admission(tenant_id, storage=True)  # a new checkpoint
-        try:
-            installed = self.master.install_weights(
-                tenant_id, request.weights, source=request.source, installed_by=installed_by, config=request.config
-            )
-        except TenantUnavailable as error:
-            raise ApiError(str(error), [("tenant", error.reason)]).with_status(409, "tenant_unhealthy") from None
-        except KeyError:
-            raise NotFound("tenant", tenant_id, "tenant_id") from None
-        except (ValueError, TypeError) as error:
-            raise invalid_from(error, "weights") from None
+
+class ForeignWeights:
+    def __init__(
+        self, master: MasterService, training: TrainingModelService, directory: TenantDirectory, admission: Admission
+    ):
+        self._master, self._training, self._directory, self._admission = master, training, directory, admission
+
+    def install(self, tenant_id: str, request: s.InstallWeightsRequest, installed_by: str) -> s.InstalledWeights:
+        self._directory.tenant(tenant_id)
+        self._admission.check(tenant_id, storage=True)  # a new checkpoint
+        with _master_errors(tenant_id):
+            self._master.admit_weights_install(tenant_id, source=request.source, config=request.config)
+        with service_errors("weights"):  # a tensor that does not fit: "weights.<name>: reason"
+            manifest = self._training.install_weights(tenant_id, request.weights)
+        with _master_errors(tenant_id):
+            installed = self._master.publish_installed_weights(
+                tenant_id, int(manifest["policy_version"]), source=request.source,
+                sha256=hashlib.sha256(request.weights).hexdigest(), installed_by=installed_by,
+            )  # fmt: skip
         return s.InstalledWeights.model_validate(installed)
 
-    def declare_evaluation(self, request: s.EvaluationDeclare) -> s.EvaluationDeclaration:
-        targets = [t.model_dump() for t in request.targets]
-        try:
-            info = self.master.declare_evaluation(
-                targets, episodes=request.episodes, name=request.name, environment=request.environment,
-                suite=request.suite, videos=request.videos,
-            )  # fmt: skip
-        except AdmissionRefused as error:
-            raise QuotaExceeded(str(error), [("quota.max_device_seconds", str(error))]) from None
-        except (ValueError, TypeError) as error:
-            raise invalid_from(error, "targets") from None
-        return s.EvaluationDeclaration.model_validate(info)
 
-    def evaluation(self, declaration_id: str, tenant_id: str | None) -> s.EvaluationDeclaration:
-        """A declaration: the admin sees it whole; a target tenant sees its own rows only; any other
-        caller gets the 404 of an id that does not exist."""
-        try:
-            info = s.EvaluationDeclaration.model_validate(self.master.get_evaluation(declaration_id))
-        except KeyError:
-            raise NotFound("evaluation", declaration_id, "declaration_id") from None
-        if tenant_id is None:
-            return info
-        if all(t.get("tenant_id") != tenant_id for t in info.targets):
-            raise NotFound("evaluation", declaration_id, "declaration_id")
-        return info.model_copy(
-            update={
-                "targets": [t for t in info.targets if t.get("tenant_id") == tenant_id],
-                "table": None if info.table is None else [r for r in info.table if r.get("tenant_id") == tenant_id],
-                "run_id": None,
-            }
-        )
+@contextmanager
+def _master_errors(tenant_id: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        cause = cause_of(error)
+        if isinstance(cause, TenantUnavailable):
+            raise ApiError(str(cause), [("tenant", cause.reason)]).with_status(409, "tenant_unhealthy") from None
+        if isinstance(cause, KeyError):
+            raise NotFound("tenant", tenant_id, "tenant_id") from None
+        if isinstance(cause, ValueError | TypeError):
+            raise invalid_from(cause, "weights") from None
+        raise

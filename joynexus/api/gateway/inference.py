@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from joynexus.api.errors import ApiError, InvalidInput, NotFound, ServiceUnavailable
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.admission import Admission
+from joynexus.api.gateway.directory import TenantDirectory
+from joynexus.api.gateway.limits import ApiLimits
 from joynexus.api.gateway.service_errors import cause_of, service_errors
 from joynexus.api.gateway.tensors import finite_actions, observation_arrays
 from joynexus.core.serving_sets import ServingSetStore
@@ -20,32 +22,52 @@ from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.cancellation import cancel_request
 from joynexus.services.inference.errors import UnknownPolicyVersion
 
+if TYPE_CHECKING:
+    from joynexus.artifacts import CheckpointStore
+    from joynexus.services.inference.endpoint import InferenceEndpoint
 
-class InferenceOperations(GatewayBase):
+
+class Inference:
+    """Predict and its cancellation on the deployment's Inference Model Service (or its replicas:
+    the same `InferenceEndpoint`); the served-set store and the checkpoints explain a version the
+    service does not hold."""
+
+    def __init__(
+        self,
+        inference: InferenceEndpoint,
+        checkpoints: CheckpointStore,
+        serving_sets: ServingSetStore,
+        directory: TenantDirectory,
+        admission: Admission,
+        limits: ApiLimits,
+    ):
+        self._inference, self._checkpoints, self._serving_sets = inference, checkpoints, serving_sets
+        self._directory, self._admission, self._limits = directory, admission, limits
+
     def predict(self, tenant_id: str, request: s.PredictRequest, request_key: str | None = None) -> s.PredictResult:
         """Actions for the observations; a request not answered within `request.timeout_s` is
-        cancelled in the service (504). With `request_key`, `cancel_predict` can call it off."""
+        cancelled in the service (504). With `request_key`, `cancel` can call it off."""
         arguments = self.predict_arguments(tenant_id, request)
-        self.check_admission(tenant_id)
+        self._admission.check(tenant_id)
         try:
             with service_errors("observations"), self._served_again_soon(tenant_id, request.policy_version):
                 # The request rides the shared Inference Queue of the resident service, which meters it.
-                result = self.cluster.inference.predict(tenant_id, **arguments, request_key=request_key)
+                result = self._inference.predict(tenant_id, **arguments, request_key=request_key)
         except NotFound as error:
             raise self._unserved_version(tenant_id, request.policy_version) or error from None
         return predict_result(result)
 
-    def cancel_predict(self, tenant_id: str, request_key: str) -> bool:
+    def cancel(self, tenant_id: str, request_key: str) -> bool:
         """Call off the tenant's predict submitted with `request_key` (its client went away): its
         queued work leaves the Inference Queue now. Also before the predict arrives there."""
-        return cancel_request(self.cluster.inference, tenant_id, request_key)
+        return cancel_request(self._inference, tenant_id, request_key)
 
     def predict_arguments(self, tenant_id: str, request: s.PredictRequest) -> dict[str, Any]:
         """The checked arguments of `InferenceModelService.predict` (blocking, or a future's)."""
-        tenant = self.tenant(tenant_id)
+        tenant = self._directory.tenant(tenant_id)
         obs = request.observations
         images, state, instructions = observation_arrays(
-            tenant, obs.images, obs.state, obs.instructions, self.limits.max_samples_per_request
+            tenant, obs.images, obs.state, obs.instructions, self._limits.max_samples_per_request
         )
         n = images.shape[0]
         if request.seeds is not None and len(request.seeds) != n:
@@ -74,7 +96,7 @@ class InferenceOperations(GatewayBase):
             cause = cause_of(error)
             if not isinstance(cause, UnknownPolicyVersion):
                 raise
-            recorded = ServingSetStore(self.cluster.store).get(tenant_id)
+            recorded = self._serving_sets.get(tenant_id)
             if recorded is None or (version is not None and version not in recorded.versions):
                 raise
             raise ServiceUnavailable(
@@ -89,7 +111,7 @@ class InferenceOperations(GatewayBase):
 
     def _unserved_version(self, tenant_id: str, version: int | None) -> ApiError | None:
         """A version that is checkpointed but not served: say how to serve it (None: not checkpointed)."""
-        if version is None or version not in self.cluster.checkpoints.versions(tenant_id):
+        if version is None or version not in self._checkpoints.versions(tenant_id):
             return None
         how = (
             f"policy version {version} is checkpointed but not served: load it with POST /v1/weights/load "

@@ -5,21 +5,44 @@ partitions live under `api/<tenant>/` and are bounded in number and bytes."""
 from __future__ import annotations
 
 import re
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from joynexus.api.errors import InvalidInput, NotFound, QuotaExceeded
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.directory import TenantDirectory
+from joynexus.api.gateway.limits import ApiLimits
 from joynexus.api.gateway.service_errors import cause_of
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
 from joynexus.scheduling.training_queue import BatchMeta, TrainingQueueError, UnknownPartition
 
+if TYPE_CHECKING:
+    from joynexus.scheduling.training_queue import TrainingQueue
+
 PARTITION_PREFIX = "api"
 
 
-class QueueOperations(GatewayBase):
+class TenantQueues:
+    """The tenants' own partitions of the Training Queue, with the bytes each tenant put per
+    partition (its byte bound) and one lock per tenant (a put's bound check and write are one step)."""
+
+    def __init__(self, queue: TrainingQueue, directory: TenantDirectory, limits: ApiLimits):
+        self._queue, self._directory, self._limits = queue, directory, limits
+        self._lock = threading.Lock()
+        self._bytes: dict[str, dict[str, int]] = {}  # per tenant: bytes put per partition name
+        self._tenant_locks: dict[str, threading.Lock] = {}
+
+    def _tenant_lock(self, tenant_id: str) -> threading.Lock:
+        with self._lock:
+            return self._tenant_locks.setdefault(tenant_id, threading.Lock())
+
+    def forget_tenant(self, tenant_id: str) -> None:
+        """A deleted tenant's byte counts go with it (the Master removed its partitions)."""
+        with self._lock:
+            self._bytes.pop(tenant_id, None)
+
     def _partition_id(self, tenant_id: str, name: str) -> str:
         if not re.fullmatch(s.PARTITION_NAME_PATTERN, name):
             raise InvalidInput("partition", f"{name!r} must match {s.PARTITION_NAME_PATTERN}")
@@ -27,12 +50,12 @@ class QueueOperations(GatewayBase):
 
     def _own_partition(self, tenant_id: str, name: str) -> str:
         partition_id = self._partition_id(tenant_id, name)
-        if not self.cluster.queue.has_partition(partition_id):
+        if not self._queue.has_partition(partition_id):
             raise NotFound("partition", name, "partition")
         return partition_id
 
-    def queue_put(self, tenant_id: str, name: str, request: s.QueuePut) -> s.PartitionInfo:
-        self.tenant(tenant_id)
+    def put(self, tenant_id: str, name: str, request: s.QueuePut) -> s.PartitionInfo:
+        self._directory.tenant(tenant_id)
         partition_id = self._partition_id(tenant_id, name)
         data, nbytes = self._columns_in(request.columns)
         rows = {key: len(col) for key, col in data.items()}
@@ -44,30 +67,30 @@ class QueueOperations(GatewayBase):
             self._check_indices(request.indices, next(iter(rows.values())), info["num_samples"])
             metadata = BatchMeta(partition_id, request.task_name, tuple(request.indices), tuple(data))
         with self._tenant_lock(tenant_id):
-            owned = self._queue_bytes.setdefault(tenant_id, {})
+            owned = self._bytes.setdefault(tenant_id, {})
             if name not in owned and metadata is None:
                 existing = self._list_partition_ids(tenant_id)
-                if len(existing) >= self.limits.max_partitions_per_tenant and partition_id not in existing:
+                if len(existing) >= self._limits.max_partitions_per_tenant and partition_id not in existing:
                     raise QuotaExceeded(
                         f"your tenant already holds {len(existing)} partitions (limit "
-                        f"{self.limits.max_partitions_per_tenant}); clear some first",
+                        f"{self._limits.max_partitions_per_tenant}); clear some first",
                         [("partition", "too many partitions")],
                     )
-            if sum(owned.values()) + nbytes > self.limits.max_queue_bytes_per_tenant:
+            if sum(owned.values()) + nbytes > self._limits.max_queue_bytes_per_tenant:
                 raise QuotaExceeded(
                     f"this put would make your tenant's Training Queue data {sum(owned.values()) + nbytes} bytes, "
-                    f"over the limit of {self.limits.max_queue_bytes_per_tenant}; clear consumed partitions first",
+                    f"over the limit of {self._limits.max_queue_bytes_per_tenant}; clear consumed partitions first",
                     [("columns", "queue byte limit")],
                 )
             try:
-                self.cluster.queue.put(partition_id, data, metadata)
+                self._queue.put(partition_id, data, metadata)
             except Exception as error:
                 cause = cause_of(error)
                 if isinstance(cause, TrainingQueueError | ValueError | TypeError):  # e.g. rows that do not fit
                     raise InvalidInput("columns", _strip_partition(str(cause), partition_id, name)) from None
                 raise
             owned[name] = owned.get(name, 0) + nbytes
-        return self.queue_describe(tenant_id, name)
+        return self.describe_partition(tenant_id, name)
 
     @staticmethod
     def _check_indices(indices: list[int], rows: int, num_samples: int) -> None:
@@ -79,11 +102,11 @@ class QueueOperations(GatewayBase):
         if bad:
             raise InvalidInput("indices", f"{bad[:5]} out of range: the partition holds {num_samples} samples")
 
-    def queue_get(self, tenant_id: str, name: str, request: s.QueueGet) -> s.QueueBatch:
-        self.tenant(tenant_id)
+    def get(self, tenant_id: str, name: str, request: s.QueueGet) -> s.QueueBatch:
+        self._directory.tenant(tenant_id)
         partition_id = self._own_partition(tenant_id, name)
         try:
-            queue = self.cluster.queue
+            queue = self._queue
             meta = queue.get_meta(partition_id, request.fields, request.batch_size, request.task_name)
             data = {} if meta is None else queue.get_data(meta)
         except Exception as error:
@@ -101,24 +124,24 @@ class QueueOperations(GatewayBase):
             exhausted=meta is None,
         )
 
-    def queue_clear(self, tenant_id: str, name: str) -> s.Cleared:
+    def clear(self, tenant_id: str, name: str) -> s.Cleared:
         partition_id = self._own_partition(tenant_id, name)
         with self._tenant_lock(tenant_id):
-            cleared = self.cluster.queue.clear(partition_id)
-            self._queue_bytes.get(tenant_id, {}).pop(name, None)
+            cleared = self._queue.clear(partition_id)
+            self._bytes.get(tenant_id, {}).pop(name, None)
         return s.Cleared(cleared=bool(cleared))
 
     def _list_partition_ids(self, tenant_id: str) -> list[str]:
         prefix = f"{PARTITION_PREFIX}/{tenant_id}/"
-        return [p for p in self.cluster.queue.partitions() if p.startswith(prefix)]
+        return [p for p in self._queue.partitions() if p.startswith(prefix)]
 
-    def queue_list(self, tenant_id: str) -> list[s.PartitionInfo]:
+    def list_partitions(self, tenant_id: str) -> list[s.PartitionInfo]:
         prefix = f"{PARTITION_PREFIX}/{tenant_id}/"
         names = [p[len(prefix) :] for p in self._list_partition_ids(tenant_id)]
         infos = []
         for name in names:
             try:
-                infos.append(self.queue_describe(tenant_id, name))
+                infos.append(self.describe_partition(tenant_id, name))
             except NotFound:  # cleared meanwhile
                 continue
         return infos
@@ -126,15 +149,15 @@ class QueueOperations(GatewayBase):
     def _describe(self, tenant_id: str, name: str) -> dict[str, Any]:
         partition_id = self._partition_id(tenant_id, name)
         try:
-            return self.cluster.queue.describe(partition_id)
+            return self._queue.describe(partition_id)
         except Exception as error:
             if isinstance(cause_of(error), UnknownPartition | KeyError):
                 raise NotFound("partition", name, "partition") from None
             raise
 
-    def queue_describe(self, tenant_id: str, name: str) -> s.PartitionInfo:
+    def describe_partition(self, tenant_id: str, name: str) -> s.PartitionInfo:
         info = self._describe(tenant_id, name)
-        nbytes = self._queue_bytes.get(tenant_id, {}).get(name, 0)
+        nbytes = self._bytes.get(tenant_id, {}).get(name, 0)
         return s.PartitionInfo(
             partition=name,
             num_samples=info["num_samples"],
@@ -155,9 +178,11 @@ class QueueOperations(GatewayBase):
                 data[key] = column.to_numpy()
                 nbytes += column.nbytes
             else:
-                long = [i for i, text in enumerate(column) if len(text) > self.limits.max_string_chars]
+                long = [i for i, text in enumerate(column) if len(text) > self._limits.max_string_chars]
                 if long:
-                    raise InvalidInput(f"columns.{key}[{long[0]}]", f"longer than {self.limits.max_string_chars} chars")
+                    raise InvalidInput(
+                        f"columns.{key}[{long[0]}]", f"longer than {self._limits.max_string_chars} chars"
+                    )
                 data[key] = list(column)
                 nbytes += sum(len(text) for text in column)
         return data, nbytes

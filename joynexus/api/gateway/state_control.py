@@ -5,8 +5,11 @@ the fork). Thin calls of the Master Service (`master/state_control.py`), its err
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from joynexus.api.errors import ApiError, Conflict, NotFound, QuotaExceeded
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.admission import Admission
+from joynexus.api.gateway.directory import TenantDirectory
 from joynexus.api.gateway.service_errors import cause_of, invalid_from
 from joynexus.api.gateway.tenants import tenant_info
 from joynexus.master.errors import TenantUnavailable
@@ -14,6 +17,10 @@ from joynexus.master.state_control import ForkLimitReached
 from joynexus.master.tenant_creator import TenantExists
 from joynexus.protocol import state_control as sc
 from joynexus.spec import SpecError
+
+if TYPE_CHECKING:
+    from joynexus.api.auth import ApiKeyStore
+    from joynexus.master.service import MasterService
 
 
 def _master_errors(error: BaseException, field: str) -> ApiError:
@@ -33,20 +40,25 @@ def _master_errors(error: BaseException, field: str) -> ApiError:
     raise error
 
 
-class StateControlOperations(GatewayBase):
+class StateControl:
+    """load_state, fork and the caller's forks; a fork's first API key is issued here."""
+
+    def __init__(self, master: MasterService, directory: TenantDirectory, admission: Admission, keys: ApiKeyStore):
+        self._master, self._directory, self._admission, self._keys = master, directory, admission, keys
+
     def load_state(self, tenant_id: str, request: sc.LoadStateRequest) -> sc.LoadStateResult:
-        self.tenant(tenant_id)
+        self._directory.tenant(tenant_id)
         try:
-            result = self.master.load_state(tenant_id, request.version)
+            result = self._master.load_state(tenant_id, request.version)
         except Exception as error:
             raise _master_errors(error, "version") from None
         return sc.LoadStateResult.model_validate(result)
 
     def fork(self, tenant_id: str, request: sc.ForkRequest, key_id: str) -> sc.TenantForked:
-        self.tenant(tenant_id)
-        self.check_admission(tenant_id, storage=True)  # a checkpoint copy and a new slot
+        self._directory.tenant(tenant_id)
+        self._admission.check(tenant_id, storage=True)  # a checkpoint copy and a new slot
         try:
-            forked = self.master.fork_tenant(
+            forked = self._master.fork_tenant(
                 tenant_id,
                 request.new_tenant,
                 version=request.version,
@@ -55,24 +67,23 @@ class StateControlOperations(GatewayBase):
         except Exception as error:
             raise _master_errors(error, "new_tenant") from None
         tenant = forked["tenant"]
-        key = self.keys.issue(tenant.tenant_id, label=f"fork of {tenant_id} (by key {key_id})")
+        key = self._keys.issue(tenant.tenant_id, label=f"fork of {tenant_id} (by key {key_id})")
         return sc.TenantForked(
             tenant=tenant_info(tenant), key=key, forked_from=sc.ForkedFrom(**forked["forked_from"]),
             version=forked["version"], owner=forked.get("owner"),
         )  # fmt: skip
 
     def forks(self, tenant_id: str) -> sc.ForkList:
-        self.tenant(tenant_id, healthy=False)
-        forks = [sc.ForkInfo(**fork) for fork in self.master.forks(tenant_id)]
-        return sc.ForkList(forks=forks, max_forks=self.master.max_forks_per_tenant())
+        self._directory.tenant(tenant_id, healthy=False)
+        forks = [sc.ForkInfo(**fork) for fork in self._master.forks(tenant_id)]
+        return sc.ForkList(forks=forks, max_forks=self._master.max_forks_per_tenant())
 
     def delete_fork(self, tenant_id: str, fork_tenant_id: str) -> dict:
         """Delete a fork the caller owns, with its artifacts; another tenant's (or none) is 404."""
-        self.tenant(tenant_id, healthy=False)
+        self._directory.tenant(tenant_id, healthy=False)
         try:
-            report = self.master.delete_fork(tenant_id, fork_tenant_id)
+            report = self._master.delete_fork(tenant_id, fork_tenant_id)
         except KeyError:
             raise NotFound("fork", fork_tenant_id, "tenant_id") from None
-        with self._lock:
-            self._tenants.pop(fork_tenant_id, None)
+        self._directory.forget(fork_tenant_id)
         return report

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from joynexus.api.errors import ApiError, Conflict, NotFound
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.directory import TenantDirectory
+from joynexus.api.gateway.queue import TenantQueues
 from joynexus.core.tenants import Tenant, simulator_config
 from joynexus.master.tenant_creator import TenantExists
 from joynexus.protocol import schemas as s
 from joynexus.spec import SpecError, WorkloadSpec
+
+if TYPE_CHECKING:
+    from joynexus.master.service import MasterService
 
 
 def tenant_info(tenant: Tenant) -> s.TenantInfo:
@@ -36,34 +39,38 @@ def tenant_info(tenant: Tenant) -> s.TenantInfo:
     )
 
 
-class TenantOperations(GatewayBase):
-    def create_tenant(self, spec: WorkloadSpec) -> Tenant:
+class TenantAdmin:
+    """Create, delete and purge tenants (admin calls); the directory and the tenant's queue bytes
+    follow what the Master did."""
+
+    def __init__(self, master: MasterService, directory: TenantDirectory, queues: TenantQueues):
+        self._master, self._directory, self._queues = master, directory, queues
+
+    def create(self, spec: WorkloadSpec) -> Tenant:
         try:
-            tenant = self.master.create_tenant(spec)
+            tenant = self._master.create_tenant(spec)
         except TenantExists as error:
             raise Conflict(str(error), list(error.problems)) from None
         except SpecError as error:  # field paths are relative to the spec, which is the request body
             raise ApiError("invalid workload spec", list(error.problems)).with_status(422, "invalid_spec") from None
-        with self._lock:
-            self._tenants[tenant.tenant_id] = (time.monotonic(), tenant)
+        self._directory.remember(tenant)
         return tenant
 
-    def delete_tenant(self, tenant_id: str, delete_artifacts: bool) -> dict[str, Any]:
+    def delete(self, tenant_id: str, delete_artifacts: bool) -> dict[str, Any]:
         try:
-            report = self.master.delete_tenant(tenant_id, delete_artifacts=delete_artifacts)
+            report = self._master.delete_tenant(tenant_id, delete_artifacts=delete_artifacts)
         except KeyError:
             raise NotFound("tenant", tenant_id, "tenant_id") from None
-        with self._lock:
-            self._tenants.pop(tenant_id, None)
-            self._queue_bytes.pop(tenant_id, None)
+        self._directory.forget(tenant_id)
+        self._queues.forget_tenant(tenant_id)
         return report
 
-    def purge_tenant_artifacts(self, tenant_id: str) -> dict[str, Any]:
+    def purge_artifacts(self, tenant_id: str) -> dict[str, Any]:
         """Delete a deleted tenant's kept artifacts and free its id; 409 while the tenant exists."""
         from joynexus.master.tenant_lifecycle import TenantNotDeleted
 
         try:
-            return self.master.purge_tenant_artifacts(tenant_id)
+            return self._master.purge_tenant_artifacts(tenant_id)
         except TenantNotDeleted as error:
             reason = str(error).split(": ", 1)[-1]
             raise Conflict(reason, [("tenant_id", reason)]) from None

@@ -4,16 +4,21 @@ metered in device-seconds like the services meter their own calls."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from joynexus.actors import SerializedService, handle_of
 from joynexus.algorithms.loss_names import OFF_POLICY_LOSSES
 from joynexus.api.errors import InvalidInput
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.admission import Admission
+from joynexus.api.gateway.directory import TenantDirectory
+from joynexus.api.gateway.limits import ApiLimits
 from joynexus.api.gateway.service_errors import service_errors
 from joynexus.api.gateway.tensors import float_array, sample_columns
-from joynexus.core.metering import TRAINING
+from joynexus.core.metering import TRAINING, UsageMeter
 from joynexus.protocol import schemas as s
+
+if TYPE_CHECKING:  # the type only: the API calls the service by name and never imports torch
+    from joynexus.services.training.service import TrainingModelService
 
 
 def timed_call(method: str, service: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -29,15 +34,28 @@ def timed_call(method: str, service: Any, *args: Any, **kwargs: Any) -> tuple[An
     return result, time.perf_counter() - started
 
 
-class TrainingPrimitives(GatewayBase):
+class TrainingCalls:
+    """Steps on the caller's training slot, checked against its schema and metered."""
+
+    def __init__(
+        self,
+        training: TrainingModelService,
+        directory: TenantDirectory,
+        admission: Admission,
+        meter: UsageMeter,
+        limits: ApiLimits,
+    ):
+        self._training, self._directory, self._admission = training, directory, admission
+        self._meter, self._limits = meter, limits
+
     def train_batch(self, tenant_id: str, batch: s.SampleBatch) -> s.TrainStepResult:
-        tenant = self.tenant(tenant_id)
-        columns = sample_columns(tenant, batch, self.limits.max_samples_per_request)
-        self.check_admission(tenant_id)
+        tenant = self._directory.tenant(tenant_id)
+        columns = sample_columns(tenant, batch, self._limits.max_samples_per_request)
+        self._admission.check(tenant_id)
         with service_errors("batch"):
-            result, seconds = timed_call("train_batch", self.cluster.training, tenant_id, columns)
+            result, seconds = timed_call("train_batch", self._training, tenant_id, columns)
         samples = len(columns["task"])
-        self.meter.record(tenant_id, TRAINING, "train_batch", device_seconds=seconds, samples=samples)
+        self._meter.record(tenant_id, TRAINING, "train_batch", device_seconds=seconds, samples=samples)
         return s.TrainStepResult(
             loss=result["loss"],
             version=result["version"],
@@ -48,8 +66,8 @@ class TrainingPrimitives(GatewayBase):
 
     def forward_backward_columns(self, tenant_id: str, request: s.ForwardBackwardRequest) -> dict[str, Any]:
         """The checked columns of a forward_backward call (blocking, or a future's)."""
-        tenant = self.tenant(tenant_id)
-        columns = sample_columns(tenant, request, self.limits.max_samples_per_request)
+        tenant = self._directory.tenant(tenant_id)
+        columns = sample_columns(tenant, request, self._limits.max_samples_per_request)
         samples = len(columns["task"])
         if request.loss != "default":
             if request.advantages is None:
@@ -71,14 +89,14 @@ class TrainingPrimitives(GatewayBase):
         columns = self.forward_backward_columns(tenant_id, request)
         samples = len(columns["task"])
         loss_config = None if request.loss_config is None else request.loss_config.model_dump(exclude_none=True)
-        self.check_admission(tenant_id)
+        self._admission.check(tenant_id)
         with service_errors("batch"):
             result, seconds = timed_call(
-                "forward_backward", self.cluster.training, tenant_id, columns, request.loss,
+                "forward_backward", self._training, tenant_id, columns, request.loss,
                 loss_config,
             )  # fmt: skip
         seconds = result.get("seconds", seconds)
-        self.meter.record(tenant_id, TRAINING, "forward_backward", device_seconds=seconds, samples=samples)
+        self._meter.record(tenant_id, TRAINING, "forward_backward", device_seconds=seconds, samples=samples)
         return s.ForwardBackwardResult(
             loss=result["loss"],
             samples=samples,
@@ -89,12 +107,12 @@ class TrainingPrimitives(GatewayBase):
         )
 
     def optim_step(self, tenant_id: str, request: s.OptimStepRequest | None = None) -> s.OptimStepResult:
-        self.tenant(tenant_id)
+        self._directory.tenant(tenant_id)
         adamw = None if request is None else request.model_dump(exclude_none=True)
         with service_errors("tenant"):
-            result, seconds = timed_call("optim_step", self.cluster.training, tenant_id, adamw)
+            result, seconds = timed_call("optim_step", self._training, tenant_id, adamw)
         seconds = result.get("seconds", seconds)
-        self.meter.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
+        self._meter.record(tenant_id, TRAINING, "optim_step", device_seconds=seconds)
         return s.OptimStepResult(
             loss=result["loss"],
             grad_norm=result["grad_norm"],

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from joynexus.api.errors import ApiError, InvalidInput, NotFound
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.admission import Admission
+from joynexus.api.gateway.directory import TenantDirectory
 from joynexus.api.gateway.service_errors import cause_of, service_errors
 from joynexus.artifacts import (
     ACTION_MODULE_FILE,
     CheckpointError,
+    CheckpointStore,
     PayloadError,
     TenantManifest,
     VersionInfo,
@@ -27,19 +29,39 @@ from joynexus.artifacts import (
 from joynexus.core.tenants import Tenant
 from joynexus.protocol import schemas as s
 
+if TYPE_CHECKING:
+    from joynexus.master.usage import UsageLedger
+    from joynexus.services.inference.endpoint import InferenceEndpoint
+    from joynexus.services.training.service import TrainingModelService
+
 
 def manifest_model(manifest: TenantManifest) -> s.Manifest:
     return s.Manifest(**json.loads(manifest.to_json()), digest=manifest.digest)
 
 
-class VersionOperations(GatewayBase):
-    def versions(self, tenant_id: str, after: int | None = None, limit: int = 100) -> s.Versions:
+class Versions:
+    """The caller's versions across the Training Model Service (the slot's current one), the
+    checkpoint store (kept ones) and the Inference Model Service (served ones)."""
+
+    def __init__(
+        self,
+        training: TrainingModelService,
+        inference: InferenceEndpoint,
+        checkpoints: CheckpointStore,
+        directory: TenantDirectory,
+        admission: Admission,
+        ledger: UsageLedger,
+    ):
+        self._training, self._inference, self._checkpoints = training, inference, checkpoints
+        self._directory, self._admission, self._ledger = directory, admission, ledger
+
+    def list_versions(self, tenant_id: str, after: int | None = None, limit: int = 100) -> s.Versions:
         """One page of checkpoints (versions > `after`, None: from version 0 on; ascending, at most
         `limit`) from ONE listing of the tenant's checkpoints; `next_after` continues (None: no more)."""
         status = self._slot_status(tenant_id)
         # One more than asked for says whether another page follows without a second listing.
         start = -1 if after is None else after
-        infos = self.cluster.checkpoints.version_infos(tenant_id, after=start, limit=limit + 1)
+        infos = self._checkpoints.version_infos(tenant_id, after=start, limit=limit + 1)
         page = infos[:limit]
         if status is None:  # no slot: its latest checkpoint failed to load; say which and why
             page = [self._verified(tenant_id, info) for info in page]
@@ -59,17 +81,17 @@ class VersionOperations(GatewayBase):
             training_version=None if status is None else status["version"],
             optimizer_steps=None if status is None else status["optimizer_steps"],
             checkpoints=checkpoints,
-            serving_versions=self.cluster.inference.versions(tenant_id),
+            serving_versions=self._inference.versions(tenant_id),
             next_after=page[-1].version if len(infos) > limit else None,
         )
 
     def _slot_status(self, tenant_id: str) -> dict[str, Any] | None:
         """The training slot's status; None when the tenant has no slot loaded (it is unhealthy:
         e.g. its latest checkpoint is corrupt), so its other versions stay listable and exportable."""
-        if self.tenant(tenant_id, healthy=False).status == "active":
-            return self.cluster.training.tenant_status(tenant_id)
+        if self._directory.tenant(tenant_id, healthy=False).status == "active":
+            return self._training.tenant_status(tenant_id)
         try:
-            return self.cluster.training.tenant_status(tenant_id)
+            return self._training.tenant_status(tenant_id)
         except Exception as error:
             if isinstance(cause_of(error), KeyError):  # UnknownTenant: no slot
                 return None
@@ -78,20 +100,20 @@ class VersionOperations(GatewayBase):
     def _verified(self, tenant_id: str, info: VersionInfo) -> VersionInfo:
         """The latest version, read whole (every file against its digest) when the tenant has no
         slot: what kept its slot from loading shows in the listing. Other versions as listed."""
-        if info.problem is not None or info.version != self.cluster.checkpoints.latest_version(tenant_id):
+        if info.problem is not None or info.version != self._checkpoints.latest_version(tenant_id):
             return info
         try:
-            self.cluster.checkpoints.load_tenant(tenant_id, info.version)
+            self._checkpoints.load_tenant(tenant_id, info.version)
         except CheckpointError as error:
             return dataclasses.replace(info, problem=str(error))
         return info
 
     def _checkpoint_manifest(self, tenant_id: str, version: int) -> TenantManifest:
         """The manifest of one of the tenant's checkpoints (no tensors read)."""
-        if version not in self.cluster.checkpoints.versions(tenant_id):
+        if version not in self._checkpoints.versions(tenant_id):
             raise NotFound("checkpoint version", version, "version")
         try:
-            return self.cluster.checkpoints.read_manifest(tenant_id, version)
+            return self._checkpoints.read_manifest(tenant_id, version)
         except CheckpointError as error:
             raise _corrupt(version, error) from None
 
@@ -102,14 +124,14 @@ class VersionOperations(GatewayBase):
         """The tenant payload of `version` (None: the current training parameters)."""
         status = self._slot_status(tenant_id)
         if status is None and version is None:
-            self.tenant(tenant_id)  # 409 tenant_unhealthy, with the reason: no current parameters
+            self._directory.tenant(tenant_id)  # 409 tenant_unhealthy, with the reason: no current parameters
         if version is None or (status is not None and version == status["version"]):
-            payload = self.cluster.training.export_params(tenant_id)
+            payload = self._training.export_params(tenant_id)
             return payload, decode_tenant_payload(payload)[1]
-        if version not in self.cluster.checkpoints.versions(tenant_id):
+        if version not in self._checkpoints.versions(tenant_id):
             raise NotFound("policy version", version, "version")
         try:
-            manifest, module_state, _ = self.cluster.checkpoints.load_tenant(tenant_id, version)
+            manifest, module_state, _ = self._checkpoints.load_tenant(tenant_id, version)
         except CheckpointError as error:
             raise _corrupt(version, error) from None
         # The manifest every export of this version carries (= the MLflow registry's manifest_digest tag).
@@ -120,30 +142,30 @@ class VersionOperations(GatewayBase):
         """Delete one checkpointed version: not LATEST's (the slot resumes from it), not a registered
         one, not one being served. No admission check: a tenant at or over its storage quota
         deletes versions to get back under it."""
-        self.tenant(tenant_id, healthy=False)
-        served = self.cluster.inference.versions(tenant_id)
+        self._directory.tenant(tenant_id, healthy=False)
+        served = self._inference.versions(tenant_id)
         if version in served:
             raise ApiError(
                 f"version {version} is being served ({served}); load another version first",
                 [("version", "being served")],
             ).with_status(409, "version_in_use")
         try:
-            freed = self.cluster.checkpoints.delete_version(tenant_id, version)
+            freed = self._checkpoints.delete_version(tenant_id, version)
         except KeyError:
             raise NotFound("checkpoint version", version, "version") from None
         except VersionInUse as error:
             raise ApiError(f"version {version} cannot be deleted: {error}", [("version", str(error))]).with_status(
                 409, "version_in_use"
             ) from None
-        return s.VersionDeleted(version=version, freed_bytes=freed, storage_bytes=self.ledger.storage_bytes(tenant_id))
+        return s.VersionDeleted(version=version, freed_bytes=freed, storage_bytes=self._ledger.storage_bytes(tenant_id))
 
     def save(self, tenant_id: str, include_optim: bool) -> s.Manifest:
-        self.check_admission(tenant_id, storage=True)
-        manifests = self.cluster.training.save([tenant_id], include_optim)
+        self._admission.check(tenant_id, storage=True)
+        manifests = self._training.save([tenant_id], include_optim)
         return s.Manifest.model_validate(manifests[0])
 
     def load_weights(self, tenant_id: str, request: s.LoadWeightsRequest) -> s.LoadWeightsResult:
-        tenant = self.tenant(tenant_id)
+        tenant = self._directory.tenant(tenant_id)
         if request.payload is not None:
             if request.version is not None:
                 raise InvalidInput("version", "give either payload or version, not both")
@@ -155,7 +177,7 @@ class VersionOperations(GatewayBase):
             payload, _ = self.export(tenant_id, request.version)
         with service_errors("payload"):
             try:
-                loaded = self.cluster.inference.load_weights(payload)
+                loaded = self._inference.load_weights(payload)
             except RuntimeError as error:  # load_state_dict: names or shapes differ from the module
                 cause = cause_of(error)
                 if type(cause) is RuntimeError:
@@ -208,15 +230,15 @@ class VersionOperations(GatewayBase):
         version = manifest.policy_version
         field = "payload.manifest.version"
         with service_errors("payload"):
-            current = self.cluster.training.policy_version(tenant_id)
-        issued = self.cluster.checkpoints.issued_version(tenant_id)
+            current = self._training.policy_version(tenant_id)
+        issued = self._checkpoints.issued_version(tenant_id)
         # The slot's own version counts as issued (version 0 exists before anything is recorded).
         newest = current if issued is None else max(issued, current)
         if version < 0 or version > newest:
             raise InvalidInput(field, f"version {version} was never issued for your tenant (the newest is {newest})")
         checkpointed: TenantManifest | None = None
         try:  # one read, not a listing of every checkpoint: a missing manifest means no checkpoint
-            checkpointed = self.cluster.checkpoints.read_manifest(tenant_id, version)
+            checkpointed = self._checkpoints.read_manifest(tenant_id, version)
         except CheckpointError as error:
             if not isinstance(error.__cause__, FileNotFoundError):
                 raise _corrupt(version, error) from None
@@ -224,7 +246,7 @@ class VersionOperations(GatewayBase):
         exported_tensors: dict[str, Any] = {}
         if version == current:
             with service_errors("payload"):
-                exported_tensors, exported = decode_tenant_payload(self.cluster.training.export_params(tenant_id))
+                exported_tensors, exported = decode_tenant_payload(self._training.export_params(tenant_id))
             # Each export stamps its own created_at: compare everything but the time stamp.
             exported = dataclasses.replace(exported, created_at=manifest.created_at)
         # The tensors must be the ones issued with that manifest, not only the manifest: a payload

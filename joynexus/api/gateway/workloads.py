@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from joynexus.api.errors import ApiError, InvalidInput, NotFound, QuotaExceeded
-from joynexus.api.gateway.base import GatewayBase
+from joynexus.api.gateway.directory import TenantDirectory
 from joynexus.api.gateway.service_errors import invalid_from
 from joynexus.core.tenants import Tenant
 from joynexus.master.errors import AdmissionRefused, TenantUnavailable
 from joynexus.protocol import schemas as s
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
+if TYPE_CHECKING:
+    from joynexus.master.service import MasterService
 
-class WorkloadOperations(GatewayBase):
-    def submit_workload(self, tenant_id: str, request: s.WorkloadSubmit) -> s.WorkloadInfo:
-        tenant = self.tenant(tenant_id)
+
+class Workloads:
+    """The caller's workloads on the Master Service: a submitted spec is checked here against the
+    tenant's (a workload applies only what it can apply); the Master admits, runs and records."""
+
+    def __init__(self, master: MasterService, directory: TenantDirectory):
+        self._master, self._directory = master, directory
+
+    def submit(self, tenant_id: str, request: s.WorkloadSubmit) -> s.WorkloadInfo:
+        tenant = self._directory.tenant(tenant_id)
         declared = tenant.spec.task.value
         task = request.task or declared
         if task not in (declared, "eval"):
@@ -35,14 +44,14 @@ class WorkloadOperations(GatewayBase):
         try:
             if task == "eval":
                 version: int | str = "latest" if request.version is None else request.version
-                status = self.master.evaluate(
+                status = self._master.evaluate(
                     tenant_id, version=version, episodes=request.episodes, environment=request.environment,
                     suite=request.suite, videos=request.videos,
                 )  # fmt: skip
             elif dataset is not None:
-                status = self.master.submit_workload(tenant_id, jobs=jobs, dataset=dataset)
+                status = self._master.submit_workload(tenant_id, jobs=jobs, dataset=dataset)
             else:
-                status = self.master.submit_workload(tenant_id, jobs=jobs)
+                status = self._master.submit_workload(tenant_id, jobs=jobs)
         except SpecError as error:  # dataset.id: not one of the tenant's uploads
             problems = [(f"spec.{field}", reason) for field, reason in error.problems]
             raise ApiError("invalid workload spec", problems).with_status(422, "invalid_spec") from None
@@ -97,29 +106,29 @@ class WorkloadOperations(GatewayBase):
             ).with_status(422, "invalid_spec")
         return spec
 
-    def workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
+    def get(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
         try:
-            status = self.master.get_workload(workload_id, tenant_id)
+            status = self._master.get_workload(workload_id, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
         return status
 
     def list_workloads(self, tenant_id: str) -> list[s.WorkloadInfo]:
-        return self.master.list_workloads(tenant_id)
+        return self._master.list_workloads(tenant_id)
 
-    def cancel_workload(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
+    def cancel(self, tenant_id: str, workload_id: str) -> s.WorkloadInfo:
         try:
-            status = self.master.cancel_workload(workload_id, tenant_id)
+            status = self._master.cancel_workload(workload_id, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
         return status
 
-    def workload_events(self, tenant_id: str, workload_id: str, after: int) -> s.WorkloadEvents:
+    def events(self, tenant_id: str, workload_id: str, after: int) -> s.WorkloadEvents:
         try:
-            events = self.master.workload_events(workload_id, after, tenant_id)
+            events = self._master.workload_events(workload_id, after, tenant_id)
         except KeyError:
             raise NotFound("workload", workload_id, "workload_id") from None
-        info = self.workload(tenant_id, workload_id)
+        info = self.get(tenant_id, workload_id)
         return s.WorkloadEvents(workload=info, events=[s.WorkloadEvent.model_validate(e) for e in events])
 
 

@@ -147,6 +147,9 @@ class ProducerFront:
     def publish_trained(self, tenant_id: str, run_id: str | None) -> int:
         return int(self._call(tenant_id, "publish_trained", tenant_id, run_id)[1])
 
+    def publish_installed(self, tenant_id: str, version: int, provenance: dict[str, str]) -> dict[str, Any]:
+        return dict(self._call(tenant_id, "publish_installed", tenant_id, version, provenance)[1])
+
     def measure(self, tenant_id: str, policy_version: int) -> dict[str, float]:
         return dict(self._call(tenant_id, "measure", tenant_id, policy_version)[1])
 

@@ -4,8 +4,9 @@ the Master stays a control plane. A replica runs, for the tenants assigned to it
 * each training workload's producer (SFT demonstrations or RL rollouts), waiting through restarting
   services and starting a failed rollout over, up to the workload's failure budget;
 * evaluation episodes and promotion measurements (`evaluation.py`, `heldout.py`);
-* the weight moves: training -> inference syncs, serving a checkpointed version, and the publish of
-  a finished workload (checkpoint, export, serve, register in MLflow, pin);
+* the weight moves: training -> inference syncs, serving a checkpointed version, the publish of
+  a finished workload (checkpoint, export, serve, register in MLflow, pin) and of foreign weights
+  the API installed (serve, register with their provenance, pin);
 * an advantage stage (every replica leases from the one Training Scheduler; leases are rows).
 
 Observations, dataset frames, partitions and weight payloads go between the services and this
@@ -379,6 +380,13 @@ class ProducerService:
         # A registered version outlives checkpoint retention: the pin is durable under the tenant's prefix.
         self.ctx.checkpoints.pin(tenant_id, manifest.policy_version)
         return int(registered)
+
+    def publish_installed(self, tenant_id: str, version: int, provenance: dict[str, str]) -> dict[str, Any]:
+        """Foreign weights the API installed in the training slot as `version`: serve them and register
+        them in MLflow with their provenance (`foreign_weights.publish_installed`)."""
+        from joynexus.services.producers.foreign_weights import publish_installed
+
+        return publish_installed(self.ctx, tenant_id, version, provenance)
 
     def measure(self, tenant_id: str, policy_version: int) -> dict[str, float]:
         """The tenant's promotion metric of one version: simulator success (an evaluation at that
