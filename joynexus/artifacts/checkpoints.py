@@ -18,11 +18,13 @@ from joynexus.artifacts.codec import (
     _TENANT_ID_RE,
     _VERSION_DIR_RE,
     ACTION_MODULE_FILE,
+    FORKED_FROM_KEY,
     LATEST_FILE,
     MANIFEST_FILE,
     NORMALIZATION_FILE,
     OPTIMIZER_JSON_FILE,
     OPTIMIZER_TENSORS_FILE,
+    VERSION_CREATED_AT_KEY,
     CheckpointError,
     PayloadError,
     TenantManifest,
@@ -241,6 +243,25 @@ class CheckpointStore:
     def issued_version(self, tenant_id: str) -> int | None:
         """The highest version ever recorded as issued for the tenant; None if none was."""
         return self._read_pointer(tenant_id, ISSUED_FILE)
+
+    def fork_version(self, source_id: str, version: int, new_tenant: str) -> TenantManifest:
+        """The source's `version` (verified on read) written as `new_tenant`'s version 0, its
+        manifest noting where it came from (`FORKED_FROM_KEY`). Runs where the tensors may be
+        held (the Training Model Service), never in the Master."""
+        manifest, module_state, optimizer_state = self.load_tenant(source_id, version)
+        extra = {k: v for k, v in manifest.extra.items() if k != VERSION_CREATED_AT_KEY}  # v0 is made now
+        extra[FORKED_FROM_KEY] = {"tenant_id": source_id, "version": version}
+        return self.save_tenant(
+            tenant_id=new_tenant,
+            policy_version=0,
+            schema_signature=manifest.schema_signature,
+            base_model_id=manifest.base_model_id,
+            module_kind=manifest.module_kind,
+            module_config=manifest.module_config,
+            module_state=module_state,
+            optimizer_state=optimizer_state,
+            extra=extra,
+        )
 
     def delete_tenant(self, tenant_id: str) -> int:
         """Remove every object of the tenant (checkpoints, LATEST, ISSUED); returns how many."""

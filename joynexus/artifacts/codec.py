@@ -33,6 +33,8 @@ OPTIMIZER_FORMAT = "optimizer-state/1"
 # Manifest `extra` key: when the version's weights were made (ISO 8601, UTC). An export's manifest
 # takes it as its created_at, so every export of one version is the same bytes (see export_manifest).
 VERSION_CREATED_AT_KEY = "version_created_at"
+# Manifest `extra` key of a fork's version 0: {"tenant_id", "version"} it was forked from.
+FORKED_FROM_KEY = "forked_from"
 # Manifest `extra` key: the tenant's cameras and their [height, width] (an export declares them).
 OBSERVATION_KEY = "observation"
 # Manifest `extra` key: the content digest of the dataset whose jobs trained the version last (the

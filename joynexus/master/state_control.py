@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from joynexus.artifacts import VERSION_CREATED_AT_KEY
 from joynexus.core.tenants import Tenant
 from joynexus.spec import SpecError, WorkloadSpec, parse_workload_spec
 
@@ -28,7 +27,6 @@ __all__ = ["FORK_OVERRIDES", "ForkLimitReached", "fork_spec", "fork_tenant", "lo
 
 # What a fork may change; everything else is the source's (a fork keeps its schema).
 FORK_OVERRIDES = ("learning_rate", "seed")
-FORKED_FROM_KEY = "forked_from"
 
 
 def fork_spec(source: Tenant, new_tenant: str, overrides: dict[str, Any] | None) -> WorkloadSpec:
@@ -68,24 +66,6 @@ def _source_version(deployment: Any, source: Tenant, version: int | None) -> int
         reason = f"tenant {source.tenant_id!r} has no checkpoint of version {version} (kept: {kept})"
         raise SpecError([("version", reason)])
     return version
-
-
-def _copy_checkpoint(checkpoints: Any, source_id: str, version: int, new_tenant: str) -> None:
-    """The source version's checkpoint (verified on read) as `new_tenant`'s version 0."""
-    manifest, module_state, optimizer_state = checkpoints.load_tenant(source_id, version)
-    extra = {k: v for k, v in manifest.extra.items() if k != VERSION_CREATED_AT_KEY}  # v0 is made now
-    extra[FORKED_FROM_KEY] = {"tenant_id": source_id, "version": version}
-    checkpoints.save_tenant(
-        tenant_id=new_tenant,
-        policy_version=0,
-        schema_signature=manifest.schema_signature,
-        base_model_id=manifest.base_model_id,
-        module_kind=manifest.module_kind,
-        module_config=manifest.module_config,
-        module_state=module_state,
-        optimizer_state=optimizer_state,
-        extra=extra,
-    )
 
 
 class ForkLimitReached(RuntimeError):
@@ -137,7 +117,8 @@ def fork_tenant(
         _check_new_id(deployment, new_tenant)
         _check_fork_bound(master, source)
         forked = _source_version(deployment, source, version)
-        _copy_checkpoint(deployment.checkpoints, source.tenant_id, forked, new_tenant)
+        # The copy runs in the Training Model Service (the source's shard): the Master holds no tensor.
+        deployment.training_service.fork_checkpoint(source.tenant_id, forked, new_tenant)
         try:
             # An upload the source trains on (dataset.id) stays the source's: the fork names it from there.
             tenant = master.create_tenant(spec, starts_from_checkpoint=True, dataset_owner=source.tenant_id)

@@ -3,8 +3,8 @@ Master Service (issue 40): every byte the Master's methods take or return is cou
 installs foreign weights, rolls its slot back (load_state) and forks a version. The install's upload
 goes to the Training Model Service itself; the Master only admits it and has the tenant's producer
 replica serve and register the new version. load_state and fork send the Master ids and versions
-only. (A fork's checkpoint copy is made by the Master in its own process, storage to storage,
-`master/state_control._copy_checkpoint`: not through its methods, and not counted here.)"""
+only; a fork's checkpoint copy is made by the Training Model Service (`fork_checkpoint`), so the
+Master's own checkpoint store never reads a tensor either."""
 
 from __future__ import annotations
 
@@ -72,6 +72,13 @@ def test_install_weights_load_state_and_fork_pass_no_weight_byte_through_the_mas
     state = build_action_module(module_config).state_dict()
     upload = save_safetensors(state)
     counter = MasterByteCounter(api.cluster.master, monkeypatch)
+    master_reads: list[tuple[str, int]] = []  # tensors the Master's own checkpoint store loads
+    master_checkpoints = api.cluster.master.deployment.checkpoints
+    load_tenant = master_checkpoints.load_tenant
+    monkeypatch.setattr(
+        master_checkpoints, "load_tenant", lambda tenant_id, version, *a, **k: (
+            master_reads.append((tenant_id, version)), load_tenant(tenant_id, version, *a, **k))[1]
+    )  # fmt: skip
 
     installed = api.client.post(
         "/v1/weights/install",
@@ -101,5 +108,8 @@ def test_install_weights_load_state_and_fork_pass_no_weight_byte_through_the_mas
     assert {"load_state", "fork_tenant"} <= {name for name, _, _ in counter.calls}
 
     assert counter.moved() == [], f"weight bytes through the Master's methods: {counter.moved()}"
+    assert master_reads == [], f"checkpoint tensors the Master loaded: {master_reads}"
+    forked_v0 = api.cluster.training.target.checkpoints.read_manifest(f"{t.tenant_id}-f", 0)
+    assert forked_v0.extra["forked_from"] == {"tenant_id": t.tenant_id, "version": 1}
     # The counter sees bytes where they are: the upload is tens of kilobytes.
     assert payload_bytes({"weights": upload}) == len(upload) > 1000

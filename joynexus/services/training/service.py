@@ -317,6 +317,11 @@ class TrainingModelService:
                 manifests.append(manifest_dict(self.slot_table.save(self._slot(tenant_id), include_optim)))
         return manifests
 
+    def fork_checkpoint(self, source_id: str, version: int, new_tenant: str) -> dict[str, Any]:
+        """Copy the source's checkpointed `version` as `new_tenant`'s version 0 (a fork); here,
+        where tensors live, so a fork moves no weight through the Master. Returns the manifest."""
+        return manifest_dict(self.checkpoints.fork_version(source_id, version, new_tenant))
+
     @pins_during_call("_slots")
     def install_weights(self, tenant_id: str, weights: bytes) -> dict[str, Any]:
         """Install weights trained elsewhere (safetensors bytes of the tenant's state dict) as the
