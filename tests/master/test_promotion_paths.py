@@ -181,6 +181,9 @@ def local_ray():
     ray.shutdown()
 
 
+# Slow (about 70 s: a Ray deployment of its own); the main job on Ray stays in the default suite
+# (tests/test_main_job.py), and the promotion rule in the in-process tests above.
+@pytest.mark.slow
 def test_main_job_path_on_ray_registers_both_aliases_with_the_heldout_loss(local_ray, tmp_path):
     from joynexus.registry import ExperimentTracker
     from joynexus.settings import Settings
