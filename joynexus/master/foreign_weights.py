@@ -17,6 +17,7 @@ from typing import Any
 
 from joynexus.artifacts import decode_tenant_payload
 from joynexus.core.tenants import Tenant
+from joynexus.master.tenant_slots import ensure_slot
 
 MAX_SOURCE_CHARS = 512
 
@@ -54,7 +55,7 @@ def install_weights(
     check_config(tenant.backend_config.action_module, config)
     sha256 = hashlib.sha256(weights).hexdigest()
     training = deployment.training_service
-    training.add_tenant(tenant.backend_config)  # present already unless the service restarted
+    ensure_slot(training, tenant)  # present already unless the service restarted
     try:
         manifest = training.install_weights(tenant_id, weights)
     except Exception as error:

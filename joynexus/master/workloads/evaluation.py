@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
 from joynexus.envs import available_simulators
+from joynexus.master.tenant_slots import ensure_slot
 from joynexus.master.workloads.base import (
     FINAL_WORKLOAD_STATES,
     RUNNING,
@@ -65,7 +66,7 @@ class Evaluations(WorkloadBase):
             self.admission_check(tenant_id)
         if deployment.inference_service.latest_version(tenant_id) is None:
             # Never served yet (e.g. an SFT tenant): serve its current trained state, read-only.
-            deployment.training_service.add_tenant(tenant.backend_config)
+            ensure_slot(deployment.training_service, tenant)
             self._publish_weights(tenant_id)
         resolved = deployment.inference_service.latest_version(tenant_id) if version == "latest" else version
         if resolved is None:

@@ -17,6 +17,7 @@ from typing import Any
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
 from joynexus.master.loops.actor_loop import POLICY_STALE, ActorOutcome
+from joynexus.master.tenant_slots import ensure_slot
 from joynexus.master.workloads.base import (
     FINAL_WORKLOAD_STATES,
     RUNNING,
@@ -69,20 +70,13 @@ class TrainingWorkloads(WorkloadBase):
 
     def _launch(self, running: _RunningWorkload) -> None:
         deployment, tenant = self.deployment, running.tenant
-        slot = deployment.training_service.add_tenant(tenant.backend_config)
-        running.version = slot["version"]
+        running.version = ensure_slot(deployment.training_service, tenant)  # registered at its creation
         done = deployment.scheduler.counts(tenant.tenant_id).get(COMPLETED, 0)
-        sched = tenant.spec.scheduling
         # The policy's completion target covers exactly this workload's remaining jobs on top of
         # every completed one (a resumed workload has some of its own among them already); the
         # policy registered at tenant creation has the spec's target, not this workload's.
-        deployment.scheduler.register_policy(
-            tenant.tenant_id,
-            tenant.spec.task.value,
-            priority=sched.priority,
-            max_in_flight=sched.max_in_flight_jobs,
-            completion_target=done + running.target_jobs - running.completed_jobs,
-            max_policy_staleness=sched.max_policy_staleness,
+        deployment.scheduler.set_completion_target(
+            tenant.tenant_id, tenant.spec.task.value, done + running.target_jobs - running.completed_jobs
         )
         running.dataset = self._training_dataset(running)
         if running.run_id is None:
