@@ -1006,14 +1006,14 @@ def measured_summary(pairs: list[Pair]) -> dict[str, Any]:
 # -- where the actor loop's time goes (py-spy samples of the Master's process) ----------------------------
 PROFILE_RATE_HZ = 100
 # (category, what a sample's stack contains), first match wins: the bookkeeping after a job first
-# (it runs inside `_on_outcome`), then the loop's own calls. "train_job" and "policy_version" are
+# (it runs inside `TrainingWorkloads.on_outcome`), then the loop's own calls. "train_job" and "policy_version" are
 # told apart by the line of the ActorLoop step they are called from (a Ray call's frame is the handle's).
 ACTOR_LOOP_CATEGORIES = (
-    ("weight sync (export_params + load_weights)", "_publish_weights"),
+    ("weight sync (export_params + load_weights)", "TrainingWorkloads.publish_weights"),
     ("MLflow logging", "ExperimentTracker."),
-    ("events (store transaction)", "_emit_many"),
+    ("events (store transaction)", "WorkloadRecords.emit_many"),
     ("workload progress row (store transaction)", "_persist_progress"),
-    ("other outcome bookkeeping", "_on_outcome"),
+    ("other outcome bookkeeping", "TrainingWorkloads.on_outcome"),
     ("complete (store transaction)", "TrainingScheduler.complete"),
     ("lease_next (store transaction)", "TrainingScheduler.lease_next"),
     ("waiting for a ready job (idle)", "TrainingScheduler.wait_for_ready"),

@@ -59,8 +59,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 class ServiceHandle:
     """A service reached the same way whether it is a local object (tests, one process) or a named
     Ray actor (a deployment): attribute calls run the method synchronously and return its result.
-    This is the one place that knows the difference; build one with `service_handle`, which types
-    it as the service class so call sites are checked like direct calls."""
+    This is the one place that knows the difference ("here or on Ray"): the few things that do
+    differ are asked of the handle (`probe`, `start`, `close_here`, `restarting`, `kill`,
+    `constructor_argument`) instead of being branched on by its callers. Build one with
+    `service_handle`, which types it as the service class (or protocol) so call sites are checked
+    like direct calls."""
 
     __slots__ = ("_target", "_remote", "_timeout_s", "_gate")
 
@@ -119,10 +122,12 @@ class ServiceHandle:
         remote_call.__name__ = name
         return remote_call
 
-    def probe(self, method: str, timeout_s: float) -> Any:
-        """Call a cheap, lock-free method (a heartbeat) past whatever the service is busy with: on
-        an actor in its own `health` concurrency group, so a long training call does not hide a
-        live service; on a local SerializedService, past its lock. Raises on timeout."""
+    def probe(self, method: str, timeout_s: float, *args: Any, wait: bool = True) -> Any:
+        """Call a cheap, lock-free method (a heartbeat, a cancel) past whatever the service is busy
+        with: on an actor in its own `health` concurrency group, so a long training call does not
+        hide a live service; on a local SerializedService, past its lock. Raises on timeout.
+        `wait` False sends it to an actor without waiting for the answer (None); a local call
+        always returns its result."""
         if self._remote:
             import ray
 
@@ -131,18 +136,74 @@ class ServiceHandle:
             call = getattr(self._target, method)
             if not _is_client_actor_handle(self._target):  # Ray Client's options take no concurrency group:
                 call = call.options(concurrency_group=HEALTH_GROUP)  # there the default group's threads answer
-            return ray.get(call.remote(), timeout=timeout_s)
+            ref = call.remote(*args)
+            return ray.get(ref, timeout=timeout_s) if wait else None
         target = self._target.target if isinstance(self._target, SerializedService) else self._target
-        return getattr(target, method)()
+        return getattr(target, method)(*args)
 
-    def start(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> concurrent.futures.Future[R]:
-        """Start `method` (given as the service class's function, e.g. `InferenceModelService.predict`)
-        without waiting: a future of its result. Local calls run on a small shared thread pool."""
+    def start(
+        self,
+        method: Callable[..., R],
+        *args: Any,
+        locally: Callable[..., concurrent.futures.Future[R]] | None = None,
+        **kwargs: Any,
+    ) -> concurrent.futures.Future[R]:
+        """Start `method` (given as the service class's function, e.g. `InferenceEndpoint.predict`)
+        without waiting: a future of its result. On a local object, `locally` (a method of the
+        service that hands out a future itself, e.g. `InferenceEndpoint.submit`, whose queue then
+        batches the call) is called instead with the same arguments; without it, local calls run
+        on a small shared thread pool."""
         if self._remote:
             if self._gate is not None:
                 self._gate()
             return getattr(self._target, method.__name__).remote(*args, **kwargs).future()
+        if locally is not None:
+            return getattr(self._target, locally.__name__)(*args, **kwargs)
         return _local_pool().submit(getattr(self._target, method.__name__), *args, **kwargs)
+
+    # -- what differs between a local object and an actor, asked here rather than branched on ------
+    def close_here(self, method: str = "close") -> bool:
+        """Stop a service that lives in this process by calling its `method` (True); a Ray actor's
+        life is its cluster's, so nothing is called (False)."""
+        if self._remote:
+            return False
+        getattr(self._target, method)()
+        return True
+
+    def restarting(self) -> bool:
+        """Whether Ray is (re)building the actor: not ALIVE yet (pending creation, restarting; its
+        constructor has not returned), read from the GCS actor table; an error counts as not
+        restarting. A local object never restarts on its own."""
+        if not self._remote:
+            return False
+        try:
+            from ray._private.state import state
+
+            return state.actor_table(self._target._actor_id.hex()).get("State") not in ("ALIVE", "DEAD", None)
+        except Exception:
+            return False
+
+    @property
+    def restartable_in_place(self) -> bool:
+        """Whether the service can be restarted alone, in place: an actor can (Ray's `max_restarts`),
+        a local object cannot (it lives and dies with this process)."""
+        return self._remote
+
+    def kill(self, *, restart: bool) -> bool:
+        """End the actor's process (True): with `restart`, Ray's `max_restarts` starts it again in
+        place (a hung role); without, it is gone for good (a fenced shard). A local object cannot be
+        ended alone (False: nothing is done)."""
+        if not self._remote:
+            return False
+        import ray
+
+        ray.kill(self._target, no_restart=not restart)
+        return True
+
+    def constructor_argument(self, name: str, namespace: str | None = None) -> Any:
+        """The service as another service's constructor takes it: an actor BY NAME (`ActorName`:
+        each new life of the receiving actor looks it up again), a local object as itself."""
+        return ActorName(name, namespace) if self._remote else self._target
 
     def __reduce__(self) -> tuple[Any, ...]:  # a Ray actor handle travels to other Ray processes
         return (ServiceHandle, (self._target,), None)

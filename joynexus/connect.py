@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from joynexus.actors import EXECUTION_PLANE_ACTORS, SERVICES_CREATOR, ServicesNotRunning, service_handle
+from joynexus.actors import EXECUTION_PLANE_ACTORS, SERVICES_CREATOR, ServiceHandle, ServicesNotRunning, service_handle
 from joynexus.ops.deployment_state import effective_settings
 from joynexus.settings import Settings
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # imported where used: a client of a running deployment needs
     from joynexus.protocol.schemas import WorkloadInfo
     from joynexus.scheduling.training_queue import TrainingQueue
     from joynexus.services.environment.service import EnvironmentService
-    from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.inference.endpoint import InferenceEndpoint
     from joynexus.services.training.service import TrainingModelService
 
 Mode = Literal["auto", "ray", "in-process"]
@@ -53,7 +53,7 @@ class Cluster:
     settings: Settings
     master: MasterService
     training: TrainingModelService
-    inference: InferenceModelService
+    inference: InferenceEndpoint  # one service or its replica set (`services/inference/endpoint.py`)
     environment: EnvironmentService
     queue: TrainingQueue
     mode: str  # "ray" | "in-process"
@@ -152,8 +152,6 @@ def ray_cluster(
     by their creator: `detached=True` (`joynexus up`, the services Job) or a process that starts its
     own local Ray (no address). A client of an address waits up to `wait_s` (default `timeout_s`) for
     them, then raises `ServicesNotRunning`."""
-    import ray
-
     creator = detached or not settings.ray_address
     with _create_lock:
         running = None
@@ -168,13 +166,13 @@ def ray_cluster(
             queue, training, inference, environment = create_service_actors(settings, detached=detached)
             master_actor = master_service_actor(settings, options=options, detached=detached)
             _RESIDENT.append(master_actor)
-    ray.get(master_actor.ping.remote(), timeout=timeout_s)  # waits until it has reconciled and started
-    # Typed as the service classes (TYPE_CHECKING imports): the handles need only the actors.
+    ServiceHandle(master_actor, timeout_s=timeout_s).ping()  # waits until it has reconciled and started
+    # Typed as the service classes and protocols (TYPE_CHECKING imports): the handles need only the actors.
     return Cluster(
         settings=settings,
         master=service_handle(cast("type[MasterService]", object), master_actor),
         training=service_handle(cast("type[TrainingModelService]", object), training),
-        inference=service_handle(cast("type[InferenceModelService]", object), inference),
+        inference=service_handle(cast("type[InferenceEndpoint]", object), inference),
         environment=service_handle(cast("type[EnvironmentService]", object), environment),
         queue=service_handle(cast("type[TrainingQueue]", object), queue),
         mode="ray",

@@ -44,4 +44,4 @@ def test_architecture_says_an_interrupted_evaluation_runs_again():
     assert "an interrupted evaluation ends `failed`" not in text
     assert "an interrupted evaluation runs again" in text
     # ... which is what the Master does with an evaluation a dead Master left running
-    assert "def _rerun_evaluation" in (ROOT / "joynexus/master/workloads/evaluation.py").read_text()
+    assert "def rerun(" in (ROOT / "joynexus/master/workloads/evaluation.py").read_text()

@@ -35,7 +35,7 @@ from joynexus.settings import Settings
 
 if TYPE_CHECKING:  # the Master imports this module: it must not import the services (torch, transformers)
     from joynexus.services.environment.service import EnvironmentService
-    from joynexus.services.inference.service import InferenceModelService
+    from joynexus.services.inference.endpoint import InferenceEndpoint
     from joynexus.services.producers.service import ProducerService
     from joynexus.services.training.service import TrainingModelService
 
@@ -56,7 +56,7 @@ class Deployment:
     scheduler: TrainingScheduler
     queue: TrainingQueue
     training_service: TrainingModelService  # typed handles: a named Ray actor or a local object
-    inference_service: InferenceModelService
+    inference_service: InferenceEndpoint  # one service or its replica set (`services/inference/endpoint.py`)
     environment_service: EnvironmentService
     creator: TenantCreator
     tracker: ExperimentTracker
@@ -77,7 +77,7 @@ class Deployment:
             settings,
             service_handle(TrainingQueue, queue_actor),
             service_handle(cast("type[TrainingModelService]", object), service),
-            service_handle(cast("type[InferenceModelService]", object), inference),
+            service_handle(cast("type[InferenceEndpoint]", object), inference),
             service_handle(cast("type[EnvironmentService]", object), environment),
         )
         replicas = running_producer_actors(settings)
@@ -132,7 +132,7 @@ class Deployment:
         settings: Settings,
         queue: TrainingQueue,
         training: TrainingModelService,
-        inference: InferenceModelService,
+        inference: InferenceEndpoint,
         environment: EnvironmentService,
     ) -> Deployment:
         """The control plane over the execution plane's handles."""
@@ -149,12 +149,10 @@ class Deployment:
         )  # fmt: skip
 
     def shutdown(self) -> None:
-        if self.producers is not None and not handle_of(self.producers.replicas[0]).is_remote:
-            for replica in self.producers.replicas:  # local replicas stop their loops with us
-                replica.close()
+        for replica in self.producers.replicas if self.producers is not None else ():
+            handle_of(replica).close_here()  # local replicas stop their loops with us
         self.environment_service.close_all()  # simulator worker processes never outlive us
-        if not handle_of(self.inference_service).is_remote:
-            self.inference_service.close()  # stop the local batching worker; a Ray actor goes with its cluster
+        handle_of(self.inference_service).close_here()  # the local batching worker; an actor goes with its cluster
         self.store.dispose()
 
 

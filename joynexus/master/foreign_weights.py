@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from joynexus.core.tenants import Tenant
+from joynexus.master.tenant_slots import ensure_slot
 
 MAX_SOURCE_CHARS = 512
 
@@ -35,4 +36,4 @@ def admit_install(deployment: Any, tenant: Tenant, *, source: str, config: dict[
     if not source.strip() or len(source) > MAX_SOURCE_CHARS:
         raise ValueError(f"source: say where the weights come from (1..{MAX_SOURCE_CHARS} characters)")
     check_config(tenant.backend_config.action_module, config)
-    deployment.training_service.add_tenant(tenant.backend_config)  # present already unless the service restarted
+    ensure_slot(deployment.training_service, tenant)  # present already unless the service restarted

@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from joynexus.actors import handle_of
-from joynexus.master.hung_roles import HungRoleOptions, RestartPolicy, actor_restarting, kill_in_place
+from joynexus.actors import ServiceHandle, handle_of
+from joynexus.master.hung_roles import HungRoleOptions, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class HealthManager:
             except Exception:  # publishing is best effort: `joynexus status` then asks the actors
                 log.warning("publishing the health report failed", exc_info=True)
 
-    def _check_service(self, name: str, handle: Any) -> None:
+    def _check_service(self, name: str, handle: ServiceHandle) -> None:
         state = self._services[name]
         try:
             beat = dict(handle.probe("heartbeat", self.options.probe_timeout_s))
@@ -172,9 +172,9 @@ class HealthManager:
             with self._lock:
                 state.restoring, state.last_restore = False, account
 
-    def _on_silent(self, name: str, handle: Any, state: ServiceHealth) -> None:
+    def _on_silent(self, name: str, handle: ServiceHandle, state: ServiceHealth) -> None:
         """A probe failed: restart the role if it is hung and its budget allows, else escalate."""
-        if handle.is_remote and actor_restarting(handle.target):
+        if handle.restarting():
             self.restart_policy.restarting(name)  # Ray is (re)building it: slow, not hung
             return
         verdict = self.restart_policy.decide(name, state.last_ok, self._watching_since)
@@ -188,9 +188,9 @@ class HealthManager:
             return
         kill = self._kill
         if kill is None:
-            if not handle.is_remote:
+            if not handle.restartable_in_place:
                 return  # an in-process service cannot be restarted alone; reported as down
-            kill = lambda _role, target: kill_in_place(target)  # noqa: E731
+            kill = lambda _role, _target: handle.kill(restart=True)  # noqa: E731
         count = self.restart_policy.record_restart(name)
         log.warning("role %s is %s; restarting it in place (%d in the window)", name, verdict.reason, count)
         try:

@@ -2,8 +2,8 @@
 killed and restarted in place, within a restart budget and with backoff, then escalated.
 
 A dead actor comes back by itself (Ray's `max_restarts`); a hung one never dies, so the Health
-Manager has to kill it: `ray.kill(actor, no_restart=False)` ends the process and lets Ray's
-`max_restarts` start it again under the same name, with the same arguments. The new incarnation
+Manager has to kill it: `ServiceHandle.kill(restart=True)` (`ray.kill(actor, no_restart=False)`) ends the
+process and lets Ray's `max_restarts` start it again under the same name, with the same arguments. The new incarnation
 answers heartbeats and the Master restores what the old life held (`HealthManager.on_restart`).
 
 `RestartPolicy` is the decision alone (no Ray, a clock you can pass), per role:
@@ -116,24 +116,6 @@ class RestartPolicy:
 
     def restarts_in_window(self, role: str) -> int:
         return len(self._role(role).restarts)
-
-
-def kill_in_place(actor: Any) -> None:
-    """End a (hung) Ray actor's process and let Ray's `max_restarts` start it again in place."""
-    import ray
-
-    ray.kill(actor, no_restart=False)
-
-
-def actor_restarting(actor: Any) -> bool:
-    """Whether Ray reports the actor as not ALIVE yet (pending creation, restarting: its constructor
-    has not returned). Read from the GCS actor table; unknown (an error) counts as not restarting."""
-    try:
-        from ray._private.state import state
-
-        return state.actor_table(actor._actor_id.hex()).get("State") not in ("ALIVE", "DEAD", None)
-    except Exception:
-        return False
 
 
 def hang_heartbeat(actor: Any, seconds: float) -> Any:

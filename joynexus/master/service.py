@@ -31,6 +31,7 @@ from joynexus.master.errors import TenantUnavailable
 from joynexus.master.health import HealthManager
 from joynexus.master.health_snapshot import health_snapshot_path, write_health_snapshot
 from joynexus.master.options import MasterOptions
+from joynexus.master.tenant_slots import add_slot
 from joynexus.master.workloads.manager import FINAL_WORKLOAD_STATES, AdmissionRefused, WorkloadManager
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.scheduling.training_scheduler import TERMINAL_STATES
@@ -285,7 +286,7 @@ class MasterService:
             check_id_reusable(self.deployment, spec.tenant)  # no inheriting an earlier tenant's checkpoints
         tenant = self.deployment.creator.create(spec)
         try:
-            self.deployment.training_service.add_tenant(tenant.backend_config)
+            add_slot(self.deployment.training_service, tenant)
         except Exception as error:
             reason = _reason(error)
             log.warning("tenant %s: the backend could not build its slot (%s); removing it", tenant.tenant_id, reason)
@@ -363,7 +364,7 @@ class MasterService:
 
     def _restore_slot(self, tenant: Tenant) -> None:
         try:
-            self.deployment.training_service.add_tenant(tenant.backend_config)
+            add_slot(self.deployment.training_service, tenant)
         except Exception as error:
             reason = _reason(error)
             log.warning("tenant %s is unhealthy: %s", tenant.tenant_id, reason)

@@ -11,7 +11,7 @@ travels back from the Ray actor).
   `step`, `rl_update` and `job_completed` workload events (one query over a bounded window of the
   most recent events: the events table only grows, a scrape must not scan all of it).
 
-The same learning signals go to MLflow as the workload runs (`WorkloadManager._on_outcome`); these
+The same learning signals go to MLflow as the workload runs (`TrainingWorkloads.on_outcome`); these
 are their latest values for dashboards and alerts.
 """
 

@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,31 +123,31 @@ class TrainingScheduler:
         max_policy_staleness: int | None = None,
         session: Session | None = None,
     ) -> str:
+        """Registered ONCE per tenant, at its creation (`TenantCreator`, in the tenant's transaction)."""
         key = policy_key(tenant_id, task_type)
         values = dict(
-            tenant_id=tenant_id,
-            task_type=task_type,
-            priority=priority,
-            max_in_flight=max_in_flight,
-            completion_target=completion_target,
-            max_policy_staleness=max_policy_staleness,
-        )
-
-        def _upsert(s: Session) -> None:
+            tenant_id=tenant_id, task_type=task_type, priority=priority, max_in_flight=max_in_flight,
+            completion_target=completion_target, max_policy_staleness=max_policy_staleness,
+        )  # fmt: skip
+        with nullcontext(session) if session is not None else self.store.transaction() as s:
             record = s.get(TrainingPolicyRecord, key, with_for_update=True)
             if record is None:
                 s.add(TrainingPolicyRecord(policy_key=key, reservations=0, **values))
             else:
                 for name, value in values.items():
                     setattr(record, name, value)
-
-        if session is not None:
-            _upsert(session)
-        else:
-            with self.store.transaction() as s:
-                _upsert(s)
         self._changed()  # a raised target or in-flight bound lets a waiting producer go on
         return key
+
+    def set_completion_target(self, tenant_id: str, task_type: str, completion_target: int | None) -> None:
+        """Set only the policy's completion target (a workload's jobs on top of the completed ones)."""
+        key = policy_key(tenant_id, task_type)
+        with self.store.transaction() as s:
+            record = s.get(TrainingPolicyRecord, key, with_for_update=True)
+            if record is None:
+                raise SchedulerError(f"no training policy {key!r}: the tenant's creation registers it")
+            record.completion_target = completion_target
+        self._changed()  # a raised target lets a waiting producer go on
 
     def policy(self, tenant_id: str, task_type: str) -> TrainingPolicyRecord:
         with self.store.read() as s:
@@ -335,8 +336,7 @@ class TrainingScheduler:
         from (ready, resp. needs_*) with `attempts` + 1 and no owner, keeping its ready_seq so it
         keeps its FIFO place. It fails instead, naming the dead owner, when its partition is gone
         (`has_partition` false) or attempts + 1 > `max_attempts`; failed jobs release their
-        partition. Returns the jobs it changed, as they are now.
-        """
+        partition. Returns the jobs it changed, as they are now."""
         if max_attempts < 0:
             raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
         live = set(live_owners)

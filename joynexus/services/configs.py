@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joynexus.actors import ActorName, handle_of, named_actor, role_resources, service_handle
+from joynexus.actors import handle_of, named_actor, role_resources, service_handle
 from joynexus.artifacts.s3 import export_endpoint
 from joynexus.artifacts.stores import checkpoint_blobs
 from joynexus.models.backbone import METADATA_FILE, BackboneSource
@@ -149,7 +149,7 @@ class TrainingServiceConfig:
             self.checkpoint_root,
             # By name, not the creating driver's handle: a restart in place after that driver
             # exited (`joynexus up`) looks the queue up again.
-            ActorName(TRAINING_QUEUE_ACTOR_NAME, namespace) if handle_of(queue).is_remote else queue,
+            handle_of(queue).constructor_argument(TRAINING_QUEUE_ACTOR_NAME, namespace),
             self.num_threads,
             namespace=namespace,
             detached=detached,
@@ -190,7 +190,7 @@ class TrainingServiceConfig:
                 f"the settings ask for {self.shards} (JOYNEXUS_TRAINING_SHARDS); remove it (`joynexus down`) first"
             )
         ray.get(group.ready(), timeout=ready_timeout_s)
-        queue_arg = ActorName(TRAINING_QUEUE_ACTOR_NAME, namespace) if handle_of(queue).is_remote else queue
+        queue_arg = handle_of(queue).constructor_argument(TRAINING_QUEUE_ACTOR_NAME, namespace)
         return [
             named_actor(
                 TrainingModelService,
@@ -232,11 +232,7 @@ class TrainingServiceConfig:
         (its actor killed for good) before its tenants resume elsewhere."""
 
         def fence(index: int) -> None:
-            target = handle_of(shards[index]).target
-            if handle_of(target).is_remote:
-                import ray
-
-                ray.kill(target, no_restart=True)
+            handle_of(shards[index]).kill(restart=False)  # an in-process shard has no process of its own
 
         shard_set = TrainingShards(
             shards, group_size=self.group_max, max_tenants_per_shard=self.max_tenants_per_shard, fence=fence

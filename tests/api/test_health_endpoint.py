@@ -25,7 +25,7 @@ def test_a_dead_role_shows_until_it_is_restarted_in_place(api):
     health = master.health_manager
     health.stop()  # hold the next round so the report can be read while the role is down
     try:
-        role = manager._roles["producer_follower"]
+        role = manager.roles.role("producer_follower")
         before = role.restarts
         role.stop.set()
         role.thread.join(timeout=10)

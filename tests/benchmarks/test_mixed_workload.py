@@ -121,13 +121,13 @@ def test_actor_loop_breakdown_sorts_py_spy_samples_by_category(mw, tmp_path):
     train = next(n for label, n in lines.items() if label.startswith("train_job"))
     version = next(n for label, n in lines.items() if label.startswith("policy_version"))
     step = "ActorLoop.step (/x/joynexus/master/loops/actor_loop.py:{})"
-    outcome = "WorkloadManager._on_outcome (joynexus/master/workloads/manager.py:950)"
+    outcome = "TrainingWorkloads.on_outcome (joynexus/master/workloads/training.py:190)"
     raw = "\n".join([
         f"{_stack(step.format(train), 'remote_call (joynexus/actors.py:92)')} 300",
         f"{_stack(step.format(version), 'remote_call (joynexus/actors.py:92)')} 20",
-        f"{_stack(step.format(99), outcome, 'WorkloadManager._publish_weights (w.py:1)', 'remote_call (r.py:1)')} 40",
+        f"{_stack(step.format(99), outcome, 'TrainingWorkloads.publish_weights (w.py:1)', 'remote_call (r.py:1)')} 40",
         f"{_stack(step.format(99), outcome, 'ExperimentTracker.log_metrics (registry.py:184)')} 60",
-        f"{_stack(step.format(99), outcome, 'WorkloadManager._emit_many (w.py:2)')} 30",
+        f"{_stack(step.format(99), outcome, 'WorkloadRecords.emit_many (w.py:2)')} 30",
         f"{_stack(step.format(99), 'TrainingScheduler.wait_for_ready (s.py:3)')} 50",
         "thread (8): rollout-producer-a;Thread._bootstrap (threading.py:1002);produce (w.py:9) 999",  # not the loop
         "garbage line without a count",

@@ -60,8 +60,8 @@ def test_every_role_reports_its_health(cluster: Cluster):
 
 def test_a_role_that_dies_is_restarted_in_place_and_work_goes_on(cluster: Cluster, tenant: str):
     manager = cluster.master.workloads
-    manager._roles["actor_loop"].stop.set()  # the role's thread ends as if it had crashed
-    wait_for(lambda: manager._roles["actor_loop"].restarts == 1, "the actor loop restarted")
+    manager.roles.role("actor_loop").stop.set()  # the role's thread ends as if it had crashed
+    wait_for(lambda: manager.roles.role("actor_loop").restarts == 1, "the actor loop restarted")
     report = wait_for(lambda: (r := cluster.master.health())["actor_loop"]["healthy"] and r, "a healthy actor loop")
     assert report["actor_loop"]["restarts"] == 1
     assert report["actor_loop"]["detail"].startswith("died")
@@ -82,8 +82,8 @@ def test_a_hung_actor_loop_is_replaced_and_its_job_is_not_trained_twice(cluster:
             "the actor loop to lease a job",
         )[0]
         # It is blocked on the service and stops beating: replaced by a new owner, the job re-queued.
-        wait_for(lambda: manager._roles["actor_loop"].restarts >= 1, "the hung actor loop replaced")
-        assert "no heartbeat" in manager._roles["actor_loop"].last_reason
+        wait_for(lambda: manager.roles.role("actor_loop").restarts >= 1, "the hung actor loop replaced")
+        assert "no heartbeat" in manager.roles.role("actor_loop").last_reason
         after = wait_for(
             lambda: (j := dep.scheduler.get(held.job_id)).lease_owner != manager.actor_owner and j, "its lease taken"
         )

@@ -132,3 +132,24 @@ def test_admission_hooks_and_bad_requests_are_clear(deployment):
     with pytest.raises(KeyError):
         manager.submit("nobody", jobs=1)
     assert manager.list() == []
+
+
+def test_the_manager_is_composed_of_parts_not_mixed_from_them():
+    # Issue 40, item 3: each part is an object with its own state; none shares the manager's `self`.
+    import importlib
+    import inspect
+    import pkgutil
+
+    import joynexus.master.workloads as package
+
+    assert WorkloadManager.__mro__ == (WorkloadManager, object)
+    modules = [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+    ours = {
+        cls for module in modules for cls in vars(module).values()
+        if inspect.isclass(cls) and cls.__module__.startswith(package.__name__)
+    }  # fmt: skip
+    assert {c.__name__ for c in ours} >= {
+        "Admission", "TrainingWorkloads", "Evaluations", "RoleSupervisor", "ProducerFollower", "WorkloadRecords",
+        "LiveWorkloads", "ServiceWaits", "Reconciler", "Promoter",
+    }  # fmt: skip
+    assert not [(c.__name__, b.__name__) for c in ours for b in c.__mro__[1:] if b in ours], "a part inherits another"

@@ -16,29 +16,47 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant, TenantBackendConfig, simulator_config
 from joynexus.envs import available_simulators
-from joynexus.master.workloads.base import (
-    FINAL_WORKLOAD_STATES,
-    RUNNING,
-    WORKLOAD_COMPLETED,
-    WORKLOAD_FAILED,
-    WorkloadBase,
-)
+from joynexus.master.tenant_slots import ensure_slot
+from joynexus.master.workloads.live import FINAL_WORKLOAD_STATES, RUNNING, WORKLOAD_COMPLETED, WORKLOAD_FAILED
+from joynexus.master.workloads.records import WorkloadRecords
+from joynexus.master.workloads.restarts import ServiceWaits
 from joynexus.protocol.schemas import WorkloadInfo
 from joynexus.services.producers.evaluation_report import check_suite
 from joynexus.services.producers.evaluation_stats import SUCCESS_CI_HIGH_METRIC, SUCCESS_CI_LOW_METRIC
 from joynexus.spec import EnvironmentSpec
 
+if TYPE_CHECKING:
+    from joynexus.master.deployment import Deployment
+
 log = logging.getLogger(__name__)
 
 
-class Evaluations(WorkloadBase):
+class Evaluations:
+    """Evaluation workloads: rows and events through `records`, waits through restarting services
+    with `waits`; `check(tenant_id)` is admission's spend check, `publish_weights(tenant_id)` serves
+    a tenant's current trained state (one never served yet is evaluated so)."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        records: WorkloadRecords,
+        waits: ServiceWaits,
+        *,
+        check: Callable[[str], None],
+        publish_weights: Callable[[str], int],
+    ):
+        self.deployment = deployment
+        self._records, self._waits = records, waits
+        self._check, self._publish_weights = check, publish_weights
+
     def evaluate(
         self,
         tenant_id: str,
@@ -61,11 +79,10 @@ class Evaluations(WorkloadBase):
             raise ValueError(f"episodes: expected an int >= 1, got {episodes!r}")
         if version != "latest" and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version: expected a policy version (an int >= 0) or 'latest', got {version!r}")
-        if self.admission_check is not None:
-            self.admission_check(tenant_id)
+        self._check(tenant_id)
         if deployment.inference_service.latest_version(tenant_id) is None:
             # Never served yet (e.g. an SFT tenant): serve its current trained state, read-only.
-            deployment.training_service.add_tenant(tenant.backend_config)
+            ensure_slot(deployment.training_service, tenant)
             self._publish_weights(tenant_id)
         resolved = deployment.inference_service.latest_version(tenant_id) if version == "latest" else version
         if resolved is None:
@@ -79,12 +96,12 @@ class Evaluations(WorkloadBase):
                     version=resolved, started_at=utcnow(),
                 )
             )  # fmt: skip
-        self._emit(
+        self._records.emit(
             workload_id, "started", version=resolved, episodes=episodes, environment=environment, suite=suite,
             videos=videos,
         )  # fmt: skip
         self._start_evaluation(workload_id, tenant_id, resolved, episodes, configs, videos)
-        return self.get(workload_id)
+        return self._records.get(workload_id)
 
     def _suite_configs(
         self, tenant: Tenant, environment: dict[str, Any] | None, suite: Any, videos: Any
@@ -114,7 +131,7 @@ class Evaluations(WorkloadBase):
         videos: int = 0,
     ) -> None:
         """Open the evaluation's MLflow run and start its episodes on the tenant's producer replica;
-        the producer follower records the result (`_on_evaluation_report`)."""
+        the producer follower records the result (`on_report`)."""
         environment = configs[0].environment.model_dump(mode="json")
         run_id = self.deployment.tracker.start_workload_run(
             tenant_id, workload_id,
@@ -131,7 +148,7 @@ class Evaluations(WorkloadBase):
             configs=[c.model_dump(mode="json") for c in configs], videos=videos, run_id=run_id,
         )  # fmt: skip
 
-    def _on_evaluation_report(self, workload_id: str, report: dict[str, Any]) -> None:
+    def on_report(self, workload_id: str, report: dict[str, Any]) -> None:
         """An evaluation's replica finished it: record the result (or the failure) once."""
         tracker = self.deployment.tracker
         with self.deployment.store.transaction() as s:
@@ -153,11 +170,11 @@ class Evaluations(WorkloadBase):
             if run_id is not None:
                 tracker.log_metrics(run_id, metrics, step=resolved)
                 tracker.end_run(run_id, "FINISHED")
-            self._emit(workload_id, "evaluated", version=resolved, **metrics)  # a learning signal too
+            self._records.emit(workload_id, "evaluated", version=resolved, **metrics)  # a learning signal too
             with self.deployment.store.transaction() as s:
                 record = s.get(WorkloadRecord, workload_id)
                 record.state, record.finished_at, record.result = WORKLOAD_COMPLETED, utcnow(), summary
-            self._emit(workload_id, WORKLOAD_COMPLETED, result=summary)
+            self._records.emit(workload_id, WORKLOAD_COMPLETED, result=summary)
         else:
             reason = report["error"] or "the evaluation failed"
             log.warning("evaluation %s failed: %s", workload_id, reason)
@@ -166,12 +183,12 @@ class Evaluations(WorkloadBase):
             with self.deployment.store.transaction() as s:
                 record = s.get(WorkloadRecord, workload_id)
                 record.state, record.finished_at, record.error = WORKLOAD_FAILED, utcnow(), reason
-            self._emit(workload_id, WORKLOAD_FAILED, error=reason)
+            self._records.emit(workload_id, WORKLOAD_FAILED, error=reason)
         self.deployment.producers.stop_workload(workload_id)
 
-    def _rerun_evaluation(self, workload_id: str) -> None:
+    def rerun(self, workload_id: str) -> None:
         """Run an evaluation a dead Master left `running` again, from what its `started` event says."""
-        started = [e for e in self.events(workload_id) if e["kind"] == "started"]
+        started = [e for e in self._records.events(workload_id) if e["kind"] == "started"]
         if not started or "episodes" not in started[-1]:
             raise RuntimeError("its start was not recorded")
         with self.deployment.store.transaction() as s:
@@ -180,8 +197,8 @@ class Evaluations(WorkloadBase):
         tenant = self.deployment.creator.get(tenant_id)
         videos = int(started[-1].get("videos") or 0)
         configs = self._suite_configs(tenant, started[-1].get("environment"), started[-1].get("suite"), videos)
-        self._through_restarts(lambda: self._serve_version(tenant_id, resolved), tenant_id, "serving")
-        self._emit(workload_id, "resumed", version=resolved)
+        self._waits.through(lambda: self._serve_version(tenant_id, resolved), tenant_id, "serving")
+        self._records.emit(workload_id, "resumed", version=resolved)
         self._start_evaluation(workload_id, tenant_id, resolved, int(started[-1]["episodes"]), configs, videos)
 
     def _evaluation_config(self, tenant: Tenant, environment: dict[str, Any] | None) -> TenantBackendConfig:

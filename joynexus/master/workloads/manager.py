@@ -6,13 +6,19 @@ Training Queue partitions — while ONE shared actor loop consumes every tenant'
 the Training Scheduler, so tenants interleave on the single Training Model Service. On
 completion the workload checkpoints, exports and registers the tenant's policy in MLflow.
 
-`WorkloadManager` is the facade of four parts over one shared state (base.py) and one collaborator:
+`WorkloadManager` composes collaborators, each an object with its own state and a narrow
+interface (as the Training Model Service is composed):
 
-* roles.py: the supervisor of the Master's own threads (actor loop, producer follower, admission);
-* admission.py: submit checks, quotas and the durable admission queue;
-* training.py: the training-workload lifecycle (launch, producer reports, outcomes, finish, publish);
-* evaluation.py: evaluation workloads (their episodes run on a producer replica);
-* promotion.py: `Promoter`, the promotion rule every publish goes through, an object of its own.
+* live.py: `LiveWorkloads`, the workloads running now and those being finished (the one shared state);
+* records.py: `WorkloadRecords`, the workload rows and event streams in the store;
+* restarts.py: `ServiceWaits`, which errors mean a restarting service, and the bounded wait through one;
+* admission.py: `Admission`, submit checks, quotas and the durable admission queue;
+* training.py: `TrainingWorkloads`, the training-workload lifecycle (launch, outcomes, finish, publish);
+* evaluation.py: `Evaluations`, evaluation workloads (their episodes run on a producer replica);
+* promotion.py: `Promoter`, the promotion rule every publish goes through;
+* follower.py: `ProducerFollower`, what the producer replicas report, applied;
+* roles.py: `RoleSupervisor`, the Master's own threads (actor loop, producer follower, admission tick);
+* recovery.py: `Reconciler`, the store brought in line with a Master that (re)starts.
 
 The data work (producers, episodes, measurements, weight moves) runs on the producer replicas
 (`deployment.producers`, `services/producers/`).
@@ -25,40 +31,32 @@ running workload from its recorded progress (or ends it `failed` with the reason
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy import select
-
-from joynexus.core.store import WorkloadRecord
 from joynexus.master.errors import AdmissionRefused, UnknownWorkload
 from joynexus.master.workloads.admission import Admission
-from joynexus.master.workloads.base import (
-    CANCELLED,
-    FINAL_WORKLOAD_STATES,
-    RUNNING,
-    _RunningWorkload,
-)
 from joynexus.master.workloads.evaluation import Evaluations
+from joynexus.master.workloads.follower import ProducerFollower
+from joynexus.master.workloads.live import CANCELLED, FINAL_WORKLOAD_STATES, WORKLOAD_FAILED, LiveWorkloads
 from joynexus.master.workloads.promotion import Promoter
+from joynexus.master.workloads.records import WorkloadRecords
+from joynexus.master.workloads.recovery import Reconciler
+from joynexus.master.workloads.restarts import ServiceWaits
 from joynexus.master.workloads.roles import RoleSupervisor
 from joynexus.master.workloads.training import TrainingWorkloads
 from joynexus.protocol.schemas import WorkloadInfo
-from joynexus.scheduling.training_scheduler import TERMINAL_STATES
 
 if TYPE_CHECKING:
+    from joynexus.core.tenants import Tenant
     from joynexus.master.deployment import Deployment
 
-# Importers of the manager's errors and states find them here (they are defined in base.py).
+# Importers of the manager's errors and states find them here.
 __all__ = ["FINAL_WORKLOAD_STATES", "AdmissionRefused", "UnknownWorkload", "WorkloadManager"]
 
-log = logging.getLogger(__name__)
 
-
-class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations):
+class WorkloadManager:
     def __init__(
         self,
         deployment: Deployment,
@@ -72,128 +70,129 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations)
         on_event: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.deployment = deployment
-        self.owner = owner
-        self.max_running = max_running
-        self.max_failures = max_failures_per_workload
-        self.admission_check = admission_check
-        self.max_queued = max_queued
-        self.max_job_attempts = max_job_attempts
-        self.on_event = on_event
-        self.on_unavailable = None
-        self.admission_paused = None
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._running: dict[str, _RunningWorkload] = {}
-        self._finishing: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._roles = {}
-        self._admission = threading.RLock()
-        self._producer_restarts = 0
-        self._producer_waits: dict[str, int] = {}
-        deployment.producers.on_move = self._on_producer_moved
-        # A collaborator, not a mixin: the promotion rule has its own object and narrow interface.
-        self.promoter = Promoter(deployment, emit=self._emit, through_restarts=self._through_restarts)
+        self.live = LiveWorkloads()
+        self.records = WorkloadRecords(deployment.store, self.live, on_event)
+        self.waits = ServiceWaits(deployment.creator)
+        self.promoter = Promoter(deployment, emit=self.records.emit, through_restarts=self.waits.through)
+        parts = (deployment, self.records, self.live, self.waits)
+        self.training = TrainingWorkloads(
+            *parts, self.promoter, admit=lambda: self.admission.admit(), max_failures=max_failures_per_workload
+        )
+        self.admission = Admission(
+            *parts, launch=self.training.launch, fail=lambda w, why: self.training.finish(w, WORKLOAD_FAILED, why),
+            max_running=max_running, check=admission_check, max_queued=max_queued,
+        )  # fmt: skip
+        self.evaluations = Evaluations(
+            deployment, self.records, self.waits, check=self.admission.check,
+            publish_weights=self.training.publish_weights,
+        )  # fmt: skip
+        self.follower = ProducerFollower(
+            *parts, training=self.training, evaluations=self.evaluations,
+            recover_orphans=lambda: self.roles.recover_orphans(),
+        )  # fmt: skip
+        self.roles = RoleSupervisor(
+            deployment, self.waits, training=self.training, follow=self.follower.step, admit=self.admission.admit,
+            producer_restarts=lambda: self.follower.restarts, owner=owner, max_job_attempts=max_job_attempts,
+        )  # fmt: skip
+        self.reconciler = Reconciler(
+            deployment, self.records, training=self.training, evaluations=self.evaluations,
+            actor_owner=self.roles.actor_owner, max_job_attempts=max_job_attempts,
+        )  # fmt: skip
+        deployment.producers.on_move = self.training.on_producer_moved
+
+    # -- what the Master Service sets once its Health Manager runs ---------------------------------
+    @property
+    def on_unavailable(self) -> Callable[[str], None] | None:
+        """Called when a role finds a service down or restarting (the Health Manager checks at once)."""
+        return self.waits.on_unavailable
+
+    @on_unavailable.setter
+    def on_unavailable(self, listener: Callable[[str], None] | None) -> None:
+        self.waits.on_unavailable = listener
+
+    @property
+    def admission_paused(self) -> Callable[[], bool] | None:
+        """True while admission is paused (a hung role escalated by the Health Manager); queued work waits."""
+        return self.admission.paused
+
+    @admission_paused.setter
+    def admission_paused(self, paused: Callable[[], bool] | None) -> None:
+        self.admission.paused = paused
 
     # -- lifecycle ----------------------------------------------------------------------------------
+    @property
+    def actor_owner(self) -> str:
+        return self.roles.actor_owner
+
+    def start(self) -> Self:
+        """Start the Master's own roles (actor loop, producer follower, admission tick)."""
+        self.roles.start()
+        return self
+
     def stop(self, *, cancel_running: bool = True) -> None:
-        """Stop the Master's roles (actor loop, producer follower, admission). `cancel_running=False`
-        leaves running workloads `running` in the store and their producers running on their
-        replicas (a Master shutting down for a restart follows them again)."""
-        with self._lock:
-            running = list(self._running.values())
-        for workload in running:
+        """Stop the Master's roles. `cancel_running=False` leaves running workloads `running` in the
+        store and their producers running on their replicas (a Master restarting follows them again)."""
+        for workload in self.live.all():
             if cancel_running:
                 self.cancel(workload.workload_id)
             else:
                 workload.stop.set()
-        self._stop.set()
-        self._stop_roles()
+        self.live.close()
+        self.roles.stop()
 
     def reconcile(self, *, has_partition: Callable[[str], bool] | None = None) -> dict[str, Any]:
-        """Bring the store in line with a Master that (re)starts now (paper 4.4: restart from
-        recorded progress). Call before `start()`. Leases held by another owner (a dead Master's
-        actor loop or advantage stage) are re-queued or failed with bounded retries; jobs of
-        workloads that ended are released; jobs a dead producer was still writing are failed; each
-        running training workload resumes from its recorded progress, or ends `failed` with the
-        reason; an evaluation interrupted midway ends `failed` (it is cheap to submit again)."""
-        has_partition = has_partition or self.deployment.queue.has_partition
-        report: dict[str, Any] = {"requeued": [], "released": [], "resumed": [], "failed": []}
-        producers = self.deployment.producers
-        producers.sync()  # what the replicas run now: their producers and advantage leases live on
-        recovered = self.deployment.scheduler.recover_orphans(
-            {self.actor_owner} | producers.live_owners(), has_partition=has_partition,
-            max_attempts=self.max_job_attempts,
-        )  # fmt: skip
-        report["requeued"] = [j.job_id for j in recovered if j.state not in TERMINAL_STATES]
-        report["released"] = [j.job_id for j in recovered if j.state in TERMINAL_STATES]
-        with self.deployment.store.transaction() as s:
-            states = {r.workload_id: (r.state, r.task) for r in s.scalars(select(WorkloadRecord))}
-        report["released"] += self._release_orphaned_jobs(states, has_partition)
-        for workload_id, (state, task) in states.items():
-            if state == RUNNING:
-                resumed = self._resume_after_restart(workload_id, task)
-                report["resumed" if resumed else "failed"].append(workload_id)
-        return report
+        """Bring the store in line with a Master that (re)starts now; call before `start()` (recovery.py)."""
+        return self.reconciler.reconcile(has_partition)
 
-    def _release_orphaned_jobs(
-        self, states: dict[str, tuple[str, str]], has_partition: Callable[[str], bool]
-    ) -> list[str]:
-        """Release the live jobs no running workload will finish; returns their ids."""
-        released = []
-        producing = self.deployment.producers.running_workloads()  # their reserved jobs are being written
-        for job in self.deployment.scheduler.jobs():
-            if job.state in TERMINAL_STATES:
-                continue
-            workload_id = job.metadata.get("workload_id")
-            state, _task = states.get(workload_id, (None, None))
-            reason = None
-            if state != RUNNING:
-                reason = f"workload {workload_id} is {state or 'unknown'}"
-            elif job.state == "reserved":  # its producer writes it, unless no replica runs that producer
-                reason = None if workload_id in producing else "its producer stopped before the data was written"
-            elif not has_partition(job.partition_id):
-                reason = "its partition was lost with the Training Queue"
-            if reason is not None:
-                self.deployment.scheduler.abandon(job.job_id, f"reconciled after a restart: {reason}")
-                released.append(job.job_id)
-        return released
+    def check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
+        return self.roles.check_roles(stale_after_s)
 
-    def _resume_after_restart(self, workload_id: str, task: str) -> bool:
-        """Resume a workload the previous Master left running; False when it ended `failed` instead."""
-        if task == "eval":
-            try:  # an evaluation is cheap and its episodes are seeded by index: run it again whole
-                self._rerun_evaluation(workload_id)
-                return True
-            except Exception as error:
-                self._fail_record(
-                    workload_id, f"interrupted by a restart of the Master Service and cannot run again: {error}"
-                )
-                return False
-        try:
-            self._resume(workload_id)
-            return True
-        except Exception as error:
-            log.exception("workload %s cannot resume", workload_id)
-            self._fail_record(workload_id, f"cannot resume after a restart: {type(error).__name__}: {error}")
-            return False
+    def live_owners(self) -> set[str]:
+        return self.roles.live_owners()
 
-    # -- queries ------------------------------------------------------------------------------------
-    def running_count(self) -> int:
-        with self._lock:
-            return len(self._running)
+    # -- workloads ----------------------------------------------------------------------------------
+    def submit(self, tenant_id: str, *, jobs: int | None = None, dataset: dict | None = None) -> WorkloadInfo:
+        return self.admission.submit(tenant_id, jobs=jobs, dataset=dataset)
 
-    def count(self, tenant_id: str, state: str) -> int:
-        return self._count(tenant_id, state)
+    def admit(self) -> None:
+        self.admission.admit()
 
-    def publish_weights(self, tenant_id: str) -> int:
-        return self._publish_weights(tenant_id)
+    def evaluate(
+        self,
+        tenant_id: str,
+        *,
+        version: int | str = "latest",
+        episodes: int = 4,
+        environment: dict[str, Any] | None = None,
+        suite: list[dict[str, Any]] | None = None,
+        videos: int = 0,
+    ) -> WorkloadInfo:
+        """Start an evaluation workload at ONE policy version (`Evaluations.evaluate`)."""
+        return self.evaluations.evaluate(
+            tenant_id, version=version, episodes=episodes, environment=environment, suite=suite, videos=videos
+        )
 
     def cancel(self, workload_id: str, tenant_id: str | None = None) -> WorkloadInfo:
         status = self.get(workload_id, tenant_id)
         if status.state in FINAL_WORKLOAD_STATES:
             return status
-        self._finish(workload_id, CANCELLED, error="cancelled by request")
+        self.training.finish(workload_id, CANCELLED, error="cancelled by request")
         return self.get(workload_id)
+
+    def get(self, workload_id: str, tenant_id: str | None = None) -> WorkloadInfo:
+        return self.records.get(workload_id, tenant_id)
+
+    def list(self, tenant_id: str | None = None) -> list[WorkloadInfo]:
+        return self.records.list(tenant_id)
+
+    def events(self, workload_id: str, after: int = 0, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        return self.records.events(workload_id, after, tenant_id)
+
+    def count(self, tenant_id: str, state: str) -> int:
+        return self.records.count(tenant_id, state)
+
+    def running_count(self) -> int:
+        return self.live.count()
 
     def wait(self, workload_id: str, timeout_s: float = 3600.0) -> WorkloadInfo:
         deadline = time.monotonic() + timeout_s
@@ -201,22 +200,24 @@ class WorkloadManager(RoleSupervisor, Admission, TrainingWorkloads, Evaluations)
             status = self.get(workload_id)
             if status.state in FINAL_WORKLOAD_STATES or time.monotonic() >= deadline:
                 return status
-            with self._changed:
-                self._changed.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            self.records.wait_for_change(min(0.5, max(0.0, deadline - time.monotonic())))
 
     def wait_all(self, workload_ids: list[str], timeout_s: float = 3600.0) -> list[WorkloadInfo]:
         deadline = time.monotonic() + timeout_s
         return [self.wait(w, max(0.0, deadline - time.monotonic())) for w in workload_ids]
 
+    def losses(self, workload_id: str) -> list[float]:
+        running = self.live.get(workload_id)
+        if running is not None:
+            return running.loss_history()
+        return [e["loss"] for e in self.events(workload_id) if e["kind"] == "step"]
+
+    # -- weights and promotion ----------------------------------------------------------------------
+    def publish_weights(self, tenant_id: str) -> int:
+        return self.training.publish_weights(tenant_id)
+
     def promote(self, tenant_id: str, registry_version: int | None = None, *, measure: bool = True) -> dict[str, Any]:
         return self.promoter.promote(tenant_id, registry_version, measure=measure)
 
-    def measure_version(self, tenant: Any, registry_version: int, policy_version: int) -> dict[str, float]:
+    def measure_version(self, tenant: Tenant, registry_version: int, policy_version: int) -> dict[str, float]:
         return self.promoter.measure_version(tenant, registry_version, policy_version)
-
-    def losses(self, workload_id: str) -> list[float]:
-        with self._lock:
-            running = self._running.get(workload_id)
-            if running is not None:
-                return list(running.losses)
-        return [e["loss"] for e in self.events(workload_id) if e["kind"] == "step"]

@@ -1,7 +1,7 @@
-"""The supervisor of the Master's own roles: the shared actor loop, the producer follower (it
-follows the producer replicas' work, moves the work of a replica that died, and records what they
-report) and the admission tick, each a thread that beats on every iteration and is restarted in
-place when it dies or stops beating (`check_roles`, called by the Health Manager)."""
+"""The supervisor of the Master's own roles: the shared actor loop, the producer follower
+(follower.py: it follows the producer replicas' work, moves the work of a replica that died, and
+records what they report) and the admission tick, each a thread that beats on every iteration and
+is restarted in place when it dies or stops beating (`check_roles`, called by the Health Manager)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from joynexus.actors import handle_of
 from joynexus.master.loops.actor_loop import ActorLoop
 from joynexus.master.loops.shard_loops import ShardLoops, is_shard_set
-from joynexus.master.workloads.base import FINAL_WORKLOAD_STATES, WorkloadBase
+from joynexus.master.workloads.restarts import ServiceWaits
+from joynexus.master.workloads.training import TrainingWorkloads
+
+if TYPE_CHECKING:
+    from joynexus.master.deployment import Deployment
 
 log = logging.getLogger(__name__)
 
@@ -38,22 +42,49 @@ class _Role:
     error: str | None = None
 
 
-class RoleSupervisor(WorkloadBase):
-    _roles: dict[str, _Role]  # the Master's own roles, restartable in place
+class RoleSupervisor:
+    """Runs the roles: the actor loop trains for `training` (its outcomes, its weight syncs), the
+    follower role calls `follow()` (ProducerFollower.step), the admission tick `admit()`.
+    `owner` prefixes the roles' lease owners; `producer_restarts()` is reported with the roles."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        waits: ServiceWaits,
+        *,
+        training: TrainingWorkloads,
+        follow: Callable[[], None],
+        admit: Callable[[], None],
+        producer_restarts: Callable[[], int],
+        owner: str = "master",
+        max_job_attempts: int = 3,
+    ):
+        self.deployment = deployment
+        self._waits, self._training = waits, training
+        self._follow, self._admit, self._producer_restarts = follow, admit, producer_restarts
+        self.owner = owner
+        self.max_job_attempts = max_job_attempts
+        self._lock = threading.RLock()
+        self._roles: dict[str, _Role] = {}  # restartable in place
+        self._stop = threading.Event()
 
     @property
     def actor_owner(self) -> str:
         return f"{self.owner}/actor"
 
-    def start(self) -> Self:
-        """Start the Master's own roles (actor loop, producer follower, admission), each a thread that
-        beats on every iteration; `check_roles` restarts one that died or stopped beating."""
+    def role(self, name: str) -> _Role:
+        """The current generation of role `name` (ROLE_NAMES)."""
+        with self._lock:
+            return self._roles[name]
+
+    def start(self) -> None:
+        """Start the roles that do not run, each a thread that beats on every iteration;
+        `check_roles` restarts one that died or stopped beating."""
         for name in ROLE_NAMES:
             with self._lock:
                 running = name in self._roles and self._roles[name].thread.is_alive()
             if not running:
                 self._start_role(name)
-        return self
 
     def _start_role(self, name: str, *, reason: str | None = None) -> None:
         with self._lock:
@@ -72,9 +103,9 @@ class RoleSupervisor(WorkloadBase):
         deployment = self.deployment
         if role.name == "actor_loop":
             loop_options = dict(
-                owner=role.owner, on_outcome=self._on_outcome, on_unavailable=self.on_unavailable,
-                max_attempts=self.max_job_attempts, service_restarting=self._service_restarting, retired=role.stop,
-                group_max=deployment.settings.training_group_max, on_trained=self._on_trained,
+                owner=role.owner, on_outcome=self._training.on_outcome, on_unavailable=self._waits.unavailable,
+                max_attempts=self.max_job_attempts, service_restarting=self._waits.restarting, retired=role.stop,
+                group_max=deployment.settings.training_group_max, on_trained=self._training.on_trained,
             )  # fmt: skip
             training = handle_of(deployment.training_service).target
             if is_shard_set(training):  # a loop per Training Model Service shard, stepped side by side
@@ -85,7 +116,7 @@ class RoleSupervisor(WorkloadBase):
         if role.name == "producer_follower":
 
             def follow_step() -> None:
-                self._follow_producers()
+                self._follow()
                 role.stop.wait(FOLLOW_INTERVAL_S)
 
             return follow_step
@@ -122,44 +153,12 @@ class RoleSupervisor(WorkloadBase):
             owners = {role.owner for role in self._roles.values()}
         return owners | self.deployment.producers.live_owners()
 
-    def _follow_producers(self) -> None:
-        """One round of following the producer replicas: moved work, reports, lost leases."""
-        producers = self.deployment.producers
-        reports = producers.poll()
-        if producers.take_lost_owners():  # a replica went: its advantage leases go back to the queue
-            self.deployment.scheduler.recover_orphans(
-                self.live_owners(), has_partition=self.deployment.queue.has_partition,
-                max_attempts=self.max_job_attempts,
-            )  # fmt: skip
-        for workload_id, report in reports.items():
-            try:
-                self._apply_report(workload_id, report)
-            except Exception:  # one workload's record must not stop following the others
-                log.exception("applying the producer report of workload %s failed", workload_id)
-
-    def _apply_report(self, workload_id: str, report: dict[str, Any]) -> None:
-        if report.get("moved_to") is not None:
-            self._emit(workload_id, "producer_moved", replica=report["moved_to"])
-        for kind, data in report["events"]:
-            self._emit(workload_id, kind, **data)
-        if report["waits"]:
-            with self._lock:
-                seen = self._producer_waits.get(workload_id, 0)
-                self._producer_waits[workload_id] = report["waits"]
-                self._producer_restarts += max(0, report["waits"] - seen)
-            if report["waits"] > seen and self.on_unavailable is not None:
-                self.on_unavailable("producer: a service it writes to is restarting")
-        if report["kind"] == "eval":
-            if report["state"] != "running":
-                self._on_evaluation_report(workload_id, report)
-            return
-        with self._lock:
-            running = self._running.get(workload_id)
-            finishing = workload_id in self._finishing
-        if running is not None:
-            self._on_producer_report(running, report)
-        elif not finishing and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
-            self.deployment.producers.stop_workload(workload_id)  # ended under a previous Master
+    def recover_orphans(self) -> None:
+        """Re-queue (or fail, bounded) the leases no live owner holds: a hung role replaced, a replica gone."""
+        self.deployment.scheduler.recover_orphans(
+            self.live_owners(), has_partition=self.deployment.queue.has_partition,
+            max_attempts=self.max_job_attempts,
+        )  # fmt: skip
 
     def check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
         """Restart in place each role that died, or stopped beating for `stale_after_s` (a hung
@@ -182,10 +181,7 @@ class RoleSupervisor(WorkloadBase):
                 self._roles[name].stop.set()
             self._start_role(name, reason=reason)
         if any("heartbeat" in reason for _, reason in restart):
-            self.deployment.scheduler.recover_orphans(
-                self.live_owners(), has_partition=self.deployment.queue.has_partition,
-                max_attempts=self.max_job_attempts,
-            )  # fmt: skip
+            self.recover_orphans()
         report: dict[str, dict[str, Any]] = {}
         with self._lock:
             for name, role in self._roles.items():
@@ -198,10 +194,12 @@ class RoleSupervisor(WorkloadBase):
         # The producer replicas: healthy while one answers (a dead one's work moves to the others).
         # A producer that returned with its target covered, or one still launching, is not down.
         producers = self.deployment.producers.health()
-        report["producers"] = {**producers, "restarts": producers["restarts"] + self._producer_restarts}
+        report["producers"] = {**producers, "restarts": producers["restarts"] + self._producer_restarts()}
         return report
 
-    def _stop_roles(self) -> None:
+    def stop(self) -> None:
+        """Stop every role (a hung one is given 60 s to notice)."""
+        self._stop.set()
         with self._lock:
             roles = list(self._roles.values())
         for role in roles:

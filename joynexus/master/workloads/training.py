@@ -4,7 +4,7 @@ the actor loop's outcomes and the producer's reports, then finish: checkpoint, e
 register the tenant's policy as trained (on the producer replica), and promote it (promotion.py:
 `candidate` always, `champion` by the tenant's declared metric).
 
-The shared actor loop (roles.py) trains every tenant's ready jobs; `_on_outcome` counts them
+The shared actor loop (roles.py) trains every tenant's ready jobs; `on_outcome` counts them
 towards their workload. A restarted Master resumes a running workload from its recorded progress.
 """
 
@@ -12,28 +12,56 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from joynexus.core.store import WorkloadRecord, utcnow
 from joynexus.core.tenants import Tenant
 from joynexus.master.loops.actor_loop import POLICY_STALE, ActorOutcome
-from joynexus.master.workloads.base import (
+from joynexus.master.tenant_slots import ensure_slot
+from joynexus.master.workloads.live import (
     FINAL_WORKLOAD_STATES,
     RUNNING,
     WORKLOAD_COMPLETED,
     WORKLOAD_FAILED,
-    WorkloadBase,
-    _RunningWorkload,
+    LiveWorkloads,
+    RunningWorkload,
 )
+from joynexus.master.workloads.promotion import Promoter
+from joynexus.master.workloads.records import WorkloadRecords
+from joynexus.master.workloads.restarts import ServiceWaits
 from joynexus.scheduling.training_scheduler import COMPLETED, DROPPED, TERMINAL_STATES, TrainingJob
 from joynexus.spec import DatasetSpec
+
+if TYPE_CHECKING:
+    from joynexus.master.deployment import Deployment
 
 log = logging.getLogger(__name__)
 
 
-class TrainingWorkloads(WorkloadBase):
+class TrainingWorkloads:
+    """Training workloads from launch to publish. It runs the workloads in `live`, writes their rows
+    and events through `records`, waits through restarting services with `waits`, promotes what it
+    publishes with `promoter`, and calls `admit()` after each finish (the tenant's next one may start)."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        records: WorkloadRecords,
+        live: LiveWorkloads,
+        waits: ServiceWaits,
+        promoter: Promoter,
+        *,
+        admit: Callable[[], None],
+        max_failures: int = 3,
+    ):
+        self.deployment = deployment
+        self._records, self._live, self._waits, self.promoter = records, live, waits, promoter
+        self._admit = admit
+        self.max_failures = max_failures
+
     # -- launch -------------------------------------------------------------------------------------
-    def _resume(self, workload_id: str) -> None:
+    def resume(self, workload_id: str) -> None:
         """Continue a workload a previous Master left `running`, from its recorded progress."""
         with self.deployment.store.transaction() as s:
             record = s.get(WorkloadRecord, workload_id)
@@ -52,37 +80,30 @@ class TrainingWorkloads(WorkloadBase):
         tenant = self.deployment.creator.get(tenant_id)
         if getattr(tenant, "status", "active") != "active":
             raise RuntimeError(f"tenant {tenant_id!r} is {tenant.status}: {getattr(tenant, 'status_reason', '')}")
-        running = _RunningWorkload(workload_id, tenant, target, resumed=True)
+        running = RunningWorkload(workload_id, tenant, target, resumed=True)
         running.completed_jobs, running.version, running.optimizer_steps = completed, version, steps
         running.run_id = run_id
-        with self._lock:
-            self._running[workload_id] = running
+        self._live.add(running)
         if completed >= target:
-            self._finish(workload_id, WORKLOAD_COMPLETED)
+            self.finish(workload_id, WORKLOAD_COMPLETED)
             return
         try:
-            self._launch(running)
+            self.launch(running)
         except Exception:
-            with self._lock:
-                self._running.pop(workload_id, None)
+            self._live.discard(workload_id)
             raise
 
-    def _launch(self, running: _RunningWorkload) -> None:
+    def launch(self, running: RunningWorkload) -> None:
+        """Start an admitted (or resumed) workload: its slot's version, its policy's target, its
+        MLflow run, its row `running`, and its producer on a producer replica."""
         deployment, tenant = self.deployment, running.tenant
-        slot = deployment.training_service.add_tenant(tenant.backend_config)
-        running.version = slot["version"]
+        running.version = ensure_slot(deployment.training_service, tenant)  # registered at its creation
         done = deployment.scheduler.counts(tenant.tenant_id).get(COMPLETED, 0)
-        sched = tenant.spec.scheduling
         # The policy's completion target covers exactly this workload's remaining jobs on top of
         # every completed one (a resumed workload has some of its own among them already); the
         # policy registered at tenant creation has the spec's target, not this workload's.
-        deployment.scheduler.register_policy(
-            tenant.tenant_id,
-            tenant.spec.task.value,
-            priority=sched.priority,
-            max_in_flight=sched.max_in_flight_jobs,
-            completion_target=done + running.target_jobs - running.completed_jobs,
-            max_policy_staleness=sched.max_policy_staleness,
+        deployment.scheduler.set_completion_target(
+            tenant.tenant_id, tenant.spec.task.value, done + running.target_jobs - running.completed_jobs
         )
         running.dataset = self._training_dataset(running)
         if running.run_id is None:
@@ -96,7 +117,7 @@ class TrainingWorkloads(WorkloadBase):
             record = s.get(WorkloadRecord, running.workload_id)
             record.state, record.run_id = RUNNING, running.run_id
             record.started_at = record.started_at or utcnow()
-        self._emit(running.workload_id, "resumed" if running.resumed else "started", version=running.version)
+        self._records.emit(running.workload_id, "resumed" if running.resumed else "started", version=running.version)
         # The producer runs on a producer replica (issue 40); one already running there (this Master
         # restarted) keeps running: the replica's start is idempotent and the front sticky.
         dataset = running.dataset.model_dump(mode="json") if running.dataset is not None else None
@@ -105,7 +126,7 @@ class TrainingWorkloads(WorkloadBase):
             max_failures=self.max_failures,
         )  # fmt: skip
 
-    def _training_dataset(self, running: _RunningWorkload) -> DatasetSpec | None:
+    def _training_dataset(self, running: RunningWorkload) -> DatasetSpec | None:
         """What an SFT workload trains on: the dataset it named when submitted, else its tenant's."""
         if running.tenant.spec.task.value != "sft":
             return None
@@ -113,18 +134,18 @@ class TrainingWorkloads(WorkloadBase):
             named = s.get(WorkloadRecord, running.workload_id).dataset
         return DatasetSpec.model_validate(named) if named else running.tenant.spec.dataset
 
-    def _on_producer_report(self, running: _RunningWorkload, report: dict[str, Any]) -> None:
-        """What the workload's producer replica says (the producer-follower role, roles.py)."""
+    def on_producer_report(self, running: RunningWorkload, report: dict[str, Any]) -> None:
+        """What the workload's producer replica says (the producer follower, follower.py)."""
         if report["state"] == "produced":
             running.produced = True  # done producing: the last jobs train, then the workload ends
         elif report["state"] == "failed":
             # In a thread of its own: finishing publishes, and the follower keeps following the others.
             threading.Thread(
-                target=self._finish, args=(running.workload_id, WORKLOAD_FAILED, report["error"]),
+                target=self.finish, args=(running.workload_id, WORKLOAD_FAILED, report["error"]),
                 name=f"finish-{running.workload_id}", daemon=True,
             ).start()  # fmt: skip
 
-    def _on_producer_moved(self, workload_id: str, tenant_id: str, lost_owners: set[str]) -> None:
+    def on_producer_moved(self, workload_id: str, tenant_id: str, lost_owners: set[str]) -> None:
         """Before a workload whose producer replica was lost starts on another: the job the lost
         producer was writing is released (never marked ready, so no version comes of it), and the
         tenant's environment sessions, all opened on that replica (sticky), are closed."""
@@ -138,18 +159,21 @@ class TrainingWorkloads(WorkloadBase):
             log.warning("closing tenant %s's sessions after a lost replica: %s", tenant_id, error)
 
     # -- outcomes -----------------------------------------------------------------------------------
-    def _on_trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
+    def publish_weights(self, tenant_id: str) -> int:
+        """Training -> inference weight sync (paper A.1): the only cross-queue dependency. It runs
+        on the tenant's producer replica: the payload goes from service to service, not through here."""
+        return self.deployment.producers.publish_weights(tenant_id)
+
+    def on_trained(self, job: TrainingJob, metrics: dict[str, Any]) -> None:
         """Before the actor completes a trained RL job of a running workload: publish the update, so
         the rollout its freed in-flight slot starts acts with it (paper A.1's weight sync)."""
-        with self._lock:
-            running = self._running.get(job.metadata.get("workload_id"))
+        running = self._live.get(job.metadata.get("workload_id"))
         if running is not None and job.task_type == "rl":
-            self._publish_weights(job.tenant_id)
+            self.publish_weights(job.tenant_id)
 
-    def _on_outcome(self, outcome: ActorOutcome) -> None:
+    def on_outcome(self, outcome: ActorOutcome) -> None:
         workload_id = outcome.job.metadata.get("workload_id")
-        with self._lock:
-            running = self._running.get(workload_id)
+        running = self._live.get(workload_id)
         if running is None:
             return  # a job of a cancelled or finished workload
         finish: tuple[str, str | None] | None = None
@@ -159,7 +183,7 @@ class TrainingWorkloads(WorkloadBase):
         # delay a publication past the bound now and then; only a workload whose jobs keep going
         # stale (more than two drops per job it is to train) fails, naming the settings that cause it.
         stale = outcome.state == DROPPED and outcome.reason == POLICY_STALE
-        with self._lock:
+        with running.lock:
             if trained:
                 first = running.optimizer_steps
                 losses = outcome.metrics["losses"]
@@ -182,18 +206,18 @@ class TrainingWorkloads(WorkloadBase):
             self._record_trained_job(running, outcome, first, losses)
         else:
             kind = "job_dropped" if stale else "job_failed"
-            self._emit(workload_id, kind, job_id=outcome.job.job_id, reason=outcome.reason)
+            self._records.emit(workload_id, kind, job_id=outcome.job.job_id, reason=outcome.reason)
         self._persist_progress(running)
         if finish is not None:
-            self._finish(workload_id, *finish)
+            self.finish(workload_id, *finish)
 
     def _record_trained_job(
-        self, running: _RunningWorkload, outcome: ActorOutcome, first_step: int, losses: list[float]
+        self, running: RunningWorkload, outcome: ActorOutcome, first_step: int, losses: list[float]
     ) -> None:
         """Step events, one MLflow batch and (RL) the weight sync after a job trained."""
         workload_id = running.workload_id
         steps = [(first_step + i + 1, loss) for i, loss in enumerate(losses)]
-        self._emit_many(workload_id, [("step", {"step": step, "loss": loss}) for step, loss in steps])
+        self._records.emit_many(workload_id, [("step", {"step": step, "loss": loss}) for step, loss in steps])
         # One MLflow batch per job (each batch is a store transaction on the actor loop's time).
         points = [("train/loss", loss, step) for step, loss in steps]
         points += [
@@ -207,14 +231,14 @@ class TrainingWorkloads(WorkloadBase):
                 rl_metrics.update({f"rollout/{k}": v for k, v in rollout.items() if k != "episodes"})
             rl_metrics["rollout/env_steps"] = rollout.get("env_steps", 0)  # steps of its rollouts so far, every job
             points += [(key, value, running.optimizer_steps) for key, value in rl_metrics.items()]
-            self._emit(workload_id, "rl_update", version=running.version, **rl_metrics)
+            self._records.emit(workload_id, "rl_update", version=running.version, **rl_metrics)
         self.deployment.tracker.log_metric_points(running.run_id, points)
-        self._emit(
+        self._records.emit(
             workload_id, "job_completed", job_id=outcome.job.job_id, version=running.version,
             completed_jobs=running.completed_jobs, target_jobs=running.target_jobs,
         )  # fmt: skip
 
-    def _persist_progress(self, running: _RunningWorkload) -> None:
+    def _persist_progress(self, running: RunningWorkload) -> None:
         with self.deployment.store.transaction() as s:
             record = s.get(WorkloadRecord, running.workload_id)
             record.completed_jobs = running.completed_jobs
@@ -223,23 +247,22 @@ class TrainingWorkloads(WorkloadBase):
             record.last_loss = running.losses[-1] if running.losses else None
 
     # -- finish -------------------------------------------------------------------------------------
-    def _finish(self, workload_id: str, state: str, error: str | None = None) -> None:
-        with self._lock:
-            if workload_id in self._finishing:
-                return  # another path (a cancel, the last job, a failing producer) is finishing it
-            running = self._running.pop(workload_id, None)
-            self._finishing[workload_id] = running.tenant.tenant_id if running is not None else ""
+    def finish(self, workload_id: str, state: str, error: str | None = None) -> None:
+        """End the workload in `state` (once: a cancel, the last job and a failing producer may race),
+        publishing what it trained; then admit the next queued work."""
+        first, running = self._live.begin_finish(workload_id)
+        if not first:
+            return  # another path is finishing it
         try:
             self._finish_unguarded(workload_id, running, state, error)
         finally:
-            with self._lock:
-                self._finishing.pop(workload_id, None)
+            self._live.end_finish(workload_id)
         self._admit()
 
     def _finish_unguarded(
-        self, workload_id: str, running: _RunningWorkload | None, state: str, error: str | None
+        self, workload_id: str, running: RunningWorkload | None, state: str, error: str | None
     ) -> None:
-        if running is None and self.get(workload_id).state in FINAL_WORKLOAD_STATES:
+        if running is None and self._records.get(workload_id).state in FINAL_WORKLOAD_STATES:
             return  # finished already
         registered = promotion = None
         if running is not None:
@@ -265,9 +288,9 @@ class TrainingWorkloads(WorkloadBase):
                 record.registered_version = registered
                 if promotion is not None:
                     record.result = {"promotion": promotion}
-        self._emit(workload_id, state, error=error, registered_version=registered)
+        self._records.emit(workload_id, state, error=error, registered_version=registered)
 
-    def _release_pending_jobs(self, running: _RunningWorkload, reason: str) -> None:
+    def _release_pending_jobs(self, running: RunningWorkload, reason: str) -> None:
         """Fail the workload's jobs that the actor has not leased yet (clearing their partitions)."""
         scheduler = self.deployment.scheduler
         for job in scheduler.jobs(tenant_id=running.tenant.tenant_id):
@@ -278,11 +301,11 @@ class TrainingWorkloads(WorkloadBase):
             except Exception:  # it finished concurrently
                 pass
 
-    def _publish(self, running: _RunningWorkload) -> int:
+    def _publish(self, running: RunningWorkload) -> int:
         """Checkpoint, export, serve and register the tenant's policy as trained by this workload
         (on the tenant's producer replica: the payload never enters the Master)."""
         tenant_id = running.tenant.tenant_id
-        return self._through_restarts(
+        return self._waits.through(
             lambda: self.deployment.producers.publish_trained(tenant_id, running.run_id), tenant_id, "publishing"
         )
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
-from joynexus.actors import HEALTH_GROUP, ServiceHandle
+from joynexus.actors import handle_of
 
 REMEMBERED_EARLY_CANCELS = 4096  # keys cancelled before their request arrived, newest kept
 CANCEL_TIMEOUT_S = 10.0
@@ -84,10 +84,5 @@ def cancel_request(
 ) -> bool:
     """`service.cancel(tenant_id, request_key)`: on a Ray actor in its `health` group (see above);
     `wait` False sends it without waiting for the answer (then the result is True)."""
-    if isinstance(service, ServiceHandle) and service.is_remote:
-        import ray
-
-        ref = service.target.cancel.options(concurrency_group=HEALTH_GROUP).remote(tenant_id, request_key)
-        return bool(ray.get(ref, timeout=timeout_s)) if wait else True
-    target = service.target if isinstance(service, ServiceHandle) else service
-    return bool(target.cancel(tenant_id, request_key))
+    cancelled = handle_of(service).probe("cancel", timeout_s, tenant_id, request_key, wait=wait)
+    return True if cancelled is None else bool(cancelled)

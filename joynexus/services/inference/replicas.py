@@ -237,12 +237,10 @@ class InferenceReplicaSet(PredictBySubmit):
         tried.add(replica.name)
         replica_key = uuid.uuid4().hex  # this attempt's key on the replica, to cancel it there
         try:
-            if replica.handle.is_remote:
-                inner = replica.handle.start(
-                    InferenceModelService.predict, tenant_id, observations, **request, request_key=replica_key
-                )
-            else:  # the local service's own queue hands out the future
-                inner = replica.handle.target.submit(tenant_id, observations, **request, request_key=replica_key)
+            inner = replica.handle.start(  # locally, the service's own queue hands out the future
+                InferenceModelService.predict, tenant_id, observations, locally=InferenceModelService.submit,
+                **request, request_key=replica_key,
+            )  # fmt: skip
         except BaseException as error:
             inner = Future()
             inner.set_exception(error)
@@ -617,5 +615,3 @@ def _merge_histograms(snapshots: list[dict[str, Any] | None]) -> dict[str, Any] 
 def _sum_known(values: list[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
-
-

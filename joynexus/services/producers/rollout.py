@@ -49,16 +49,12 @@ def predict_many(
     sessions = session_ids or [None] * len(observations)
     request = {"policy_version": policy_version, "sample": sample, "operation": operation}
     handle = handle_of(inference)
-    if handle.is_remote:
-        futures = [
-            handle.start(InferenceEndpoint.predict, tenant_id, [obs], session_id=sid, **request)
-            for obs, sid in zip(observations, sessions, strict=True)
-        ]
-    else:  # in process the service's own queue hands out futures: no thread per request
-        futures = [
-            handle.target.submit(tenant_id, [obs], session_id=sid, **request)
-            for obs, sid in zip(observations, sessions, strict=True)
-        ]
+    # In process the service's own queue hands out the futures (`locally`): no thread per request.
+    futures = [
+        handle.start(InferenceEndpoint.predict, tenant_id, [obs], locally=InferenceEndpoint.submit, session_id=sid,
+                     **request)
+        for obs, sid in zip(observations, sessions, strict=True)
+    ]  # fmt: skip
     return [f.result(timeout=180) for f in futures]
 
 
