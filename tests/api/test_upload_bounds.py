@@ -11,7 +11,6 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
-import multiprocessing
 import os
 import socket
 import tarfile
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from joynexus.api.settings import ApiSettings
-from joynexus.data.archive_unpacking import WORKER_NAME, UnpackLimits
+from joynexus.data.archive_unpacking import WORKER_MODULE, UnpackLimits
 from joynexus.data.uploads import DatasetUploadError, UploadCancelled, store_uploaded_dataset
 from joynexus.data.validation import DatasetExpectation
 from tests.helpers import sft_spec, tar_dataset, wait_for, write_dataset_for
@@ -142,6 +141,21 @@ def _many_empty_files(count: int) -> bytes:
     return gzip.compress(bytes(headers) + b"\0" * 1024, compresslevel=1)
 
 
+def _unpacking_children() -> list[int]:
+    """Process ids of this process's children that run the unpacking worker (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == os.getpid() and WORKER_MODULE.encode() in command:
+            found.append(int(entry.name))
+    return found
+
+
 def test_the_unpacking_runs_in_a_niced_child_process_that_a_hang_up_kills(tmp_path):
     body = _many_empty_files(15_000)
     cancelled = threading.Event()
@@ -166,13 +180,13 @@ def test_the_unpacking_runs_in_a_niced_child_process_that_a_hang_up_kills(tmp_pa
         return list(home.glob(".upload-*/unpacked/d/*")) if home.is_dir() else []
 
     wait_for(lambda: len(unpacking()) > 10 or outcome, "the child unpacking files", timeout_s=30)
-    children = [c for c in multiprocessing.active_children() if c.name == WORKER_NAME]
-    assert len(children) == 1 and children[0].pid != os.getpid()
-    assert os.getpriority(os.PRIO_PROCESS, children[0].pid) > os.getpriority(os.PRIO_PROCESS, 0)
+    children = _unpacking_children()
+    assert len(children) == 1 and children[0] != os.getpid()
+    assert os.getpriority(os.PRIO_PROCESS, children[0]) > os.getpriority(os.PRIO_PROCESS, 0)
     cancelled.set()  # what the route does when its client hangs up
     worker.join(timeout=30)
     assert outcome and isinstance(outcome[0], UploadCancelled), outcome
-    assert not children[0].is_alive()
+    assert _unpacking_children() == []  # killed and reaped
     assert list(home.iterdir()) == []  # its staging folder removed, nothing kept
 
 
