@@ -45,6 +45,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
+        _ray_reads_the_environment()
         ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
     else:
         ray.init(
@@ -54,6 +55,20 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             log_to_driver=False,
             configure_logging=False,
         )
+
+
+def _ray_reads_the_environment() -> None:
+    """Ray reads its access settings once, at import: RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH into its
+    C++ config, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER into a Python constant (off: a 127.0.0.1 address
+    stays loopback instead of becoming the host's outward one). `joynexus.connect` sets them later
+    for the head this data dir's `up` started (token auth, loopback: joynexus.ops.ray_access), so
+    they are read again here, as Ray's own token setup does (`_enable_token_auth`)."""
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import Config
+
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")
 
 
 class ServiceHandle:
