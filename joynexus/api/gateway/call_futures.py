@@ -9,13 +9,14 @@ In Ray mode the queue is the deployment's one `CallFutures` actor, which every A
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel
 
 from joynexus.actors import handle_of, running_actor, service_handle
-from joynexus.api.errors import ApiError, InvalidInput, QuotaExceeded
+from joynexus.api.errors import ApiError, Conflict, InvalidInput, QuotaExceeded
 from joynexus.api.gateway.base import GatewayBase
 from joynexus.api.gateway.inference import InferenceOperations, predict_result
 from joynexus.api.gateway.service_errors import service_errors
@@ -33,7 +34,9 @@ from joynexus.services.call_futures import (
     UnknownFuture,
     call_futures_actor,
 )
+from joynexus.services.sample_slices import SampleVersionChanged, sample_in_slices
 
+R = TypeVar("R")
 # The field a service error of each call is reported under (as the blocking routes do).
 _ERROR_FIELD = {
     "forward_backward": "batch",
@@ -56,12 +59,26 @@ class FutureOperations(GatewayBase):
     `InferenceOperations`), so a future is refused for exactly what the blocking call refuses."""
 
     # -- sampling, blocking --------------------------------------------------------------------------
-    def sample(self, tenant_id: str, request: ss.SampleRequest) -> ss.SampleResult:
+    def sample(
+        self, tenant_id: str, request: ss.SampleRequest, *, turn: Callable[[Callable[[], R]], R] | None = None
+    ) -> ss.SampleResult:
+        """The call in slices (`sample_in_slices`), each inside `turn` (the caller's place in line
+        for the Training Model Service: the API's training gate) when given."""
         arguments = self.sample_arguments(tenant_id, request)
         self.check_admission(tenant_id)
+        training = self.cluster.training
+
+        def one_slice(sliced: dict[str, Any]) -> dict[str, Any]:
+            result, seconds = timed_call("sample", training, tenant_id, **sliced)
+            return {**result, "seconds": result.get("seconds", seconds)}  # the service's own time, not its queue
+
         with service_errors("sample"):
-            result, seconds = timed_call("sample", self.cluster.training, tenant_id, **arguments)
-        seconds = result.get("seconds", seconds)  # the service's own time, not its queue
+            try:
+                slicing = {"slice_chunks": self.limits.sample_slice_chunks, **({"turn": turn} if turn else {})}
+                result = sample_in_slices(one_slice, arguments, **slicing)
+            except SampleVersionChanged as error:
+                raise Conflict(str(error), [("sample", str(error))]) from None
+        seconds = result["seconds"]
         self.meter.record(tenant_id, TRAINING, "sample", device_seconds=seconds)
         return sample_result(self, tenant_id, {**result, "seconds": seconds})
 
