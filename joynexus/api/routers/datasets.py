@@ -91,7 +91,7 @@ async def _stored(
     if store is not None:
         shared = await run_in_threadpool(shared_upload_records, store, tenant_id)
         kept |= {k: int(r["bytes"]) for k, r in shared.items() if k not in kept}
-    new = hashlib.sha256(data).hexdigest() not in kept
+    new = (await run_in_threadpool(hashlib.sha256, data)).hexdigest() not in kept  # 64 MiB: off the event loop
     quota = settings.max_dataset_bytes_per_tenant
     room = quota - sum(kept.values()) if quota is not None and new else None
     if room is not None and room <= 0:
