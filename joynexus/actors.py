@@ -4,6 +4,7 @@ named Ray actor (`service_handle`)."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import importlib
@@ -45,6 +46,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
+        _ray_reads_the_environment()
         ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
     else:
         ray.init(
@@ -54,6 +56,20 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             log_to_driver=False,
             configure_logging=False,
         )
+
+
+def _ray_reads_the_environment() -> None:
+    """Ray reads its access settings once, at import: RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH into its
+    C++ config, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER into a Python constant (off: a 127.0.0.1 address
+    stays loopback instead of becoming the host's outward one). `joynexus.connect` sets them later
+    for the head this data dir's `up` started (token auth, loopback: joynexus.ops.ray_access), so
+    they are read again here, as Ray's own token setup does (`_enable_token_auth`)."""
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import Config
+
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")
 
 
 class ServiceHandle:
@@ -212,13 +228,54 @@ class ServiceHandle:
         return f"ServiceHandle({type(self._target).__name__}, remote={self._remote})"
 
 
+class _ArrivalOrderLock:
+    """A reentrant lock granted in arrival order, as a Ray actor takes its calls: a thread that
+    releases it and asks again goes behind the threads already waiting (Python's RLock lets it
+    take the lock straight back, so a caller in a loop, such as a sampling call's slices, could
+    keep every other tenant's call waiting; issue 41.1)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting: collections.deque[object] = collections.deque()
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            if self._owner is None and not self._waiting:
+                self._owner, self._depth = me, 1
+                return
+            ticket = object()
+            self._waiting.append(ticket)
+            try:
+                while not (self._owner is None and self._waiting[0] is ticket):
+                    self._cond.wait()
+            except BaseException:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+                raise
+            self._waiting.popleft()
+            self._owner, self._depth = me, 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+
 class SerializedService:
-    """A local service object behind a lock: one method call at a time, like a Ray actor (the
-    Training Model Service in one process is called from the actor loop and API threads)."""
+    """A local service object behind a lock: one method call at a time, in arrival order, like a
+    Ray actor (the Training Model Service in one process is called from the actor loop and API threads)."""
 
     def __init__(self, target: Any):
         self._target = target
-        self._lock = threading.RLock()
+        self._lock = _ArrivalOrderLock()
 
     @property
     def target(self) -> Any:

@@ -19,6 +19,7 @@ Service, Training Queue) for the lower-layer primitives. Nothing here starts or 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from joynexus.actors import EXECUTION_PLANE_ACTORS, SERVICES_CREATOR, ServiceHandle, ServicesNotRunning, service_handle
-from joynexus.ops.deployment_state import effective_settings
+from joynexus.ops.deployment_state import effective_settings, ray_access
 from joynexus.settings import Settings
 
 if TYPE_CHECKING:  # imported where used: a client of a running deployment needs neither torch nor the services
@@ -152,6 +153,8 @@ def ray_cluster(
     by their creator: `detached=True` (`joynexus up`, the services Job) or a process that starts its
     own local Ray (no address). A client of an address waits up to `wait_s` (default `timeout_s`) for
     them, then raises `ServicesNotRunning`."""
+    if settings.ray_address:  # the head this data dir's `up` started takes its token (issue 41.14)
+        os.environ.update(ray_access(settings))
     creator = detached or not settings.ray_address
     with _create_lock:
         running = None

@@ -209,7 +209,6 @@ class Settings(BaseModel):
         default_factory=lambda: _env_optional_int("JOYNEXUS_BACKBONE_FEATURE_LAYERS"), ge=1, validate_default=True
     )
 
-
     # The model id a plain Hugging Face checkpoint directory is served under (tenants name it as their
     # base_model); unset: its config.json's `_name_or_path`, else the directory's path.
     backbone_id: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_ID") or None)
@@ -249,6 +248,10 @@ class Settings(BaseModel):
     # The ports Ray's workers bind on ("min-max"), for the Ray head `joynexus up` starts; its own
     # ports (JOYNEXUS_RAY_PORT and the 9 above it) must lie outside (joynexus/ops/ray_ports.py).
     ray_worker_ports: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_WORKER_PORTS", "10002-19999"))
+    # Where the Ray head `joynexus up` starts listens: 127.0.0.1 (loopback only), or an address of this
+    # host to let other hosts reach it (Ray then listens on every interface); token auth is on either
+    # way (joynexus/ops/ray_access.py).
+    ray_bind: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_BIND", "127.0.0.1"))
     # Checkpoint retention of the Training Model Service: the last K versions per tenant plus the
     # registered ones survive each save; JOYNEXUS_CHECKPOINT_KEEP_LAST=none keeps every version.
     checkpoint_keep_last: int | None = Field(

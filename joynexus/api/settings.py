@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from joynexus.api.gateway import ApiLimits
 from joynexus.api.rate_limits import RateLimitSettings
 from joynexus.api.streaming import StreamSettings
+from joynexus.data.archive_unpacking import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_FILES
 from joynexus.master.options import MasterOptions
 
 
@@ -26,6 +27,15 @@ class ApiSettings(BaseModel):
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
     # POST /v1/datasets: an archive is at most max_body_bytes; it may unpack to at most this many.
     max_dataset_unpacked_bytes: int = Field(default=4 << 30, ge=1024)
+    # ... and hold at most this many files and folders, and expand at most this many times the
+    # compressed bytes read so far: both checked as the archive is read (issue 41.5: a 674 KB
+    # archive of 99k files, a 6.4 KB bz2 of 8 GiB; joynexus.data.archive_unpacking).
+    max_dataset_files: int = Field(default=DEFAULT_MAX_FILES, ge=1)
+    max_dataset_compression_ratio: float = Field(default=DEFAULT_MAX_COMPRESSION_RATIO, gt=1)
+    # Unpacked bytes of all of one tenant's uploads (None: no bound); refused as the archive is read
+    # once it would pass it. Apart from the storage quota (checkpoints and uploads, none by default):
+    # uploads are the storage a tenant fills fastest and cheapest.
+    max_dataset_bytes_per_tenant: int | None = Field(default=16 << 30, ge=0)
     # Quota defaults of tenants without their own quota row: the Master's (`MasterOptions`).
     default_max_device_seconds: float | None = Field(default=_master_default("default_max_device_seconds"), ge=0)
     default_max_queued_workloads: int | None = Field(default=_master_default("default_max_queued_workloads"), ge=0)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from joynexus.ops.ray_access import ray_access_env
 from joynexus.settings import Settings
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "effective_settings",
     "http_ok",
     "port_answers",
+    "ray_access",
     "read_state",
     "run_dir",
     "session_members",
@@ -87,6 +89,10 @@ class DeploymentState:
     namespace: str
     processes: list[ManagedProcess]
     started_at: float
+    # The Ray head this deployment started (none: it uses JOYNEXUS_RAY_ADDRESS's): its token file
+    # and the address it listens on (joynexus.ops.ray_access). Empty in records made before them.
+    ray_auth_token_path: str = ""
+    ray_bind: str = ""
 
     def process(self, name: str) -> ManagedProcess | None:
         return next((p for p in self.processes if p.name == name), None)
@@ -98,8 +104,15 @@ class DeploymentState:
             "JOYNEXUS_RAY_ADDRESS": self.ray_address,
             "JOYNEXUS_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
             "PREFECT_API_URL": self.prefect_api_url,
-            "RAY_AUTH_MODE": "disabled",
+            **self.ray_env(),
         }
+
+    def ray_env(self) -> dict[str, str]:
+        """What a process exports to reach this deployment's Ray head: its token's file (never the
+        token) when `up` started the head; an external cluster's access is its operator's business."""
+        if self.ray_auth_token_path:
+            return ray_access_env(self.ray_auth_token_path, self.ray_bind)
+        return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -133,6 +146,18 @@ def write_state(settings: Settings, state: DeploymentState) -> None:
     lines = [f"export {k}={json.dumps(v)}" for k, v in state.exports().items()]
     header = "# source this file to use the deployment `joynexus up` started\n"
     (folder / ENV_FILE).write_text(header + "\n".join(lines) + "\n")
+
+
+def ray_access(settings: Settings) -> dict[str, str]:
+    """The environment a process on this host needs to reach the Ray head this data dir's `up`
+    started ({} when it started none, or `settings` name another cluster): `joynexus.connect` sets it
+    before Ray connects, over an inherited RAY_AUTH_MODE (the recorded head refuses any other)."""
+    state = read_state(settings)
+    if state is None or not state.ray_auth_token_path:
+        return {}
+    if settings.ray_address and settings.ray_address != state.ray_address:
+        return {}
+    return state.ray_env()
 
 
 def effective_settings(settings: Settings | None = None) -> Settings:

@@ -2,7 +2,8 @@
 
 ``up`` starts, on the embedded defaults, what a cluster would provide:
 
-* a Ray head (``ray start --head --block``, ``RAY_AUTH_MODE=disabled`` on both sides: STACK.md);
+* a Ray head (``ray start --head --block``) with token authentication on and every port on 127.0.0.1
+  unless ``JOYNEXUS_RAY_BIND`` names an address to expose (`joynexus.ops.ray_access`);
 * the resident services as named, detached Ray actors (``Deployment.start(detached=True)``): Training
   Queue, Training Model Service, Inference Model Service, Environment Service;
 * a Prefect server (SQLite under ``<data_dir>/prefect``) and an MLflow server (the SQLite store and
@@ -48,6 +49,7 @@ from joynexus.ops.deployment_state import (
     ManagedProcess,
     effective_settings,
     http_ok,
+    ray_access,
     read_state,
     run_dir,
     write_state,
@@ -55,6 +57,7 @@ from joynexus.ops.deployment_state import (
 from joynexus.ops.deployment_state import port_answers as _port_open
 from joynexus.ops.deployment_state import tail as _tail
 from joynexus.ops.health_report import master_detail, published_health, replica_summary, role_entries
+from joynexus.ops.ray_access import LOOPBACK, ensure_ray_token, ray_access_env, ray_bind_address
 from joynexus.ops.ray_ports import BLOCK_SIZE, ray_ports
 from joynexus.settings import Settings, local_artifact_location, local_tracking_uri
 
@@ -133,8 +136,6 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-
-
 def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -145,8 +146,6 @@ def wait_until(ready: Callable[[], bool], process: ManagedProcess | None, what: 
         time.sleep(0.25)
     where = f"; last lines of {process.log}:\n{_tail(process.log)}" if process is not None else ""
     raise DeployError(f"{what} was not ready after {timeout_s:.0f} s{where}")
-
-
 
 
 def _executable(name: str) -> str:
@@ -195,7 +194,9 @@ _SETTINGS_ENV = {
 
 def _child_env(settings: Settings, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"})
+    env.update({"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"})
+    # The head this data dir's `up` started takes its token; another cluster, what the environment says.
+    env.update(ray_access(settings) or {"RAY_AUTH_MODE": env.get("RAY_AUTH_MODE", "disabled")})
     env.setdefault("HF_HUB_OFFLINE", "1")
     for field_name, variable in _SETTINGS_ENV.items():
         value = getattr(settings, field_name)
@@ -228,17 +229,20 @@ def up(
     folder = run_dir(settings)
     folder.mkdir(parents=True, exist_ok=True)
     _refuse_busy_ports(settings)
+    access: dict[str, str] = {}  # how our processes and a shell reach the Ray head started here
+    if not settings.ray_address:
+        access = ray_access_env(ensure_ray_token(folder), _bind(settings))
     started: list[ManagedProcess] = []
     try:
         # Everything at once: the servers, the Ray head and the driver that creates the services
         # (it imports the service classes while the head starts; `services_driver`).
         mlflow_uri = settings.mlflow_tracking_uri or _start_mlflow(settings, folder, started, on_stage)
         prefect_url = settings.prefect_api_url or _start_prefect(settings, folder, started, on_stage)
-        ray_address = settings.ray_address or _start_ray_head(settings, folder, started, on_stage)
+        ray_address = settings.ray_address or _start_ray_head(settings, folder, started, on_stage, access)
         processes = {p.name: p for p in started}
         on_stage("creating the resident services (detached Ray actors) and loading the backbone")
         services_driver.run_driver(
-            _child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri),
+            _child_env(settings, JOYNEXUS_RAY_ADDRESS=ray_address, JOYNEXUS_MLFLOW_TRACKING_URI=mlflow_uri, **access),
             folder,
             watched=started,
             ray_logs=_ray_temp_dir(settings) / "session_latest" / "logs" if "ray" in processes else None,
@@ -261,6 +265,8 @@ def up(
             namespace=settings.ray_namespace,
             processes=started,
             started_at=time.time(),
+            ray_auth_token_path=access.get("RAY_AUTH_TOKEN_PATH", ""),
+            ray_bind=_bind(settings) if access else "",
         )
         write_state(settings, state)
         on_stage(f"up: recorded in {folder / STATE_FILE}")
@@ -277,6 +283,7 @@ def _refuse_busy_ports(settings: Settings) -> None:
     _refuse_an_unreachable_ray_address(settings)
     block = None
     if not settings.ray_address:  # the settings themselves first: an overlap is refused even when free
+        _bind(settings)
         _refuse_long_ray_temp_dir(settings)
         block = ray_ports(settings)
     for given, port, variable in (
@@ -293,6 +300,13 @@ def _refuse_busy_ports(settings: Settings) -> None:
             f"{settings.ray_port + BLOCK_SIZE - 1}; in use on {HOST}: {listed} (another deployment?); "
             "choose another JOYNEXUS_RAY_PORT"
         )
+
+
+def _bind(settings: Settings) -> str:
+    try:
+        return ray_bind_address(settings)
+    except ValueError as error:
+        raise DeployError(str(error)) from None
 
 
 def _refuse_an_unreachable_ray_address(settings: Settings) -> None:
@@ -367,21 +381,39 @@ def _start_prefect(
     return prefect_url
 
 
-def _start_ray_head(
-    settings: Settings, folder: Path, started: list[ManagedProcess], on_stage: Callable[[str], None]
-) -> str:
-    """Spawn a Ray head (appended to `started`); returns its address. The services driver waits for
-    its GCS port, `up` for the head's leader (`services_driver.run_driver`)."""
-    ray_address = f"{HOST}:{settings.ray_port}"
+def ray_head_command(settings: Settings, access: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The `ray start` command line of the head `up` starts and its environment: token auth on
+    (`access`: `ray_access.ray_access_env`), every port on JOYNEXUS_RAY_BIND, no dashboard."""
+    bind = _bind(settings)
     argv = [
         _executable("ray"), "start", "--head", "--block", *ray_ports(settings).argv(),
-        f"--node-ip-address={HOST}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
+        f"--node-ip-address={bind}", f"--num-cpus={max(4, os.cpu_count() or 1)}",
         "--include-dashboard=false", f"--temp-dir={_ray_temp_dir(settings)}", "--disable-usage-stats",
     ]  # fmt: skip
     # `down` removes the actors before it stops the head: no drain wait on SIGTERM.
-    env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **ray_ports(settings).env)
+    env = _child_env(settings, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **ray_ports(settings).env, **access)
+    if access.get("RAY_AUTH_MODE") != "token":
+        raise DeployError("the Ray head `up` starts needs its token (RAY_AUTH_MODE=token); none was given")
+    return argv, env
+
+
+def _start_ray_head(
+    settings: Settings,
+    folder: Path,
+    started: list[ManagedProcess],
+    on_stage: Callable[[str], None],
+    access: dict[str, str] | None = None,
+) -> str:
+    """Spawn a Ray head (appended to `started`); returns its address. The services driver waits for
+    its GCS port, `up` for the head's leader (`services_driver.run_driver`). `access`: how it is
+    reached (`ray_access.ray_access_env`; by default with the data dir's token)."""
+    bind = _bind(settings)
+    access = access or ray_access_env(ensure_ray_token(folder), bind)
+    ray_address = f"{HOST if bind == LOOPBACK else bind}:{settings.ray_port}"
+    argv, env = ray_head_command(settings, access)
     started.append(spawn_process("ray", argv, env, folder, url=ray_address))
-    on_stage(f"Ray head starting on {ray_address}")
+    exposed = "" if bind == LOOPBACK else " (JOYNEXUS_RAY_BIND: on every interface of this host)"
+    on_stage(f"Ray head starting on {ray_address}{exposed}, token authentication on")
     return ray_address
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from joynexus.actors import actor_class, service_handle
 from joynexus.core.metering import TRAINING, UsageMeter
+from joynexus.services.sample_slices import sample_in_slices
 from joynexus.services.training.errors import TenantSlotError
 
 if TYPE_CHECKING:  # the API imports this module: it must not import the services (torch)
@@ -254,7 +255,10 @@ class CallFutures:
             raise TenantSlotError(f"no pending gradients to apply: {reason}")
         if call.kind == "predict":
             return self.inference.predict(tenant_id, **args)
-        result = getattr(self.training, call.kind)(tenant_id, **args)
+        if call.kind == "sample":  # in bounded slices: other tenants' calls reach the service between them
+            result = sample_in_slices(lambda sliced: self.training.sample(tenant_id, **sliced), args)
+        else:
+            result = getattr(self.training, call.kind)(tenant_id, **args)
         if self.meter is not None and call.kind in _METERED:
             samples = result.get("samples", 0) if call.kind == "forward_backward" else 0
             seconds = float(result.get("seconds", 0.0))

@@ -89,15 +89,13 @@ def test_a_malformed_archive_is_refused_naming_the_problem_not_a_server_path(tmp
 def test_the_unpacked_size_is_also_counted_as_bytes_are_written(tmp_path, dataset, monkeypatch):
     """Declared sizes are checked first (below); what is written is counted as well, in case a
     reader trusts a size it should not: with the declared check off, the written count refuses."""
-    from joynexus.data import uploads
+    from joynexus.data import archive_unpacking
 
-    monkeypatch.setattr(uploads._Unpacking, "declare", lambda self, total: None)
+    monkeypatch.setattr(archive_unpacking._Unpacking, "declare", lambda self, total: None)  # in this process
     body = tar_dataset(dataset, gz=True, extra={"big/zeros": b"\0" * (3 << 20)})
     with pytest.raises(DatasetUploadError, match="unpacks to more than 2,097,152 bytes"):
-        store_uploaded_dataset(
-            body, tenant_id="t", repo_id="team/arm", datasets_dir=tmp_path, expectation=EXPECTATION,
-            max_unpacked_bytes=2 << 20,
-        )  # fmt: skip
+        limits = archive_unpacking.UnpackLimits(max_bytes=2 << 20, max_ratio=1e6)
+        archive_unpacking.extract_archive(io.BytesIO(body), tmp_path, limits)
 
 
 def test_a_validation_failure_names_the_file_inside_the_archive_not_the_servers_staging_folder(tmp_path, dataset):
@@ -124,21 +122,19 @@ def test_a_validation_failure_names_the_file_inside_the_archive_not_the_servers_
 def test_an_archive_declaring_more_than_the_bound_is_refused_before_its_bytes_are_unpacked(tmp_path, kind, monkeypatch):
     """Issue 41.5 (in part): the bound is checked against declared sizes first (a zip's central
     directory before any member, a tar member's header before its data)."""
-    from joynexus.data import uploads
+    from joynexus.data import archive_unpacking
 
     members = [(f"d/part-{i}", NOISE[:40_000]) for i in range(3)]
     body = _zip(members) if kind == "zip" else _tar(members)
     written: list[int] = []
-    real_file = uploads._Unpacking.file
+    real_file = archive_unpacking._Unpacking.file
 
     def counted(self, name, source):
         written.append(1)
         return real_file(self, name, source)
 
-    monkeypatch.setattr(uploads._Unpacking, "file", counted)
+    monkeypatch.setattr(archive_unpacking._Unpacking, "file", counted)  # seen in this process only
     with pytest.raises(DatasetUploadError, match="declares more than 100,000 bytes unpacked"):
-        store_uploaded_dataset(
-            body, tenant_id="t", repo_id="team/arm", datasets_dir=tmp_path, expectation=EXPECTATION,
-            max_unpacked_bytes=100_000,
-        )  # fmt: skip
+        limits = archive_unpacking.UnpackLimits(max_bytes=100_000)
+        archive_unpacking.extract_archive(io.BytesIO(body), tmp_path, limits)
     assert len(written) == (0 if kind == "zip" else 2)  # the third tar header passes the bound

@@ -141,4 +141,7 @@ def test_two_deployments_on_one_host_share_no_port_and_no_dir(tmp_path, monkeypa
     assert not workers[one.data_dir] & workers[two.data_dir]
     assert not (listens[one.data_dir] | listens[two.data_dir]) & (workers[one.data_dir] | workers[two.data_dir])
     assert deploy._ray_temp_dir(one) != deploy._ray_temp_dir(two)
+    tokens = [spawned[str(deploy.run_dir(s))]["ray"][1]["RAY_AUTH_TOKEN_PATH"] for s in (one, two)]
+    assert tokens[0] != tokens[1]  # a token per data dir, in its run dir
+    assert [str(deploy.run_dir(s)) for s in (one, two)] == [t.rsplit("/", 1)[0] for t in tokens]
     assert spawned[str(deploy.run_dir(one))]["mlflow"][0] != spawned[str(deploy.run_dir(two))]["mlflow"][0]

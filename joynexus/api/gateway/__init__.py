@@ -186,8 +186,8 @@ class ApiGateway:
     def optim_step(self, tenant_id: str, request: s.OptimStepRequest | None = None) -> s.OptimStepResult:
         return self.training.optim_step(tenant_id, request)
 
-    def sample(self, tenant_id: str, request: ss.SampleRequest) -> ss.SampleResult:
-        return self.sampling.sample(tenant_id, request)
+    def sample(self, tenant_id: str, request: ss.SampleRequest, *, turn: Any = None) -> ss.SampleResult:
+        return self.sampling.sample(tenant_id, request, turn=turn)
 
     def compute_logprobs(self, tenant_id: str, request: ss.ComputeLogprobsRequest) -> ss.ComputeLogprobsResult:
         return self.sampling.compute_logprobs(tenant_id, request)

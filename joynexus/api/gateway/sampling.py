@@ -5,11 +5,12 @@ schema and metered; sampled actions come back in the units forward_backward take
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from joynexus.api.errors import InvalidInput
+from joynexus.api.errors import Conflict, InvalidInput
 from joynexus.api.gateway.admission import Admission
 from joynexus.api.gateway.directory import TenantDirectory
 from joynexus.api.gateway.limits import ApiLimits
@@ -20,9 +21,12 @@ from joynexus.core.metering import TRAINING, UsageMeter
 from joynexus.data.normalization import SIMULATOR_BOUNDS_SOURCE, Normalizer
 from joynexus.protocol import sampling_schemas as ss
 from joynexus.protocol.wire import Tensor
+from joynexus.services.sample_slices import SampleVersionChanged, sample_in_slices
 
 if TYPE_CHECKING:  # the type only: the API calls the service by name and never imports torch
     from joynexus.services.training.service import TrainingModelService
+
+R = TypeVar("R")
 
 
 class Sampling:
@@ -37,12 +41,26 @@ class Sampling:
         self._training, self._directory, self._admission = training, directory, admission
         self._meter, self._limits = meter, limits
 
-    def sample(self, tenant_id: str, request: ss.SampleRequest) -> ss.SampleResult:
+    def sample(
+        self, tenant_id: str, request: ss.SampleRequest, *, turn: Callable[[Callable[[], R]], R] | None = None
+    ) -> ss.SampleResult:
+        """The call in slices (`sample_in_slices`), each inside `turn` (the caller's place in line
+        for the Training Model Service: the API's training gate) when given."""
         arguments = self.sample_arguments(tenant_id, request)
         self._admission.check(tenant_id)
+        training = self._training
+
+        def one_slice(sliced: dict[str, Any]) -> dict[str, Any]:
+            result, seconds = timed_call("sample", training, tenant_id, **sliced)
+            return {**result, "seconds": result.get("seconds", seconds)}  # the service's own time, not its queue
+
         with service_errors("sample"):
-            result, seconds = timed_call("sample", self._training, tenant_id, **arguments)
-        seconds = result.get("seconds", seconds)  # the service's own time, not its queue
+            try:
+                slicing = {"slice_chunks": self._limits.sample_slice_chunks, **({"turn": turn} if turn else {})}
+                result = sample_in_slices(one_slice, arguments, **slicing)
+            except SampleVersionChanged as error:
+                raise Conflict(str(error), [("sample", str(error))]) from None
+        seconds = result["seconds"]
         self._meter.record(tenant_id, TRAINING, "sample", device_seconds=seconds)
         return self.sample_result(tenant_id, {**result, "seconds": seconds})
 

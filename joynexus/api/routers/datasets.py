@@ -9,12 +9,15 @@ lists and deletes it and the Master finds it wherever it runs."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from joynexus.api.abandoned import answered_unless_hung_up
 from joynexus.api.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
 from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant
 from joynexus.data.shared_uploads import (
@@ -25,7 +28,9 @@ from joynexus.data.shared_uploads import (
 )
 from joynexus.data.uploads import (
     DATASET_ID_PATTERN,
+    ArchiveTooLarge,
     DatasetUploadError,
+    UnpackLimits,
     delete_tenant_dataset,
     find_tenant_dataset,
     store_uploaded_dataset,
@@ -57,41 +62,78 @@ async def upload_dataset(
     tenant_id: Tenant,
     gateway: Gateway,
     repo_id: Annotated[str, Query(pattern=REPO_ID_PATTERN, description="the dataset's LeRobot repo id")],
-) -> JSONResponse:
-    """Upload a LeRobot dataset (tar, tar.gz or zip body). 201 with its id (the archive's sha256)."""
-    from joynexus.data.validation import DatasetExpectation  # pandas, Great Expectations: not at start
-
+) -> Response:
+    """Upload a LeRobot dataset (tar, tar.gz or zip body). 201 with its id (the archive's sha256).
+    The archive is unpacked in a child process within the server's bounds (bytes, files, ratio,
+    the tenant's upload quota); a client that hangs up stops the work (answered 499, nothing kept)."""
     data = await request.body()
     if not data:
         raise InvalidInput("body", "empty: send the dataset archive (tar or zip)")
+    cancelled = threading.Event()
+    return await answered_unless_hung_up(
+        request, _stored(request, tenant_id, gateway, repo_id, data, cancelled), cancelled.set
+    )
+
+
+async def _stored(
+    request: Request, tenant_id: str, gateway: Gateway, repo_id: str, data: bytes, cancelled: threading.Event
+) -> JSONResponse:
+    from joynexus.data.validation import DatasetExpectation  # pandas, Great Expectations: not at start
+
     obs = gateway.tenant(tenant_id).spec.observation
     expectation = DatasetExpectation(
         cameras=tuple(obs.cameras), image_size=tuple(obs.image_size), state_dim=obs.state_dim, action_dim=obs.action_dim
     )
+    settings = request.app.state.settings
     datasets = _datasets_dir(gateway)
     store = _shared(gateway)
-    known = {d.sha256 for d in tenant_datasets(datasets, tenant_id)}
+    kept = {d.sha256: d.nbytes for d in tenant_datasets(datasets, tenant_id)}
     if store is not None:
-        known |= set(await run_in_threadpool(shared_upload_records, store, tenant_id))
-    limit = request.app.state.settings.max_dataset_unpacked_bytes
+        shared = await run_in_threadpool(shared_upload_records, store, tenant_id)
+        kept |= {k: int(r["bytes"]) for k, r in shared.items() if k not in kept}
+    new = (await run_in_threadpool(hashlib.sha256, data)).hexdigest() not in kept  # 64 MiB: off the event loop
+    quota = settings.max_dataset_bytes_per_tenant
+    room = quota - sum(kept.values()) if quota is not None and new else None
+    if room is not None and room <= 0:
+        raise _over_upload_quota(sum(kept.values()), quota)
+    limits = UnpackLimits(
+        max_bytes=max(1, min(settings.max_dataset_unpacked_bytes, room if room is not None else 1 << 62)),
+        max_files=settings.max_dataset_files,
+        max_ratio=settings.max_dataset_compression_ratio,
+    )
     try:
-        stored = await run_in_threadpool(  # unpacking and validation are blocking work
+        stored = await run_in_threadpool(  # validation is blocking work; the unpacking is a child process's
             store_uploaded_dataset,
             data, tenant_id=tenant_id, repo_id=repo_id, datasets_dir=datasets, expectation=expectation,
-            max_unpacked_bytes=limit,
+            limits=limits, cancelled=cancelled,
         )  # fmt: skip
+    except ArchiveTooLarge as error:
+        if room is not None and room < settings.max_dataset_unpacked_bytes:  # the quota was the bound
+            raise _over_upload_quota(sum(kept.values()), quota) from None
+        raise InvalidInput(error.field, error.reason) from None
     except DatasetUploadError as error:
         raise InvalidInput(error.field, error.reason) from None
-    allowed = gateway.ledger.max_storage_bytes(tenant_id)
-    if allowed is not None and stored.sha256 not in known:
+    if stored.sha256 not in kept:
+        local = {d.sha256: d.nbytes for d in tenant_datasets(datasets, tenant_id)}  # this one, and racing ones
+        uploads = sum(local.values()) + sum(n for k, n in kept.items() if k not in local)
+        allowed = gateway.ledger.max_storage_bytes(tenant_id)
         used = gateway.ledger.storage_bytes(tenant_id)  # checkpoints and uploads, this one included
-        if used > allowed:
+        if (quota is not None and uploads > quota) or (allowed is not None and used > allowed):
             delete_tenant_dataset(datasets, tenant_id, stored.sha256)
+            if quota is not None and uploads > quota:
+                raise _over_upload_quota(uploads - stored.nbytes, quota)
             reason = f"checkpoints and datasets would take {used:,} of {allowed:,} bytes"
             raise QuotaExceeded(f"dataset refused: {reason}", [("quota.max_storage_bytes", reason)])
     if store is not None:  # shared before it is answered: a workload naming it may run anywhere
         await run_in_threadpool(publish_upload, store, tenant_id, stored)
     return JSONResponse(_described(stored), status_code=201)
+
+
+def _over_upload_quota(used: int, quota: int) -> QuotaExceeded:
+    reason = f"your uploads take {used:,} bytes; the bound of one tenant's uploads is {quota:,} bytes"
+    return QuotaExceeded(
+        f"dataset refused: {reason} (delete an upload to make room)", [("max_dataset_bytes_per_tenant", reason)]
+    )
 
 
 @router.get("/datasets", response_model=list[s.DatasetInfo])

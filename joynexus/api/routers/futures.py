@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from joynexus.api.middleware import WireRoute
 from joynexus.api.routers.dependencies import ERRORS, Gateway, Tenant
-from joynexus.api.routers.limited import batch_samples, call_limited, sampled_chunks
+from joynexus.api.routers.limited import batch_samples, call_limited, sampled_chunks, training_turn
 from joynexus.api.routers.responses import respond
 from joynexus.protocol import sampling_schemas as ss
 from joynexus.protocol import schemas as s
@@ -32,10 +32,12 @@ FutureId = Annotated[str, Path(pattern=ss.FUTURE_ID_PATTERN, description="a futu
 # -- sampling (blocking) ----------------------------------------------------------------------------
 @router.post("/sample", response_model=ss.SampleResult)
 async def sample(request: Request, body: ss.SampleRequest, tenant_id: Tenant, gateway: Gateway) -> Response:
-    """`n` action chunks per observation from the current training policy, with log-probabilities."""
+    """`n` action chunks per observation from the current training policy, with log-probabilities.
+    Sent to the Training Model Service in slices, each in the tenant's turn at the training gate."""
+    turn = training_turn(request, tenant_id)
     return await call_limited(
-        request, tenant_id, lambda: respond(request, gateway.sample(tenant_id, body)),
-        samples=sampled_chunks(body), training=True,
+        request, tenant_id, lambda: respond(request, gateway.sample(tenant_id, body, turn=turn)),
+        samples=sampled_chunks(body),
     )  # fmt: skip
 
 

@@ -8,12 +8,15 @@ one tenant's waiting calls could fill for everyone."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import Request, Response
 
 from joynexus.protocol import sampling_schemas as ss
 from joynexus.protocol import schemas as s
 from joynexus.protocol.wire import Tensor
+
+R = TypeVar("R")
 
 
 def rows(tensor: Tensor | None) -> int:
@@ -43,10 +46,17 @@ async def call_limited(
     route = request.scope["path"]
     if not training:
         return await state.limiter.run(tenant_id, answer, samples=samples, route=route)
-    gate, gateway = state.training_gate, state.gateway
+    turn = training_turn(request, tenant_id)
+    return await state.limiter.run(tenant_id, lambda: turn(answer), samples=samples, route=route)
 
-    def answer_in_turn() -> Response:
+
+def training_turn(request: Request, tenant_id: str) -> Callable[[Callable[[], R]], R]:
+    """Runs a function in the tenant's turn at the training gate (by its priority, tenants in
+    turn within one): a whole call, or each slice of a sampling call (`gateway.sample`)."""
+    gate, gateway = request.app.state.training_gate, request.app.state.gateway
+
+    def turn(function: Callable[[], R]) -> R:
         priority = gateway.tenant(tenant_id).spec.scheduling.priority  # cached by the gateway
-        return gate.call(priority, answer)
+        return gate.call(priority, function, tenant=tenant_id)
 
-    return await state.limiter.run(tenant_id, answer_in_turn, samples=samples, route=route)
+    return turn
