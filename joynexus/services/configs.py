@@ -40,6 +40,7 @@ from joynexus.services.producers.service import ProducerService, producer_actor_
 from joynexus.services.residency import DEFAULT_MAX_RESIDENT_SERVING, DEFAULT_MAX_RESIDENT_TENANTS
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS
 from joynexus.services.training.service import TRAINING_SERVICE_ACTOR_NAME, TrainingModelService
+from joynexus.services.training.shard_router import shard_actor_name
 from joynexus.services.training.shards import TrainingShards
 from joynexus.settings import RoleResources, ScalingPolicy, Settings
 
@@ -194,7 +195,7 @@ class TrainingServiceConfig:
         return [
             named_actor(
                 TrainingModelService,
-                f"{TRAINING_SERVICE_ACTOR_NAME}.shard-{i}",
+                shard_actor_name(i),
                 self.backbone,
                 self.checkpoint_root,
                 queue_arg,

@@ -21,6 +21,7 @@ from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import COMPLETED, TrainingScheduler
 from joynexus.services.producers.sft import SFTProducer
 from joynexus.services.training.service import TrainingModelService
+from joynexus.services.training.shard_router import NoShardHoldsTenant, TrainingShardRouter
 from joynexus.services.training.shards import TrainingShards
 from tests.helpers import sft_spec, write_dataset_for
 
@@ -171,3 +172,25 @@ def test_a_deployment_with_two_shards_runs_workloads_through_the_master(tmp_path
         assert dep.training_service.heartbeat()["tenants"] == ["dep-flow", "dep-oft"]
     finally:
         dep.shutdown()
+
+
+def test_a_producers_router_reaches_each_tenant_on_its_shard_and_follows_a_move(world):
+    """What a producer replica holds of a sharded Training Model Service (issue 45): each tenant's
+    export / policy version / checkpoint goes to the shard holding its slot, found by asking the
+    shards (no placement, no Master), and again after the tenant moved."""
+    shards, services = world["shards"], world["services"]
+    _train_rounds(world, 1)
+    router = TrainingShardRouter([SerializedService(s) for s in services])
+    for name in TENANTS:
+        assert router.holder_of(name) == shards.placement.shard_of(name)
+        assert router.policy_version(name) == 1
+        assert router.export_params(name) == shards.export_params(name)
+    assert router.tenants() == sorted(TENANTS)
+    source = shards.placement.shard_of("oft-a")
+    shards.move_tenant("oft-a")
+    assert router.policy_version("oft-a") == 1  # the remembered shard no longer holds it: asked again
+    assert router.holder_of("oft-a") == 1 - source
+    (manifest,) = router.save(["oft-a"])
+    assert manifest["tenant_id"] == "oft-a" and manifest["policy_version"] == 1
+    with pytest.raises(NoShardHoldsTenant, match="no training shard of 2 holds tenant 'ghost'"):
+        router.policy_version("ghost")

@@ -9,6 +9,7 @@ services up by name (`from_settings`): the same `ProducerService` code runs over
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -66,7 +67,7 @@ class ProducerContext:
             store=store,
             scheduler=TrainingScheduler(store, release_partition=queue.clear),
             queue=queue,
-            training_service=service_handle(cast("type[TrainingModelService]", object), lookup("training_service")),
+            training_service=_training_service(settings, lookup),
             inference_service=service_handle(cast("type[InferenceEndpoint]", object), lookup("inference_service")),
             environment_service=service_handle(cast("type[EnvironmentService]", object), lookup("environment_service")),
             checkpoints=checkpoint_store(settings),
@@ -97,3 +98,17 @@ class SharedContext(ProducerContext):
         if name in SharedContext._FIELDS:
             return getattr(object.__getattribute__(self, "_source"), name)
         return object.__getattribute__(self, name)
+
+
+def _training_service(settings: Settings, lookup: Callable[[str], Any]) -> TrainingModelService:
+    """The Training Model Service by name; with M shards (issue 45) a router over the shard actors
+    that sends each tenant's call to its shard (`TrainingShardRouter`)."""
+    if settings.training_shards <= 1:
+        return service_handle(cast("type[TrainingModelService]", object), lookup("training_service"))
+    from joynexus.services.training.shard_router import TrainingShardRouter, shard_actor_name
+
+    shards = [
+        running_actor(shard_actor_name(i), settings.ray_namespace, "training_service")
+        for i in range(settings.training_shards)
+    ]
+    return cast("TrainingModelService", TrainingShardRouter(shards))
