@@ -41,7 +41,7 @@ from joynexus.services.residency import DEFAULT_MAX_RESIDENT_SERVING, DEFAULT_MA
 from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS
 from joynexus.services.training.service import TRAINING_SERVICE_ACTOR_NAME, TrainingModelService
 from joynexus.services.training.shards import TrainingShards
-from joynexus.settings import RoleResources, ScalingPolicy, Settings
+from joynexus.settings import RoleResources, ScalingPolicy, Settings, database_url_ref
 
 
 def backbone_source(settings: Settings) -> BackboneSource:
@@ -291,6 +291,10 @@ class InferenceServiceConfig:
             "max_queued_samples_per_tenant": self.max_queued_samples_per_tenant,
         }
 
+    def actor_service_options(self) -> dict[str, Any]:
+        """`service_options` as actor arguments: the database login by reference (`database_url_ref`)."""
+        return {**self.service_options(), "database_url": database_url_ref(self.database_url)}
+
     def build(self) -> InferenceModelService | InferenceReplicaSet:
         if self.replicated:
             return InferenceReplicaSet(LocalReplicas(self.backbone, self.service_options()), policy=self.scaling)
@@ -308,13 +312,13 @@ class InferenceServiceConfig:
                 detached=detached,
                 num_cpus=1,
                 max_concurrency=64,
-                **self.service_options(),
+                **self.actor_service_options(),
             )
         replicas = RayReplicas(
             self.backbone,
             namespace=namespace,
             resources=self.replica_resources or RoleResources(),
-            service_kwargs=self.service_options(),
+            service_kwargs=self.actor_service_options(),
         )
         return named_actor(
             InferenceReplicaSet,
@@ -359,6 +363,9 @@ class EnvironmentServiceConfig:
             **self.service_options,
         }
 
+    def _actor_service_kwargs(self) -> dict[str, Any]:
+        return {**self._service_kwargs(), "database_url": database_url_ref(self.database_url)}
+
     def build(self) -> EnvironmentService | EnvironmentPool:
         if self.workers > 1:
             return EnvironmentPool(LocalEnvironmentWorkers(self._service_kwargs()), workers=self.workers)
@@ -375,10 +382,10 @@ class EnvironmentServiceConfig:
                 detached=detached,
                 num_cpus=0,
                 max_concurrency=32,
-                **self._service_kwargs(),
+                **self._actor_service_kwargs(),
             )
         factory = RayEnvironmentWorkers(
-            namespace=namespace, resources=self.worker_resources, service_kwargs=self._service_kwargs()
+            namespace=namespace, resources=self.worker_resources, service_kwargs=self._actor_service_kwargs()
         )
         return named_actor(
             EnvironmentPool,
@@ -432,7 +439,7 @@ class ProducerServiceConfig:
             named_actor(
                 ProducerService,
                 producer_actor_name(i),
-                self.settings,
+                self.settings.for_actors(),  # the database login by reference: arguments are kept in the GCS
                 i,
                 max_concurrent_rollouts=self.max_concurrent_rollouts,
                 namespace=namespace,
