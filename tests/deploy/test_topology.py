@@ -181,6 +181,7 @@ def test_an_upload_through_the_api_replica_is_trained_on_by_the_master(topo):
         done = tenant.submit(workload, jobs=1).result(timeout=900)
     assert done.state == "completed", done
     assert done.dataset_id == uploaded.dataset_id
+    topo.upload_workload = workload  # trained on again after the upgrade
     master_copies = list((topo.base / "volumes").glob(f"joynexus-gpu-workers-worker/**/{uploaded.dataset_id}"))
     api_copies = list((topo.base / "volumes").glob(f"joynexus-api/**/{uploaded.dataset_id}"))
     assert api_copies, "the API kept the upload on its own volume"
@@ -381,3 +382,59 @@ def test_a_flow_run_survives_a_head_restart_mid_workload(topo):
     assert restarted == [run_id], "the head was not restarted while the train task ran"
     assert state["type"] == "COMPLETED", f"{state}\n{tail}\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
     topo.timeline.mark(f"flow run {run_id} Completed through a head restart mid-workload")
+
+
+def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(topo):
+    """Issue 43.6, as bootstrap-cluster runs an upgrade: the new release's template (JOYNEXUS_RELEASE,
+    what render-deployment writes with the new tag), the services Job of it drains the old Master
+    and kills the named actors; the Ray pods are deleted once it says so, KubeRay makes them anew,
+    and the Job creates the actors again, which restore each tenant from its checkpoint."""
+    from joynexus.ops.upgrade import OLD_ACTORS_GONE
+
+    created = topo.api_tenant
+    with _client(topo, created.key.api_key) as tenant:
+        before = tenant.versions()
+    assert before.training_version is not None and before.checkpoints, before
+    actors_before = _actors(topo)
+    release = "topology-upgrade-2"
+    for pod in (HEAD, WORKER, "joynexus-services"):
+        topo.plans[pod].env["JOYNEXUS_RELEASE"] = release  # the new template (bootstrap-cluster's render)
+    topo.pods.succeeded.discard("joynexus-services")
+    topo.start("joynexus-services")  # bootstrap-cluster deleted the finished Job and applied the new one
+    deadline = time.monotonic() + 900
+    while OLD_ACTORS_GONE not in topo.pods.log("joynexus-services"):
+        assert time.monotonic() < deadline, f"no drain in 900 s:\n{topo.pods.log('joynexus-services')}"
+        time.sleep(2)
+    topo.timeline.mark("the services Job drained the old release and killed its actors")
+    for pod in (HEAD, WORKER):  # `kubectl delete pod -l ray.io/cluster=joynexus`: KubeRay makes them anew
+        topo.pods.recreate(pod)
+    _wait_ray_ready(topo, HEAD)
+    _wait_ray_ready(topo, WORKER)
+    topo.pods.wait_job("joynexus-services", 1500)
+    topo.timeline.mark("Ray pods of the new release up, services Job completed")
+    after_actors = _actors(topo)
+    for name, (actor_id, _) in actors_before.items():  # every service is a new actor (new code)
+        if name in after_actors:
+            assert after_actors[name][0] != actor_id, name
+    assert "joynexus.master" in after_actors, after_actors
+    log = topo.pods.log("joynexus-services")
+    assert f"for release {release}" in log, log
+    deadline, error = time.monotonic() + 600, None
+    while time.monotonic() < deadline:  # the API's Ray Client session comes back on the new head
+        try:
+            with _client(topo, created.key.api_key) as tenant:
+                after = tenant.versions()
+                assert after.training_version == before.training_version  # restored from its checkpoint
+                assert {c.version for c in before.checkpoints} <= {c.version for c in after.checkpoints}
+                done = tenant.submit(topo.upload_workload, jobs=1).result(timeout=900)
+                trained = tenant.versions()
+            break
+        except Exception as e:  # noqa: BLE001 - retried until the deadline
+            error = e
+            time.sleep(5)
+    else:
+        raise AssertionError(f"no service after the upgrade: {error!r}\n{topo.pods.log('joynexus-api')[-4000:]}")
+    assert done.state == "completed", done
+    assert trained.training_version > before.training_version  # trains on from the version it had
+    topo.timeline.mark(f"upgraded to {release}: version {before.training_version} kept, trained to "
+                       f"{trained.training_version}")  # fmt: skip
