@@ -278,7 +278,7 @@ class Settings(BaseModel):
     database_url: str | None = Field(default_factory=database_url_from_env)
     # The release these settings' code belongs to (the image tag on a cluster, set by render-deployment):
     # the services Job compares it with the running Master's to drain and replace them (ops/upgrade.py).
-    release: str = Field(default_factory=lambda: process_release())
+    release: str = Field(default_factory=process_release)
     mlflow_tracking_uri: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_MLFLOW_TRACKING_URI"))
     ray_address: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_ADDRESS"))
     backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))

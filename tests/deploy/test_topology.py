@@ -399,8 +399,9 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
     release = "topology-upgrade-2"
     for pod in (HEAD, WORKER, "joynexus-services"):
         topo.plans[pod].env["JOYNEXUS_RELEASE"] = release  # the new template (bootstrap-cluster's render)
-    topo.pods.succeeded.discard("joynexus-services")
-    topo.start("joynexus-services")  # bootstrap-cluster deleted the finished Job and applied the new one
+    # bootstrap-cluster deleted the finished Job and applied the new one: a new pod (fresh emptyDirs)
+    topo.pods.recreate("joynexus-services")
+    topo.pods.succeeded.discard("joynexus-services")  # after the new process is in: the kubelet then follows it
     deadline = time.monotonic() + 900
     while OLD_ACTORS_GONE not in topo.pods.log("joynexus-services"):
         assert time.monotonic() < deadline, f"no drain in 900 s:\n{topo.pods.log('joynexus-services')}"
