@@ -384,6 +384,14 @@ def test_a_flow_run_survives_a_head_restart_mid_workload(topo):
     topo.timeline.mark(f"flow run {run_id} Completed through a head restart mid-workload")
 
 
+def _job_log(t) -> str:
+    """The services Job's whole log as one line of words (its console wraps and tags long lines)."""
+    import re
+
+    text = t.pods.log("joynexus-services", tail=10**8)
+    return " ".join(re.sub(r"\s+supervisor\.py:\d+", " ", text).split())
+
+
 def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(topo):
     """Issue 43.6, as bootstrap-cluster runs an upgrade: the new release's template (JOYNEXUS_RELEASE,
     what render-deployment writes with the new tag), the services Job of it drains the old Master
@@ -403,7 +411,7 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
     topo.pods.recreate("joynexus-services")
     topo.pods.succeeded.discard("joynexus-services")  # after the new process is in: the kubelet then follows it
     deadline = time.monotonic() + 900
-    while OLD_ACTORS_GONE not in topo.pods.log("joynexus-services"):
+    while OLD_ACTORS_GONE not in _job_log(topo):
         assert time.monotonic() < deadline, f"no drain in 900 s:\n{topo.pods.log('joynexus-services')}"
         time.sleep(2)
     topo.timeline.mark("the services Job drained the old release and killed its actors")
@@ -418,8 +426,11 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
         if name in after_actors:
             assert after_actors[name][0] != actor_id, name
     assert "joynexus.master" in after_actors, after_actors
-    log = topo.pods.log("joynexus-services")
-    assert f"for release {release}" in log, log
+    log = _job_log(topo)
+    assert f"draining the Master of release 0.1.0 for release {release}" in log, log
+    drained = log[log.index(OLD_ACTORS_GONE) :].split(" (driver", 1)[0]
+    assert f"'checkpointed': {{'{created.tenant.tenant_id}': {before.training_version}}}" in drained, drained
+    topo.timeline.mark(drained)
     deadline, error = time.monotonic() + 600, None
     while time.monotonic() < deadline:  # the API's Ray Client session comes back on the new head
         try:
