@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.topology import BUCKET
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -396,12 +396,17 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
     """Issue 43.6, as bootstrap-cluster runs an upgrade: the new release's template (JOYNEXUS_RELEASE,
     what render-deployment writes with the new tag), the services Job of it drains the old Master
     and kills the named actors; the Ray pods are deleted once it says so, KubeRay makes them anew,
-    and the Job creates the actors again, which restore each tenant from its checkpoint."""
+    and the Job creates the actors again, which restore each tenant from its checkpoint. A workload
+    is in flight when the upgrade begins: the new Master resumes it to completion."""
+    import re
+
     from joynexus.ops.upgrade import OLD_ACTORS_GONE
 
     created = topo.api_tenant
     with _client(topo, created.key.api_key) as tenant:
         before = tenant.versions()
+        in_flight = tenant.submit(topo.upload_workload, jobs=48)  # still training when the drain begins
+        wait_for(lambda: tenant.workload(in_flight.workload_id).state != "queued", "the workload runs", 300, 1.0)
     assert before.training_version is not None and before.checkpoints, before
     actors_before = _actors(topo)
     release = "topology-upgrade-2"
@@ -429,15 +434,19 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
     log = _job_log(topo)
     assert f"draining the Master of release 0.1.0 for release {release}" in log, log
     drained = log[log.index(OLD_ACTORS_GONE) :].split(" (driver", 1)[0]
-    assert f"'checkpointed': {{'{created.tenant.tenant_id}': {before.training_version}}}" in drained, drained
+    found = re.search(rf"'checkpointed': {{'{created.tenant.tenant_id}': (\d+)}}", drained)
+    assert found and int(found.group(1)) >= before.training_version, drained
+    at_drain = int(found.group(1))
+    assert "'running_workloads': 1" in drained, f"the workload was not in flight at the drain: {drained}"
     topo.timeline.mark(drained)
     deadline, error = time.monotonic() + 600, None
     while time.monotonic() < deadline:  # the API's Ray Client session comes back on the new head
         try:
             with _client(topo, created.key.api_key) as tenant:
                 after = tenant.versions()
-                assert after.training_version == before.training_version  # restored from its checkpoint
+                assert after.training_version >= at_drain  # restored from its checkpoint (then trained on)
                 assert {c.version for c in before.checkpoints} <= {c.version for c in after.checkpoints}
+                resumed = tenant.handle(in_flight.workload_id).result(timeout=900)
                 done = tenant.submit(topo.upload_workload, jobs=1).result(timeout=900)
                 trained = tenant.versions()
             break
@@ -446,7 +455,7 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
             time.sleep(5)
     else:
         raise AssertionError(f"no service after the upgrade: {error!r}\n{topo.pods.log('joynexus-api')[-4000:]}")
-    assert done.state == "completed", done
-    assert trained.training_version > before.training_version  # trains on from the version it had
-    topo.timeline.mark(f"upgraded to {release}: version {before.training_version} kept, trained to "
-                       f"{trained.training_version}")  # fmt: skip
+    assert resumed.state == "completed" and done.state == "completed", (resumed, done)
+    assert trained.training_version > at_drain  # trains on from the version it had
+    topo.timeline.mark(f"upgraded to {release}: version {at_drain} at the drain kept, the in-flight workload "
+                       f"resumed to completion, trained to {trained.training_version}")  # fmt: skip
