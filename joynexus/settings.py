@@ -21,6 +21,7 @@ ROLES = (
     "environment_service",  # the single Environment Service, or the pool's front
     "environment_worker",  # each worker of an Environment Service pool
     "call_futures",  # the lower layer's call queue every API replica shares (services/call_futures.py)
+    "producers",  # each producer replica, where the data loops run (services/producers)
 )
 
 

@@ -434,7 +434,7 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
     log = _job_log(topo)
     assert f"draining the Master of release 0.1.0 for release {release}" in log, log
     drained = log[log.index(OLD_ACTORS_GONE) :].split(" (driver", 1)[0]
-    found = re.search(rf"'checkpointed': {{'{created.tenant.tenant_id}': (\d+)}}", drained)
+    found = re.search(rf"'checkpointed': {{[^}}]*'{created.tenant.tenant_id}': (\d+)", drained)
     assert found and int(found.group(1)) >= before.training_version, drained
     at_drain = int(found.group(1))
     assert "'running_workloads': 1" in drained, f"the workload was not in flight at the drain: {drained}"
