@@ -378,7 +378,9 @@ def test_a_flow_run_survives_a_head_restart_mid_workload(topo):
         restarted.append(run_id)
         return True
 
-    run_id, state, tail = _run_flow(topo, deployment["id"], spec, jobs=6, during=restart_once_training)
+    # enough jobs that the train task is still waiting when a 5 s poll sees it (6 ended between two
+    # polls once the producer replicas stopped landing on the head)
+    run_id, state, tail = _run_flow(topo, deployment["id"], spec, jobs=24, during=restart_once_training)
     assert restarted == [run_id], "the head was not restarted while the train task ran"
     assert state["type"] == "COMPLETED", f"{state}\n{tail}\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
     topo.timeline.mark(f"flow run {run_id} Completed through a head restart mid-workload")
