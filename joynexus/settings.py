@@ -21,6 +21,7 @@ ROLES = (
     "environment_service",  # the single Environment Service, or the pool's front
     "environment_worker",  # each worker of an Environment Service pool
     "call_futures",  # the lower layer's call queue every API replica shares (services/call_futures.py)
+    "producers",  # each producer replica, where the data loops run (services/producers)
 )
 
 
@@ -183,6 +184,86 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}: expected an integer, got {text!r}") from None
 
 
+# The database login never travels as an actor argument (Ray keeps those in the GCS, and with GCS
+# fault tolerance in its Redis): an actor gets a reference by name, `secret-ref:<VAR>:<url without
+# password>`, and reads the login in its own process, from the file $<VAR>_FILE names (a mounted
+# Secret) or from $<VAR>. The redacted URL checks that both ends mean the same database and role.
+DATABASE_URL_ENV = "JOYNEXUS_DATABASE_URL"
+SECRET_REF_PREFIX = "secret-ref:"
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password (scheme, user, host, port, path and query kept)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = parts.netloc.rpartition("@")[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@{netloc}"))
+
+
+def url_has_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:  # an unparsable netloc: treat as secret rather than pass it on
+        return True
+
+
+def database_url_ref(url: str | None, name: str = DATABASE_URL_ENV) -> str | None:
+    """What an actor gets for the database URL `url`: `url` itself when it carries no password (a
+    SQLite file, a socket login), else a reference by name that `resolve_database_url` reads in the
+    actor's own process (its pod mounts the login; docs/deployment.md, Credentials)."""
+    if url is None or url.startswith(SECRET_REF_PREFIX) or not url_has_password(url):
+        return url
+    return f"{SECRET_REF_PREFIX}{name}:{redact_url(url)}"
+
+
+def database_url_from_env(name: str = DATABASE_URL_ENV) -> str | None:
+    """The login this process holds by name: the file $<name>_FILE names, else $<name> (None: neither)."""
+    path = os.environ.get(f"{name}_FILE", "").strip()
+    if path:
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError as error:
+            raise ValueError(f"{name}_FILE: cannot read {path}: {error.strerror}") from None
+    return os.environ.get(name) or None
+
+
+def resolve_database_url(value: str | None) -> str | None:
+    """A database URL or a reference (`database_url_ref`) to the login this process holds."""
+    if value is None or not value.startswith(SECRET_REF_PREFIX):
+        return value
+    name, _, expected = value.removeprefix(SECRET_REF_PREFIX).partition(":")
+    url = database_url_from_env(name)
+    if url is None:
+        raise ValueError(
+            f"{name}: the database login {expected} reaches this process by name, not as an argument, and "
+            f"neither {name}_FILE nor {name} is set here (mount the Secret in this Ray pod)"
+        )
+    if redact_url(url) != expected:
+        raise ValueError(f"{name}: this process holds the login {redact_url(url)}, its creator meant {expected}")
+    return url
+
+
+def process_release() -> str:
+    """The release of this process's code: JOYNEXUS_RELEASE (the image tag on a cluster), else the
+    installed package's version."""
+    return os.environ.get("JOYNEXUS_RELEASE", "").strip() or _package_version()
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("joynexus")
+    except PackageNotFoundError:
+        return "dev"
+
+
 def _env_optional_int(name: str) -> int | None:
     """An optional integer environment variable (unset or empty: None); a bad value's error names it."""
     text = os.environ.get(name, "").strip()
@@ -195,7 +276,10 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("JOYNEXUS_DATA_DIR", "var")).resolve())
-    database_url: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_DATABASE_URL"))
+    database_url: str | None = Field(default_factory=database_url_from_env)
+    # The release these settings' code belongs to (the image tag on a cluster, set by render-deployment):
+    # the services Job compares it with the running Master's to drain and replace them (ops/upgrade.py).
+    release: str = Field(default_factory=process_release)
     mlflow_tracking_uri: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_MLFLOW_TRACKING_URI"))
     ray_address: str | None = Field(default_factory=lambda: os.environ.get("JOYNEXUS_RAY_ADDRESS"))
     backbone_preset: str = Field(default_factory=lambda: os.environ.get("JOYNEXUS_BACKBONE_PRESET", "tiny"))
@@ -346,7 +430,11 @@ class Settings(BaseModel):
         return parse_role_resources(value)
 
     def resolved_database_url(self) -> str:
-        return self.database_url or sqlite_url(self.data_dir)
+        return resolve_database_url(self.database_url) or sqlite_url(self.data_dir)
+
+    def for_actors(self) -> Settings:
+        """These settings as an actor's argument: a database login by reference, never its password."""
+        return self.model_copy(update={"database_url": database_url_ref(self.database_url)})
 
     def resolved_mlflow_uri(self) -> str:
         return self.mlflow_tracking_uri or local_tracking_uri(self.data_dir)

@@ -18,6 +18,7 @@ import threading
 import weakref
 
 from joynexus.core.store import ControlPlaneStore, UsageRecord
+from joynexus.settings import resolve_database_url
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,6 @@ def build_meter(meter: UsageMeter | None, database_url: str | None) -> tuple[Usa
     (for a Ray actor, which gets a plain string). Returns (meter, owned by the service)."""
     if meter is not None and database_url is not None:
         raise ValueError("pass either meter or database_url, not both")
-    if database_url is not None:
-        return UsageMeter.from_url(database_url), True
+    if database_url is not None:  # a reference by name in an actor (settings.database_url_ref)
+        return UsageMeter.from_url(resolve_database_url(database_url) or database_url), True
     return meter, False

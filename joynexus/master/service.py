@@ -116,7 +116,8 @@ class MasterService:
         from joynexus.master.evaluation_declarations import EvaluationDeclarations
 
         self.declarations = EvaluationDeclarations(self.deployment, self.workloads)
-        self.workloads.admission_paused = lambda: bool(self.health_manager.escalated())
+        self.draining = False  # an upgrade drains this Master (ops/upgrade.py): nothing is admitted
+        self.workloads.admission_paused = lambda: self.draining or bool(self.health_manager.escalated())
 
     def _check_roles(self, stale_after_s: float) -> dict[str, dict[str, Any]]:
         """Every Health Manager round: the Master's own roles, and the housekeeping that is due."""
@@ -144,6 +145,8 @@ class MasterService:
         tenants = self.deployment.creator.list()
         return {
             "incarnation": self.incarnation,
+            "release": self.settings.release,  # the code it runs: an upgrade replaces a Master of another
+            "draining": self.draining,
             "started_at": self.started_at,
             "pid": os.getpid(),
             "tenants": len(tenants),
@@ -257,6 +260,27 @@ class MasterService:
         unless `cancel_running`, so the next Master resumes them."""
         self.health_manager.stop()
         self.workloads.stop(cancel_running=cancel_running)
+
+    def drain(self) -> dict[str, Any]:
+        """Before an upgrade replaces this Master and the services (ops/upgrade.py): admit nothing
+        more (submissions wait in the store), stop the loops once their in-flight steps are done
+        (running workloads stay `running` in the store: the next Master resumes them from their
+        recorded progress), then checkpoint every tenant slot, so the new Training Model Service
+        restores each tenant at its last version. Jobs still leased are re-queued by the next
+        Master's reconcile."""
+        from joynexus.scheduling.training_jobs import LEASED_STATES
+
+        self.draining = True
+        running = self.workloads.running_count()
+        self.shutdown(cancel_running=False)
+        leased = [job.job_id for job in self.deployment.scheduler.jobs() if job.state in LEASED_STATES]
+        saved = self.deployment.training_service.save()
+        return {
+            "release": self.settings.release,
+            "running_workloads": running,
+            "leased_jobs_left": leased,
+            "checkpointed": {m["tenant_id"]: m["policy_version"] for m in saved},
+        }
 
     def close(self) -> None:
         """Shut down and release what this process holds (an in-process deployment's services).
@@ -569,7 +593,7 @@ def master_service_actor(settings: Settings, *, options: MasterOptions | None = 
     return named_actor(
         MasterService,
         MASTER_ACTOR,
-        settings,
+        settings.for_actors(),  # the database login by reference: arguments are kept in the GCS
         # made here, in the creating process (`joynexus up`), from its environment (JOYNEXUS_MAX_*)
         options=options or MasterOptions(),
         publish_health=detached,  # the deployment's Master (`joynexus up`): `joynexus status` reads it

@@ -59,8 +59,6 @@ def exit_report(process: ManagedProcess, ray_logs: Path | None = None) -> str:
     )
 
 
-
-
 def run_driver(
     env: dict[str, str],
     folder: Path,
@@ -147,6 +145,14 @@ def create_services(wait_gcs: str | None, mlflow_health: str | None, timeout_s: 
         stage(f"waiting for the Ray head's GCS port {wait_gcs}")
         host, port = wait_gcs.rsplit(":", 1)
         _wait(lambda: port_answers(host, int(port)), "the Ray head's GCS port", deadline)
+    from joynexus.actors import init_ray
+    from joynexus.ops.upgrade import replace_older_release
+
+    if settings.ray_address:  # a cluster that may run an older release (a local Ray starts new below)
+        init_ray(settings.ray_address)
+        # A Master of another release is drained and its actors killed, and the actors wait for Ray
+        # nodes of this release: `get_if_exists` would keep the old code running (ops/upgrade.py).
+        replace_older_release(settings.release, settings.ray_namespace, deadline, stage)
     stage("registering the Training Queue, Training, Inference and Environment services")
     _, training, inference, _ = create_service_actors(settings, detached=True)
     if mlflow_health:

@@ -41,6 +41,7 @@ from joynexus.actors import actor_class, service_handle
 from joynexus.core.metering import TRAINING, UsageMeter
 from joynexus.services.sample_slices import sample_in_slices
 from joynexus.services.training.errors import TenantSlotError
+from joynexus.settings import database_url_ref, resolve_database_url
 
 if TYPE_CHECKING:  # the API imports this module: it must not import the services (torch)
     from joynexus.services.inference.service import InferenceModelService
@@ -135,7 +136,9 @@ class CallFutures:
     ) -> None:
         self.training = service_handle(cast("type[TrainingModelService]", object), training)
         self.inference = service_handle(cast("type[InferenceModelService]", object), inference)
-        self.meter = meter if meter is not None or database_url is None else UsageMeter.from_url(database_url)
+        # an actor gets the database login by reference (settings.database_url_ref), read here
+        url = resolve_database_url(database_url)
+        self.meter = meter if meter is not None or url is None else UsageMeter.from_url(url)
         self.limits = limits or FutureLimits()
         self._lock = threading.Lock()
         self._tenants: dict[str, _TenantQueue] = {}
@@ -351,6 +354,6 @@ def call_futures_actor(training: Any, inference: Any, *, database_url: str, name
     if namespace is not None:
         options["namespace"] = namespace
     # Its stand-in class (`actor_class`): `joynexus down` and other drivers look it up without torch.
-    return (
-        ray.remote(actor_class(CallFutures)).options(**options).remote(training, inference, database_url=database_url)
-    )
+    # The database login by reference: Ray keeps actor arguments in the GCS (settings.database_url_ref).
+    login = database_url_ref(database_url)
+    return ray.remote(actor_class(CallFutures)).options(**options).remote(training, inference, database_url=login)

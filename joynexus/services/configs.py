@@ -42,7 +42,7 @@ from joynexus.services.training.packing import DEFAULT_MAX_ACTIVE_TENANTS
 from joynexus.services.training.service import TRAINING_SERVICE_ACTOR_NAME, TrainingModelService
 from joynexus.services.training.shard_router import shard_actor_name
 from joynexus.services.training.shards import TrainingShards
-from joynexus.settings import RoleResources, ScalingPolicy, Settings
+from joynexus.settings import RoleResources, ScalingPolicy, Settings, database_url_ref
 
 
 def backbone_source(settings: Settings) -> BackboneSource:
@@ -288,6 +288,10 @@ class InferenceServiceConfig:
             "max_queued_samples_per_tenant": self.max_queued_samples_per_tenant,
         }
 
+    def actor_service_options(self) -> dict[str, Any]:
+        """`service_options` as actor arguments: the database login by reference (`database_url_ref`)."""
+        return {**self.service_options(), "database_url": database_url_ref(self.database_url)}
+
     def build(self) -> InferenceModelService | InferenceReplicaSet:
         if self.replicated:
             return InferenceReplicaSet(LocalReplicas(self.backbone, self.service_options()), policy=self.scaling)
@@ -305,13 +309,13 @@ class InferenceServiceConfig:
                 detached=detached,
                 num_cpus=1,
                 max_concurrency=64,
-                **self.service_options(),
+                **self.actor_service_options(),
             )
         replicas = RayReplicas(
             self.backbone,
             namespace=namespace,
             resources=self.replica_resources or RoleResources(),
-            service_kwargs=self.service_options(),
+            service_kwargs=self.actor_service_options(),
         )
         return named_actor(
             InferenceReplicaSet,
@@ -356,6 +360,9 @@ class EnvironmentServiceConfig:
             **self.service_options,
         }
 
+    def _actor_service_kwargs(self) -> dict[str, Any]:
+        return {**self._service_kwargs(), "database_url": database_url_ref(self.database_url)}
+
     def build(self) -> EnvironmentService | EnvironmentPool:
         if self.workers > 1:
             return EnvironmentPool(LocalEnvironmentWorkers(self._service_kwargs()), workers=self.workers)
@@ -372,10 +379,10 @@ class EnvironmentServiceConfig:
                 detached=detached,
                 num_cpus=0,
                 max_concurrency=32,
-                **self._service_kwargs(),
+                **self._actor_service_kwargs(),
             )
         factory = RayEnvironmentWorkers(
-            namespace=namespace, resources=self.worker_resources, service_kwargs=self._service_kwargs()
+            namespace=namespace, resources=self.worker_resources, service_kwargs=self._actor_service_kwargs()
         )
         return named_actor(
             EnvironmentPool,
@@ -429,7 +436,7 @@ class ProducerServiceConfig:
             named_actor(
                 ProducerService,
                 producer_actor_name(i),
-                self.settings,
+                self.settings.for_actors(),  # the database login by reference: arguments are kept in the GCS
                 i,
                 max_concurrent_rollouts=self.max_concurrent_rollouts,
                 namespace=namespace,

@@ -108,9 +108,11 @@ def test_every_pod_is_restricted_has_limits_probes_and_runs_the_image():
                 assert "/tmp" in mounts, label  # read-only root: everything writes to /tmp
 
 
-def test_tenant_code_pods_get_no_database_login_and_no_api_token():
-    """The Ray pods (tenant code) get one Secret only: MLflow's login, which the Master needs to log runs
-    (docs/deployment.md says what that exposes); no database login, never the master."""
+def test_tenant_code_pods_get_only_the_control_plane_s_login_as_a_file_and_no_api_token():
+    """The Ray pods (tenant code) get MLflow's login, which the Master needs to log runs, and the
+    control plane's own database login as a mounted file, which the service actors read by name
+    (issue 43.8: never as an actor argument); never another app's login or the master
+    (docs/deployment.md says what that exposes)."""
     cluster = resources()[("RayCluster", "joynexus")]
     for label, pod in pod_specs(cluster):
         for container in pod["containers"]:
@@ -121,7 +123,11 @@ def test_tenant_code_pods_get_no_database_login_and_no_api_token():
                 if "secretKeyRef" in e.get("valueFrom", {})
             }
             assert secrets == {"joynexus-mlflow-auth"}, label
-        assert not any("secret" in v for v in pod.get("volumes", [])), label
+        mounted = [v["secret"] for v in pod.get("volumes", []) if "secret" in v]
+        assert mounted == [
+            {"secretName": "joynexus-db-control-plane", "defaultMode": 0o440,
+             "items": [{"key": "JOYNEXUS_DATABASE_URL", "path": "JOYNEXUS_DATABASE_URL"}]}
+        ], label  # fmt: skip
         shared = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == "shared"]
         assert shared and all(m.get("readOnly") for m in shared), label
         if not label.endswith("/head"):  # the head's autoscaler sidecar needs its token

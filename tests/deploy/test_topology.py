@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.topology import BUCKET
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -181,6 +181,7 @@ def test_an_upload_through_the_api_replica_is_trained_on_by_the_master(topo):
         done = tenant.submit(workload, jobs=1).result(timeout=900)
     assert done.state == "completed", done
     assert done.dataset_id == uploaded.dataset_id
+    topo.upload_workload = workload  # trained on again after the upgrade
     master_copies = list((topo.base / "volumes").glob(f"joynexus-gpu-workers-worker/**/{uploaded.dataset_id}"))
     api_copies = list((topo.base / "volumes").glob(f"joynexus-api/**/{uploaded.dataset_id}"))
     assert api_copies, "the API kept the upload on its own volume"
@@ -377,7 +378,86 @@ def test_a_flow_run_survives_a_head_restart_mid_workload(topo):
         restarted.append(run_id)
         return True
 
-    run_id, state, tail = _run_flow(topo, deployment["id"], spec, jobs=6, during=restart_once_training)
+    # enough jobs that the train task is still waiting when a 5 s poll sees it (6 ended between two
+    # polls once the producer replicas stopped landing on the head)
+    run_id, state, tail = _run_flow(topo, deployment["id"], spec, jobs=24, during=restart_once_training)
     assert restarted == [run_id], "the head was not restarted while the train task ran"
     assert state["type"] == "COMPLETED", f"{state}\n{tail}\n--- worker ---\n{topo.pods.log('joynexus-prefect-worker')}"
     topo.timeline.mark(f"flow run {run_id} Completed through a head restart mid-workload")
+
+
+def _job_log(t) -> str:
+    """The services Job's whole log as one line of words (its console wraps and tags long lines)."""
+    import re
+
+    text = t.pods.log("joynexus-services", tail=10**8)
+    return " ".join(re.sub(r"\s+supervisor\.py:\d+", " ", text).split())
+
+
+def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(topo):
+    """Issue 43.6, as bootstrap-cluster runs an upgrade: the new release's template (JOYNEXUS_RELEASE,
+    what render-deployment writes with the new tag), the services Job of it drains the old Master
+    and kills the named actors; the Ray pods are deleted once it says so, KubeRay makes them anew,
+    and the Job creates the actors again, which restore each tenant from its checkpoint. A workload
+    is in flight when the upgrade begins: the new Master resumes it to completion."""
+    import re
+
+    from joynexus.ops.upgrade import OLD_ACTORS_GONE
+
+    created = topo.api_tenant
+    with _client(topo, created.key.api_key) as tenant:
+        before = tenant.versions()
+        in_flight = tenant.submit(topo.upload_workload, jobs=48)  # still training when the drain begins
+        wait_for(lambda: tenant.workload(in_flight.workload_id).state != "queued", "the workload runs", 300, 1.0)
+    assert before.training_version is not None and before.checkpoints, before
+    actors_before = _actors(topo)
+    release = "topology-upgrade-2"
+    for pod in (HEAD, WORKER, "joynexus-services"):
+        topo.plans[pod].env["JOYNEXUS_RELEASE"] = release  # the new template (bootstrap-cluster's render)
+    # bootstrap-cluster deleted the finished Job and applied the new one: a new pod (fresh emptyDirs)
+    topo.pods.recreate("joynexus-services")
+    topo.pods.succeeded.discard("joynexus-services")  # after the new process is in: the kubelet then follows it
+    deadline = time.monotonic() + 900
+    while OLD_ACTORS_GONE not in _job_log(topo):
+        assert time.monotonic() < deadline, f"no drain in 900 s:\n{topo.pods.log('joynexus-services')}"
+        time.sleep(2)
+    topo.timeline.mark("the services Job drained the old release and killed its actors")
+    for pod in (HEAD, WORKER):  # `kubectl delete pod -l ray.io/cluster=joynexus`: KubeRay makes them anew
+        topo.pods.recreate(pod)
+    _wait_ray_ready(topo, HEAD)
+    _wait_ray_ready(topo, WORKER)
+    topo.pods.wait_job("joynexus-services", 1500)
+    topo.timeline.mark("Ray pods of the new release up, services Job completed")
+    after_actors = _actors(topo)
+    for name, (actor_id, _) in actors_before.items():  # every service is a new actor (new code)
+        if name in after_actors:
+            assert after_actors[name][0] != actor_id, name
+    assert "joynexus.master" in after_actors, after_actors
+    log = _job_log(topo)
+    assert f"draining the Master of release 0.1.0 for release {release}" in log, log
+    drained = log[log.index(OLD_ACTORS_GONE) :].split(" (driver", 1)[0]
+    found = re.search(rf"'checkpointed': {{[^}}]*'{created.tenant.tenant_id}': (\d+)", drained)
+    assert found and int(found.group(1)) >= before.training_version, drained
+    at_drain = int(found.group(1))
+    assert "'running_workloads': 1" in drained, f"the workload was not in flight at the drain: {drained}"
+    topo.timeline.mark(drained)
+    deadline, error = time.monotonic() + 600, None
+    while time.monotonic() < deadline:  # the API's Ray Client session comes back on the new head
+        try:
+            with _client(topo, created.key.api_key) as tenant:
+                after = tenant.versions()
+                assert after.training_version >= at_drain  # restored from its checkpoint (then trained on)
+                assert {c.version for c in before.checkpoints} <= {c.version for c in after.checkpoints}
+                resumed = tenant.handle(in_flight.workload_id).result(timeout=900)
+                done = tenant.submit(topo.upload_workload, jobs=1).result(timeout=900)
+                trained = tenant.versions()
+            break
+        except Exception as e:  # noqa: BLE001 - retried until the deadline
+            error = e
+            time.sleep(5)
+    else:
+        raise AssertionError(f"no service after the upgrade: {error!r}\n{topo.pods.log('joynexus-api')[-4000:]}")
+    assert resumed.state == "completed" and done.state == "completed", (resumed, done)
+    assert trained.training_version > at_drain  # trains on from the version it had
+    topo.timeline.mark(f"upgraded to {release}: version {at_drain} at the drain kept, the in-flight workload "
+                       f"resumed to completion, trained to {trained.training_version}")  # fmt: skip

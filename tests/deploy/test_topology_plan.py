@@ -73,9 +73,16 @@ def test_the_operator_s_secrets_carry_each_app_s_own_login_url_encoded(plans):
     db_users = next(p for p in plans if p.name == "joynexus-db-users")
     mounted = {v["target"]: v for v in db_users.volumes if v["kind"] == "secret"}
     assert mounted and all(v["read_only"] and v["files"] for v in mounted.values())
+    master = set(made["joynexus-db-master"].values())
     for plan in plans:  # no pod but the db-users Job sees the master login
         if plan.name != "joynexus-db-users":
-            assert not any(v["kind"] == "secret" for v in plan.volumes), plan.name
+            files = [f for v in plan.volumes if v["kind"] == "secret" for f in v["files"].values()]
+            assert not master & set(files), plan.name
+    for name in ("joynexus-head", "joynexus-gpu-workers-worker"):  # the service actors read their login here
+        ray = next(p for p in plans if p.name == name)
+        (login,) = [v for v in ray.volumes if v["kind"] == "secret"]
+        assert login["files"] == {"JOYNEXUS_DATABASE_URL": url} and login["read_only"]
+        assert ray.env["JOYNEXUS_DATABASE_URL_FILE"] == f"{login['target']}/JOYNEXUS_DATABASE_URL"
 
 
 def test_the_db_users_job_verifies_the_database_against_the_mounted_rds_ca_bundle(plans):

@@ -244,12 +244,26 @@ class ProducerService:
         named = work.request.get("dataset")
         dataset = DatasetSpec.model_validate(named) if named else tenant.spec.dataset
         assert dataset is not None and dataset.root is not None
+        dataset = self._local_upload(dataset, work.tenant_id)
         if dataset.sha256:  # each job says which data it holds: the versions it trains record it
             metadata["dataset_sha256"] = dataset.sha256
         return SFTProducer.from_dataset(
             tenant.backend_config, self.ctx.scheduler, self.ctx.queue, dataset.root, dataset.repo_id,
             job_metadata=metadata, validation_episodes=dataset.validation_episodes,
         )  # fmt: skip
+
+    def _local_upload(self, dataset: DatasetSpec, tenant_id: str) -> DatasetSpec:
+        """An uploaded dataset (`dataset.id`) on this replica's disk: the Master resolved it on its
+        own pod, and a replica on another Ray node fetches it from the shared uploads into its own
+        data dir (data/shared_uploads.py), checked against the same digest."""
+        root = Path(str(dataset.root))
+        if dataset.id is None or root.exists():
+            return dataset
+        from joynexus.data.sources import resolve_dataset
+
+        # <datasets>/tenants/<owner>/<id>: a fork trains on its source tenant's uploads
+        owner = root.parent.name if root.parent.parent.name == "tenants" else tenant_id
+        return resolve_dataset(dataset, owner, self.ctx.settings)
 
     def _produce(self, work: _Work) -> None:
         """Run the producer, waiting through restarting services, and start it over after a failed
