@@ -140,6 +140,14 @@ class ScalingPolicy(BaseModel):
     drain_timeout_s: float = Field(
         default=60.0, gt=0, description="longest wait for a removed replica's requests in flight"
     )
+    max_tenants_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="tenants whose serving states one replica holds at most (LRU; None: every replica holds all)",
+    )
+    hot_tenant_in_flight: float = Field(
+        default=8.0, gt=0, description="a tenant's requests in flight per holding replica above which it gets one more"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> ScalingPolicy:
