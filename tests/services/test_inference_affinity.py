@@ -41,9 +41,7 @@ def payloads(tmp_path_factory):
 
 
 def affine_set(payloads, replicas: int, per_replica: int, **policy) -> InferenceReplicaSet:
-    policy = ScalingPolicy(
-        min_replicas=replicas, max_replicas=replicas, max_tenants_per_replica=per_replica, **policy
-    )
+    policy = ScalingPolicy(min_replicas=replicas, max_replicas=replicas, max_tenants_per_replica=per_replica, **policy)
     front = InferenceReplicaSet(LocalReplicas(BackboneSource(preset="tiny"), SERVICE), policy=policy)
     for payload in payloads.values():
         front.load_weights(payload)
