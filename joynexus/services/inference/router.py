@@ -32,7 +32,6 @@ from joynexus.scheduling.inference_queue import Observation, settle_future
 from joynexus.services.inference.cancellation import KeyedRequests, cancel_request
 from joynexus.services.inference.endpoint import PredictBySubmit
 from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion, cause_of, replica_gone
-from joynexus.services.inference.service import InferenceModelService
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class TenantRouter(PredictBySubmit):
         self._keyed = KeyedRequests()
         self.counts = {"requests": 0, "rerouted_requests": 0, "failed_requests": 0, "refreshes": 0, "placements": 0}
         self.sent: dict[str, dict[str, int]] = {}  # tenant -> replica -> requests sent (what tests read)
-        self.refresh()
+        # The table is read on the first request: building a router calls nothing.
 
     def _named_actor(self, name: str) -> Any:
         import ray
@@ -98,7 +97,7 @@ class TenantRouter(PredictBySubmit):
             handles[name] = handle
         with self._lock:
             self._handles = handles
-            self._table = {t: [n for n in names if n in handles] for t, names in table["tenants"].items()}
+            self._table = {t: list(names) for t, names in table["tenants"].items()}
             self._epoch, self._fetched_at = table["epoch"], time.monotonic()
             self._hot = float(table["hot_tenant_in_flight"])
             self.counts["refreshes"] += 1
@@ -114,7 +113,13 @@ class TenantRouter(PredictBySubmit):
 
     def _holders(self, tenant_id: str) -> list[str]:
         if time.monotonic() - self._fetched_at > self.refresh_s:
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception as error:  # the front is away: the table read last still routes
+                if not self._table:
+                    raise
+                log.warning("inference routing table not refreshed (%s); routing by the last one", error)
+                self._fetched_at = time.monotonic()
         with self._lock:
             holders = list(self._table.get(tenant_id, ()))
             in_flight = self._tenant_in_flight.get(tenant_id, 0)
@@ -189,15 +194,15 @@ class TenantRouter(PredictBySubmit):
     ) -> None:
         try:
             holders = self._holders(tenant_id)
-            if tried and set(holders) <= tried:  # every holder failed it: one more, elsewhere
+            if not self._usable(holders, tried):
+                # Every holder failed it, or is gone from here while the front has not seen it yet
+                # (its monitor probes every interval_s): one more holder, elsewhere.
                 holders = self._place(tenant_id, len(holders) + 1)
         except BaseException as error:  # the front refused (unknown tenant) or is away
             self._fail(outer, error)
             return
         with self._lock:
-            candidates = [n for n in holders if n not in tried and n in self._handles] or [
-                n for n in holders if n in self._handles
-            ]
+            candidates = self._usable(holders, tried) or self._usable(holders, set())
             if not candidates:
                 self.counts["failed_requests"] += 1
                 outer.set_exception(InferenceError(f"no Inference Model Service replica holds tenant {tenant_id!r}"))
@@ -212,8 +217,8 @@ class TenantRouter(PredictBySubmit):
         tried.add(name)
         key = uuid.uuid4().hex  # this attempt's key on the replica, to cancel it there
         try:
-            if handle.is_remote:
-                inner = handle.start(InferenceModelService.predict, tenant_id, observations, **request, request_key=key)
+            if handle.is_remote:  # the actor's `predict`, by name: this module imports no torch (clients hold it)
+                inner = handle.target.predict.remote(tenant_id, observations, **request, request_key=key).future()
             else:
                 inner = handle.target.submit(tenant_id, observations, **request, request_key=key)
         except BaseException as error:
@@ -251,6 +256,10 @@ class TenantRouter(PredictBySubmit):
             self._fail(outer, error)
 
         inner.add_done_callback(done)
+
+    def _usable(self, holders: list[str], tried: set[str]) -> list[str]:
+        """The holders this router reaches and has not tried for the request."""
+        return [n for n in holders if n in self._handles and n not in tried]
 
     def _moved(self, name: str, tenant_id: str, version: int | None, error: BaseException) -> bool:
         """Whether the request failed for where it was sent, not for what it asked: the replica is
@@ -300,6 +309,11 @@ class TenantRouter(PredictBySubmit):
 
     def close(self) -> None:
         """Nothing of the deployment closes with a caller's router."""
+
+    @property
+    def _actor_id(self) -> Any:
+        """The front actor's id: a role follower comparing ids sees the router as its front."""
+        return getattr(self.front.target, "_actor_id", None)
 
     def __getattr__(self, name: str) -> Any:  # scale_to, replicas, assignment, ...: the front's
         if name.startswith("_") or name == "front":
