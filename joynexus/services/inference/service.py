@@ -542,6 +542,7 @@ class InferenceModelService(PredictBySubmit):
             "pid": os.getpid(),
             "tenants": self.tenants(),
             "queue_depth": self.queue.depth(),
+            "requests_served": self._stats["requests"],  # callers' routers send here directly (issue 45.3)
             **self.backbone.placement_info(),
         }
 
