@@ -188,5 +188,7 @@ def test_affinity_bookkeeping_and_bad_settings():
         TenantAffinity(0)
     with pytest.raises(ValidationError, match="max_tenants_per_replica"):
         ScalingPolicy(max_tenants_per_replica=0)
+    with pytest.raises(ValidationError, match="max_tenants_per_replica .* needs max_replicas >= 2"):
+        ScalingPolicy(max_tenants_per_replica=4)  # one replica: the plain service, which holds every tenant
     with pytest.raises(ValidationError, match="hot_tenant_in_flight"):
         ScalingPolicy(hot_tenant_in_flight=0)
