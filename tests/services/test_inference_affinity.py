@@ -17,7 +17,7 @@ from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.affinity import TenantAffinity
 from joynexus.services.inference.replicas import InferenceReplicaSet, LocalReplicas
 from joynexus.services.inference.router import TenantRouter
-from joynexus.services.inference.service import InferenceModelService
+from joynexus.services.inference.service import InferenceModelService, UnknownPolicyVersion
 from joynexus.services.training.service import TrainingModelService
 from joynexus.settings import ScalingPolicy
 from tests.helpers import compiled_config, wait_for
@@ -85,6 +85,9 @@ def test_a_tenants_requests_go_only_to_the_replicas_that_hold_it(payloads):
                 assert tenant in held[replica]
         assert all(len(tenants) <= 2 for tenants in held.values()), held
         assert router.counts["failed_requests"] == 0
+        for endpoint in (router, front):  # a tenant never published: the caller's error, as one service says
+            with pytest.raises(UnknownPolicyVersion):
+                endpoint.predict("nobody", observations(0), seeds=[0, 1])
         # The front's own path (in process) routes by the same table.
         before = {r.name: r.served for r in front._active()}
         front.predict("t0", observations(9), seeds=[0, 1])

@@ -191,6 +191,11 @@ class InferenceReplicaSet(TenantPlacement, PredictBySubmit):
         tried: set[str],
     ) -> None:
         held = None if self.affinity is None else set(self._holders(tenant_id))
+        if held == set() and tenant_id not in self._kept:  # never published here: the caller's error
+            with self._cond:
+                self._counts["failed_requests"] += 1
+            outer.set_exception(UnknownPolicyVersion(tenant_id, request["policy_version"], []))
+            return
         with self._cond:
             active = [r for r in self._replicas if r.state == "active" and (held is None or r.name in held)]
             candidates = [r for r in active if r.name not in tried] or active
