@@ -35,7 +35,9 @@ from joynexus.services.inference.errors import InferenceError, UnknownPolicyVers
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # replicas one request may be sent to
+# Replicas one request may be sent to: a replica gone, or one that gave the tenant up to another
+# (evicted) since the table was read, is a move, not a failure.
+MAX_ATTEMPTS = 4
 REFRESH_S = 2.0  # the table is read again at least this often (replicas added, drained, tenants moved)
 
 
@@ -102,9 +104,10 @@ class TenantRouter(PredictBySubmit):
             self._hot = float(table["hot_tenant_in_flight"])
             self.counts["refreshes"] += 1
 
-    def _place(self, tenant_id: str, want: int) -> list[str]:
-        """Ask the front to place the tenant on `want` replicas; the table is read again after."""
-        self.front.route(tenant_id, want)
+    def _place(self, tenant_id: str, want: int, avoid: list[str] | None = None) -> list[str]:
+        """Ask the front to place the tenant on `want` replicas (none of `avoid`); the table is read
+        again after."""
+        self.front.route(tenant_id, want, avoid)
         with self._lock:
             self.counts["placements"] += 1
         self.refresh()
@@ -196,8 +199,8 @@ class TenantRouter(PredictBySubmit):
             holders = self._holders(tenant_id)
             if not self._usable(holders, tried):
                 # Every holder failed it, or is gone from here while the front has not seen it yet
-                # (its monitor probes every interval_s): one more holder, elsewhere.
-                holders = self._place(tenant_id, len(holders) + 1)
+                # (its monitor probes every interval_s): one holder elsewhere.
+                holders = self._place(tenant_id, 1, [h for h in holders if h not in self._handles or h in tried])
         except BaseException as error:  # the front refused (unknown tenant) or is away
             self._fail(outer, error)
             return

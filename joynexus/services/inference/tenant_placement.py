@@ -26,16 +26,20 @@ class TenantPlacement:
     _tenant_in_flight: dict[str, int]
     _replicas: list[Any]
 
-    def route(self, tenant_id: str, want: int = 1) -> dict[str, Any]:
+    def route(self, tenant_id: str, want: int = 1, avoid: list[str] | None = None) -> dict[str, Any]:
         """Make `want` active replicas hold the tenant (loading its kept payloads where it is new;
-        a full replica gives up its least recently used tenant): what a router calls on a miss or
-        for a hot tenant. {"holders": replica names, "epoch": the table's}."""
+        a full replica gives up its least recently used tenant): what a router calls on a miss, for
+        a hot tenant, or (`avoid`: replicas it cannot reach, which this set's monitor may not have
+        seen yet) when its holders are gone. {"holders": replica names, "epoch": the table's}."""
         if isinstance(want, bool) or not isinstance(want, int) or want < 1:
             raise ValueError(f"want: expected an integer >= 1, got {want!r}")
         with self._publish_lock:
             if tenant_id not in self._kept:
                 raise UnknownPolicyVersion(tenant_id, None, [])
-            holders = self._place(tenant_id, want) if self.affinity is not None else [r.name for r in self._active()]
+            if self.affinity is None:
+                holders = [r.name for r in self._active()]
+            else:
+                holders = self._place(tenant_id, want, set(avoid or ()))
             return {"holders": holders, "epoch": self.assignment()["epoch"]}
 
     def assignment(self, used: list[str] | None = None) -> dict[str, Any]:
@@ -92,11 +96,11 @@ class TenantPlacement:
             finally:
                 self._publish_lock.release()
 
-    def _place(self, tenant_id: str, want: int) -> list[str]:
+    def _place(self, tenant_id: str, want: int, avoid: set[str] | None = None) -> list[str]:
         """Under _publish_lock: place the tenant on `want` active replicas; evicted tenants leave
         their replica, a new holder gets the tenant's kept payloads."""
         assert self.affinity is not None
-        by_name = {r.name: r for r in self._active()}
+        by_name = {r.name: r for r in self._active() if r.name not in (avoid or ())}
         placement = self.affinity.place(tenant_id, want, usable=set(by_name))
         for name, victim in placement.evictions:
             try:
