@@ -532,7 +532,8 @@ class InferenceReplicaSet(TenantPlacement, PredictBySubmit):
             counts, events = dict(self._counts), list(self._events)
         total.update(
             {
-                "queue_depth": signals.in_flight,
+                # The replicas' own queues, read now (routers' requests included), and this set's.
+                "queue_depth": max(sum(s.get("queue_depth", 0) for s in answers), self._own_in_flight()),
                 "mean_batch_samples": samples / total["batches"] if total["batches"] else 0.0,
                 "max_batch_samples": max((s.get("max_batch_samples", 0) for s in answers), default=0),
                 "tenants": {t: self.versions(t) for t in self.tenants()},
@@ -585,6 +586,10 @@ class InferenceReplicaSet(TenantPlacement, PredictBySubmit):
             self._stop_replica(replica)
 
     # -- internals ----------------------------------------------------------------------------
+    def _own_in_flight(self) -> int:
+        with self._cond:
+            return sum(r.in_flight for r in self._replicas)
+
     def _active(self) -> list[_Replica]:
         with self._cond:
             return [r for r in self._replicas if r.state == "active"]
