@@ -12,6 +12,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from joynexus.core.serving_sets import ServingSetStore
+from joynexus.core.store import ControlPlaneStore
 from joynexus.models.backbone import BackboneSource
 from joynexus.scheduling.inference_queue import Observation
 from joynexus.services.inference.affinity import TenantAffinity
@@ -40,9 +42,10 @@ def payloads(tmp_path_factory):
     return out
 
 
-def affine_set(payloads, replicas: int, per_replica: int, **policy) -> InferenceReplicaSet:
+def affine_set(payloads, replicas: int, per_replica: int, database_url: str | None = None, **policy):
     policy = ScalingPolicy(min_replicas=replicas, max_replicas=replicas, max_tenants_per_replica=per_replica, **policy)
-    front = InferenceReplicaSet(LocalReplicas(BackboneSource(preset="tiny"), SERVICE), policy=policy)
+    service = {**SERVICE, "database_url": database_url}  # with a store, each replica records serving sets
+    front = InferenceReplicaSet(LocalReplicas(BackboneSource(preset="tiny"), service), policy=policy)
     for payload in payloads.values():
         front.load_weights(payload)
     return front
@@ -97,8 +100,8 @@ def test_a_tenants_requests_go_only_to_the_replicas_that_hold_it(payloads):
         front.close()
 
 
-def test_a_replica_never_holds_more_than_its_bound_and_an_evicted_tenant_answers_the_same(payloads):
-    front = affine_set(payloads, replicas=2, per_replica=1)
+def test_a_replica_never_holds_more_than_its_bound_and_an_evicted_tenant_answers_the_same(payloads, tmp_path):
+    front = affine_set(payloads, replicas=2, per_replica=1, database_url=f"sqlite:///{tmp_path / 'store.db'}")
     router = router_of(front)
     try:
         obs = observations(3)
@@ -110,6 +113,9 @@ def test_a_replica_never_holds_more_than_its_bound_and_an_evicted_tenant_answers
                 held = held_by_replica(front)
                 assert all(len(tenants) <= 1 for tenants in held.values()), held
         assert router.counts["placements"] >= len(TENANTS)  # tenants were evicted and paged in again
+        # An eviction is not a deletion: the deployment's recorded serving sets keep every tenant.
+        recorded = ServingSetStore(ControlPlaneStore(f"sqlite:///{tmp_path / 'store.db'}")).all()
+        assert {t: list(s.versions) for t, s in recorded.items()} == {t: [0] for t in TENANTS}
         assert len({t: a.tobytes() for t, a in first.items()}) == len(TENANTS)  # distinct tenants
     finally:
         front.close()

@@ -104,7 +104,7 @@ class TenantPlacement:
         placement = self.affinity.place(tenant_id, want, usable=set(by_name))
         for name, victim in placement.evictions:
             try:
-                by_name[name].handle.remove_tenant(victim)
+                by_name[name].handle.evict_tenant(victim)  # the deployment's recorded serving set stays
             except Exception as error:  # gone: it holds nothing then
                 log.warning("evicting tenant %r from replica %s: %s", victim, name, error)
         try:
