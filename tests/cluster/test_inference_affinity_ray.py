@@ -98,6 +98,7 @@ def test_three_ray_replicas_one_killed_mid_run_every_request_answers(tmp_path):
         for name in after["replicas"]:  # each live replica holds at most two tenants
             assert len(ray.get(ray.get_actor(name, namespace=namespace).tenants.remote(), timeout=60)) <= 2
         assert router.counts["rerouted_requests"] >= 1
+        print("router after the kill:", router.counts, f"{len(ok)} requests answered")
     finally:
         ray.kill(front)
         if started_ray:
