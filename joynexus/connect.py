@@ -175,12 +175,20 @@ def ray_cluster(
         settings=settings,
         master=service_handle(cast("type[MasterService]", object), master_actor),
         training=service_handle(cast("type[TrainingModelService]", object), training),
-        inference=service_handle(cast("type[InferenceEndpoint]", object), inference),
+        # With replicas, a router of this process sends requests straight to the tenant's replicas.
+        inference=service_handle(cast("type[InferenceEndpoint]", object), _inference_endpoint(settings, inference)),
         environment=service_handle(cast("type[EnvironmentService]", object), environment),
         queue=service_handle(cast("type[TrainingQueue]", object), queue),
         mode="ray",
         creates_services=creator,
     )
+
+
+def _inference_endpoint(settings: Settings, inference: Any) -> Any:
+    from joynexus.services.inference.router import inference_endpoint
+
+    replicated = settings.inference_scaling.max_replicas > 1
+    return inference_endpoint(inference, replicated=replicated, namespace=settings.ray_namespace)
 
 
 def _running_actors(settings: Settings, *, wait_s: float = 0.0) -> tuple[Any, Any, Any, Any, Any] | None:

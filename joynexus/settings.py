@@ -141,11 +141,25 @@ class ScalingPolicy(BaseModel):
     drain_timeout_s: float = Field(
         default=60.0, gt=0, description="longest wait for a removed replica's requests in flight"
     )
+    max_tenants_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="tenants whose serving states one replica holds at most (LRU; None: every replica holds all)",
+    )
+    hot_tenant_in_flight: float = Field(
+        default=8.0, gt=0, description="a tenant's requests in flight per holding replica above which it gets one more"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> ScalingPolicy:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        if self.max_tenants_per_replica is not None and self.max_replicas < 2:
+            # One replica is the plain service, which holds every tenant: the bound would do nothing.
+            raise ValueError(
+                f"max_tenants_per_replica ({self.max_tenants_per_replica}) needs max_replicas >= 2 "
+                f"(got {self.max_replicas}): a single Inference Model Service holds every tenant"
+            )
         if self.scale_in_queue_per_replica >= self.scale_out_queue_per_replica:
             # Equal or crossed thresholds would add and remove a replica on the same load.
             raise ValueError(

@@ -13,6 +13,7 @@ module "eks_gpu" {
   public_access_cidrs  = var.cluster.public_access_cidrs
   system_pool          = var.node_pools.system
   gpu_pool             = var.node_pools.gpu
+  cpu_pool             = var.node_pools.cpu
   artifact_bucket      = var.artifact_bucket
   checkpoint_lifecycle = var.checkpoint_lifecycle
   database             = var.database

@@ -32,7 +32,7 @@ variable "cluster" {
 # tests/deploy/test_node_fit.py reads the instance_types defaults below and checks that every pod of
 # the rendered manifests fits the node group it is scheduled on.
 variable "node_pools" {
-  description = "System (CPU) pool for the API, Prefect, MLflow, the Ray head and cluster add-ons; GPU pool for the Ray workers. min/max bound the cluster-autoscaler."
+  description = "System (CPU) pool for the API, Prefect, MLflow, the Ray head and cluster add-ons; GPU pool for the Ray training and inference workers; CPU pool for the Ray environment workers (simulators). min/max bound the cluster-autoscaler."
   type = object({
     system = optional(object({
       instance_types = optional(list(string), ["m6i.xlarge"])
@@ -43,11 +43,18 @@ variable "node_pools" {
     }), {})
     gpu = optional(object({
       instance_types = optional(list(string), ["g5.2xlarge"])
-      min_size       = optional(number, 1)
-      desired_size   = optional(number, 1)
+      min_size       = optional(number, 2)
+      desired_size   = optional(number, 2)
       max_size       = optional(number, 4)
       disk_gib       = optional(number, 200)
       capacity_type  = optional(string, "ON_DEMAND")
+    }), {})
+    cpu = optional(object({
+      instance_types = optional(list(string), ["m6i.2xlarge"])
+      min_size       = optional(number, 1)
+      desired_size   = optional(number, 1)
+      max_size       = optional(number, 4)
+      disk_gib       = optional(number, 100)
     }), {})
   })
   default = {}

@@ -159,16 +159,67 @@ def test_gpu_workers_and_ray_autoscaling():
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
-    (workers,) = cluster["workerGroupSpecs"]
-    pod = workers["template"]["spec"]
-    resources_ = pod["containers"][0]["resources"]
-    assert resources_["requests"]["nvidia.com/gpu"] == resources_["limits"]["nvidia.com/gpu"] == 1
-    assert workers["rayStartParams"]["num-gpus"] == "1"
-    assert 1 <= workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert pod["nodeSelector"] == {"joynexus.io/node-pool": "gpu"}  # the label node_groups.tf puts on GPU nodes
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"training-workers", "inference-workers", "environment-workers"}  # one per role
+    for name in ("training-workers", "inference-workers"):
+        workers = groups[name]
+        pod = workers["template"]["spec"]
+        resources_ = pod["containers"][0]["resources"]
+        assert resources_["requests"]["nvidia.com/gpu"] == resources_["limits"]["nvidia.com/gpu"] == 1
+        assert workers["rayStartParams"]["num-gpus"] == "1"
+        assert 1 <= workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert pod["nodeSelector"] == {"joynexus.io/node-pool": "gpu"}  # the label node_groups.tf puts on GPU nodes
+    environment = groups["environment-workers"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in environment["containers"][0]["resources"]["limits"]
+    assert "tolerations" not in environment and environment["nodeSelector"] == {"joynexus.io/node-pool": "cpu"}
     node_groups = (REPO / "infra/terraform/modules/eks-gpu/node_groups.tf").read_text()
     assert '"joynexus.io/node-pool"          = "gpu"' in node_groups and 'key    = "nvidia.com/gpu"' in node_groups
+    assert 'labels = { "joynexus.io/node-pool" = "cpu" }' in node_groups
+
+
+def _group_resource(group: dict) -> dict[str, float]:
+    """The custom resources a worker group's Ray nodes declare (rayStartParams `resources`, the JSON
+    KubeRay passes to `ray start --resources` inside one more pair of quotes)."""
+    import json
+
+    text = group["rayStartParams"].get("resources")
+    return json.loads(json.loads(text)) if text else {}
+
+
+def test_each_role_s_worker_group_is_sized_by_the_settings_that_fill_it():
+    """Issue 45.4: every role's actors ask for their group's custom resource (nowhere else has it),
+    the GPU groups hold their roles' GPUs at the settings' minimum (minReplicas) and maximum
+    (maxReplicas), and the environment group holds the simulator workers' CPUs."""
+    from joynexus.settings import ScalingPolicy, parse_role_resources
+
+    data = config()
+    asked = parse_role_resources(data["JOYNEXUS_RESOURCES_JSON"])
+    groups = {g["groupName"]: g for g in resources()[("RayCluster", "joynexus")]["spec"]["workerGroupSpecs"]}
+    scaling = ScalingPolicy.model_validate_json(data["JOYNEXUS_INFERENCE_SCALING_JSON"])
+    shards, workers = int(data["JOYNEXUS_TRAINING_SHARDS"]), int(data["JOYNEXUS_ENVIRONMENT_WORKERS"])
+    assert scaling.max_tenants_per_replica is not None  # tenant-affine replicas in the deployment
+    for role, group, count_min, count_max in (
+        ("training_service", "training-workers", shards, shards),
+        ("inference_service", "inference-workers", scaling.min_replicas, scaling.max_replicas),
+        ("environment_worker", "environment-workers", 0, workers),
+        ("environment_service", "environment-workers", 1, 1),
+    ):
+        spec, g = asked[role], groups[group]
+        (resource,) = spec.resources  # the group's own resource, which no other group declares
+        assert resource in _group_resource(g), (role, resource)
+        assert all(resource not in _group_resource(o) for n, o in groups.items() if n != group), resource
+        per_node = float(g["rayStartParams"]["num-gpus"]) if spec.num_gpus else float(g["rayStartParams"]["num-cpus"])
+        need = spec.num_gpus or spec.num_cpus
+        fits = int(per_node // need)  # actors of the role one node of the group holds
+        assert fits >= 1, (role, per_node, need)
+        assert g["minReplicas"] * fits >= count_min or group == "environment-workers", (role, g["minReplicas"])
+        assert g["maxReplicas"] * fits >= count_max, (role, g["maxReplicas"], count_max)
+        assert _group_resource(g)[resource] >= fits * spec.resources[resource]  # the resource never binds first
+    # The environment group's CPUs hold the service and all its workers on its maxReplicas nodes.
+    env = groups["environment-workers"]
+    cpus = asked["environment_service"].num_cpus + workers * asked["environment_worker"].num_cpus
+    assert env["minReplicas"] >= 1 and env["maxReplicas"] * float(env["rayStartParams"]["num-cpus"]) >= cpus
 
 
 def test_ports_services_and_settings_line_up():
@@ -420,9 +471,10 @@ def test_the_ray_head_survives_a_restart_gcs_fault_tolerance_and_disruption_budg
     assert 'spec: {gcsFaultToleranceOptions: {redisAddress: "${GCS_REDIS}"}}' in bootstrap
     budgets = {name: doc["spec"] for (kind, name), doc in res.items() if kind == "PodDisruptionBudget"}
     assert budgets["joynexus-api"]["minAvailable"] == 1 and res[("Deployment", "joynexus-api")]["spec"]["replicas"] > 1
-    workers = budgets["joynexus-ray-gpu-workers"]
-    assert workers["maxUnavailable"] == 1
-    assert workers["selector"]["matchLabels"] == {"ray.io/cluster": "joynexus", "ray.io/group": "gpu-workers"}
+    for group in ("training-workers", "inference-workers", "environment-workers"):
+        workers = budgets[f"joynexus-ray-{group}"]
+        assert workers["maxUnavailable"] == 1
+        assert workers["selector"]["matchLabels"] == {"ray.io/cluster": "joynexus", "ray.io/group": group}
     assert budgets["joynexus-ray-head"]["selector"]["matchLabels"]["ray.io/node-type"] == "head"
     # a budget on a one-replica Deployment with minAvailable 1 would block every node drain
     for name, spec in budgets.items():

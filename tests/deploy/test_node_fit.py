@@ -49,7 +49,7 @@ def allocatable(instance: str) -> tuple[float, float, int]:
 def pools() -> dict[str, dict]:
     text = (TERRAFORM / "variables.tf").read_text()
     found = {}
-    for pool in ("system", "gpu"):
+    for pool in ("system", "gpu", "cpu"):
         block = re.search(rf"{pool} = optional\(object\(\{{(.*?)\}}\), \{{\}}\)", text, re.S).group(1)
         types = re.search(r"instance_types\s*=.*", block).group(0)
         found[pool] = {"instance_types": re.findall(r'"([a-z0-9]+\.[a-z0-9]+)"', types)}
@@ -96,7 +96,7 @@ def test_every_pod_fits_every_instance_type_of_its_pool():
             assert gpus <= gpus_a, f"{label}: requests {gpus} GPUs, a {instance} has {gpus_a}"
 
 
-def test_the_system_pool_holds_its_pods_on_min_size_nodes_and_ray_scales_within_the_gpu_pool():
+def test_the_system_pool_holds_its_pods_on_min_size_nodes_and_ray_scales_within_its_pools():
     node_pools = pools()
     system = node_pools["system"]
     instance = min(system["instance_types"], key=lambda i: INSTANCES[i][:2])
@@ -112,9 +112,13 @@ def test_the_system_pool_holds_its_pods_on_min_size_nodes_and_ray_scales_within_
         node[0] -= cpu
         node[1] -= memory
     cluster = by_key(rendered())[("RayCluster", "joynexus")]["spec"]
-    for group in cluster["workerGroupSpecs"]:
-        assert group["maxReplicas"] <= node_pools["gpu"]["max_size"]  # one GPU worker per GPU node
-        assert group["minReplicas"] <= node_pools["gpu"]["min_size"] or node_pools["gpu"]["min_size"] == 0
+    by_pool: dict[str, list[dict]] = {}
+    for group in cluster["workerGroupSpecs"]:  # one Ray worker per node: a pool's groups share its nodes
+        by_pool.setdefault(group["template"]["spec"]["nodeSelector"]["joynexus.io/node-pool"], []).append(group)
+    assert set(by_pool) == {"gpu", "cpu"}
+    for pool, groups in by_pool.items():
+        assert sum(g["maxReplicas"] for g in groups) <= node_pools[pool]["max_size"], pool
+        assert sum(g["minReplicas"] for g in groups) <= node_pools[pool]["min_size"], pool
 
 
 def test_the_fit_check_fails_for_the_old_worker_size():

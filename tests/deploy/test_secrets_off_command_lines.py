@@ -56,7 +56,9 @@ def test_no_container_command_or_argument_carries_a_secret_value():
 def test_the_ray_pods_hold_the_database_login_as_a_mounted_file_not_in_their_environment():
     plans, values = _plans_and_values()
     logins = {v for where, v in values.items() if where.startswith("joynexus-db-")}
-    for name in ("joynexus-head", "joynexus-gpu-workers-worker"):
+    roles = ("training", "inference", "environment")
+    ray_pods = ("joynexus-head", *(f"joynexus-{role}-workers-worker" for role in roles))
+    for name in ray_pods:
         ray = next(p for p in plans if p.name == name)
         assert not logins & set(ray.env.values()), name  # every process of the pod inherits its env
         path = ray.env["JOYNEXUS_DATABASE_URL_FILE"]

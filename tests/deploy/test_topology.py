@@ -25,7 +25,9 @@ from tests.helpers import sft_spec, wait_for, write_dataset_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
-HEAD, WORKER = "joynexus-head", "joynexus-gpu-workers-worker"
+HEAD = "joynexus-head"
+# One Ray worker pod per role's group (issue 45.4): each role's actors need their group's resource.
+WORKERS = tuple(f"joynexus-{role}-workers-worker" for role in ("training", "inference", "environment"))
 
 
 def _require_host() -> None:
@@ -73,15 +75,16 @@ def _bring_up(t) -> None:
     test), each readiness as its probe says, the db-users and services Jobs to completion. The apps
     restart until the db-users Job has made their database logins, as they would on a cluster."""
     pods, mark = t.pods, t.timeline.mark
-    for pod in ("joynexus-db-users", HEAD, WORKER, "joynexus-services", "joynexus-api", "joynexus-mlflow",
+    for pod in ("joynexus-db-users", HEAD, *WORKERS, "joynexus-services", "joynexus-api", "joynexus-mlflow",
                 "joynexus-prefect"):  # fmt: skip
         t.start(pod)
     pods.wait_job("joynexus-db-users", 300)
     mark("db-users Job completed")
     _wait_ray_ready(t, HEAD)
     mark("Ray head ready")
-    _wait_ray_ready(t, WORKER)
-    mark("Ray GPU worker ready")
+    for worker in WORKERS:
+        _wait_ray_ready(t, worker)
+        mark(f"Ray worker {worker} ready")
     for pod in ("joynexus-mlflow", "joynexus-prefect"):
         pods.wait_http(pod, 900)
         mark(f"{pod} ready")
@@ -182,7 +185,7 @@ def test_an_upload_through_the_api_replica_is_trained_on_by_the_master(topo):
     assert done.state == "completed", done
     assert done.dataset_id == uploaded.dataset_id
     topo.upload_workload = workload  # trained on again after the upgrade
-    master_copies = list((topo.base / "volumes").glob(f"joynexus-gpu-workers-worker/**/{uploaded.dataset_id}"))
+    master_copies = list((topo.base / "volumes").glob(f"joynexus-*-workers-worker/**/{uploaded.dataset_id}"))
     api_copies = list((topo.base / "volumes").glob(f"joynexus-api/**/{uploaded.dataset_id}"))
     assert api_copies, "the API kept the upload on its own volume"
     copies = f"{len(master_copies)} copies on the Ray worker's volumes"
@@ -318,7 +321,7 @@ def _restart_diagnosis(t, before: dict[str, tuple[str, int]]) -> str:
     except Exception as e:  # noqa: BLE001
         lines.append(f"API health: {e!r}")
     logs = t.base / "volumes"
-    for pod, name in ((HEAD, "gcs_server.out"), (HEAD, "raylet.out"), (WORKER, "raylet.out")):
+    for pod, name in ((HEAD, "gcs_server.out"), (HEAD, "raylet.out"), *((w, "raylet.out") for w in WORKERS)):
         for path in sorted(logs.glob(f"{pod}/tmp/ray/session_*/logs/{name}")):
             lines.append(f"--- {path} ---\n{path.read_text(errors='replace')[-3000:]}")
     lines.append(f"--- head pod log ---\n{t.pods.log(HEAD)}")
@@ -412,7 +415,7 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
     assert before.training_version is not None and before.checkpoints, before
     actors_before = _actors(topo)
     release = "topology-upgrade-2"
-    for pod in (HEAD, WORKER, "joynexus-services"):
+    for pod in (HEAD, *WORKERS, "joynexus-services"):
         topo.plans[pod].env["JOYNEXUS_RELEASE"] = release  # the new template (bootstrap-cluster's render)
     # bootstrap-cluster deleted the finished Job and applied the new one: a new pod (fresh emptyDirs)
     topo.pods.recreate("joynexus-services")
@@ -422,10 +425,10 @@ def test_an_image_upgrade_drains_and_replaces_the_services_with_no_version_lost(
         assert time.monotonic() < deadline, f"no drain in 900 s:\n{topo.pods.log('joynexus-services')}"
         time.sleep(2)
     topo.timeline.mark("the services Job drained the old release and killed its actors")
-    for pod in (HEAD, WORKER):  # `kubectl delete pod -l ray.io/cluster=joynexus`: KubeRay makes them anew
+    for pod in (HEAD, *WORKERS):  # `kubectl delete pod -l ray.io/cluster=joynexus`: KubeRay makes them anew
         topo.pods.recreate(pod)
-    _wait_ray_ready(topo, HEAD)
-    _wait_ray_ready(topo, WORKER)
+    for pod in (HEAD, *WORKERS):
+        _wait_ray_ready(topo, pod)
     topo.pods.wait_job("joynexus-services", 1500)
     topo.timeline.mark("Ray pods of the new release up, services Job completed")
     after_actors = _actors(topo)

@@ -45,13 +45,15 @@ def _settings_read() -> set[str]:
 
 def test_every_pod_has_a_command_a_non_root_user_and_a_memory_limit(plans):
     names = {p.name for p in plans}
-    assert {"joynexus-head", "joynexus-gpu-workers-worker", "joynexus-api", "joynexus-services"} <= names
+    workers = {f"joynexus-{role}-workers-worker" for role in ("training", "inference", "environment")}
+    assert {"joynexus-head", "joynexus-api", "joynexus-services", *workers} <= names
     for plan in plans:
         assert plan.argv and plan.uid == 10001 and plan.memory_limit > 0, plan.name
     head = next(p for p in plans if p.name == "joynexus-head")
     assert head.argv[:3] == ["ray", "start", "--head"] and "RAY_REDIS_ADDRESS" in head.env  # GCS fault tolerance
-    worker = next(p for p in plans if p.name == "joynexus-gpu-workers-worker")
+    worker = next(p for p in plans if p.name == "joynexus-training-workers-worker")
     assert "--num-gpus=1" in worker.argv and worker.env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
+    assert '--resources="{\\"joynexus_training\\": 100}"' in worker.argv  # the role's custom resource
 
 
 def test_no_variable_the_kubelet_adds_is_a_joynexus_setting(plans):
@@ -78,7 +80,9 @@ def test_the_operator_s_secrets_carry_each_app_s_own_login_url_encoded(plans):
         if plan.name != "joynexus-db-users":
             files = [f for v in plan.volumes if v["kind"] == "secret" for f in v["files"].values()]
             assert not master & set(files), plan.name
-    for name in ("joynexus-head", "joynexus-gpu-workers-worker"):  # the service actors read their login here
+    roles = ("training", "inference", "environment")
+    ray_pods = ("joynexus-head", *(f"joynexus-{role}-workers-worker" for role in roles))
+    for name in ray_pods:  # the service actors read their login here
         ray = next(p for p in plans if p.name == name)
         (login,) = [v for v in ray.volumes if v["kind"] == "secret"]
         assert login["files"] == {"JOYNEXUS_DATABASE_URL": url} and login["read_only"]

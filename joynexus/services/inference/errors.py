@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
+
+from joynexus.actors import role_unavailable
+from joynexus.scheduling.inference_queue import InferenceQueueClosed
 
 
 class InferenceError(RuntimeError):
@@ -19,3 +23,16 @@ class UnknownPolicyVersion(InferenceError, KeyError):
         # Rebuilt from its own fields: the default (cls(*args)) fails on the one message argument,
         # and Ray then hands callers an UnserializableException instead of this error.
         return (type(self), (self.tenant_id, self.version, self.available))
+
+
+def cause_of(error: BaseException | None) -> BaseException | None:
+    """The service's own exception inside a Ray task error (as a local call would raise it)."""
+    if error is None:
+        return None
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, Exception) else error
+
+
+def replica_gone(error: BaseException) -> bool:
+    """The replica died, was stopped or closed its queue: the request itself was fine."""
+    return role_unavailable(error) or isinstance(error, InferenceQueueClosed | concurrent.futures.CancelledError)

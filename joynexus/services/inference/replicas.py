@@ -9,10 +9,15 @@ and its own batching queue:
   replica died or closed under it is sent to another replica (a prediction has no side effect), and
   so is one a replica refused for a version published here (Ray restarted it in place and it took
   the request before the monitor restored its weights; it takes no traffic until restored).
-- weights: `load_weights` publishes the payload to every replica; the set keeps the last
-  `max_versions_per_tenant` payloads of each tenant, so a new replica, or one Ray restarted in
-  place, gets every published version before it takes traffic. A request without a version is
-  pinned here to the tenant's latest version, which every active replica holds.
+- tenant affinity (issue 45.3; `ScalingPolicy.max_tenants_per_replica`): a replica holds at most
+  that many tenants (`affinity.TenantAffinity`, LRU), loaded from the payloads kept here on demand;
+  a tenant's requests go only to its holders; one with over `hot_tenant_in_flight` requests in
+  flight per holder gets one more. Callers route themselves (`router.TenantRouter`, by
+  `assignment()` / `route()`): a request does not pass through this set's actor.
+- weights: `load_weights` publishes to every replica (with affinity: the tenant's holders); the
+  last `max_versions_per_tenant` payloads of each tenant are kept, so a new replica, or one Ray
+  restarted in place, gets them before it takes traffic. A request without a version is pinned
+  here to the tenant's latest version, which every active replica (holder) holds.
 - scaling: `scale_to(n)` within the policy's bounds, and, when the policy is elastic, an
   autoscaler round every `interval_s` (`joynexus.scheduling.autoscaler`: queue depth per replica,
   p99 latency, cooldown). Scale-in drains: the replica stops taking requests, its requests in
@@ -26,7 +31,6 @@ ones, which the Master's Health Manager serves again (`publish_weights` of the t
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
@@ -35,21 +39,28 @@ import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from joynexus.actors import ServiceHandle, named_actor, role_unavailable
-from joynexus.models.backbone import BackboneSource
+from joynexus.actors import ServiceHandle
+from joynexus.artifacts import decode_tenant_payload
 from joynexus.scheduling.autoscaler import Autoscaler, LoadSignals
-from joynexus.scheduling.inference_queue import InferenceQueueClosed, Observation, settle_future
+from joynexus.scheduling.inference_queue import Observation, settle_future
+from joynexus.services.inference.affinity import TenantAffinity
 from joynexus.services.inference.cancellation import KeyedRequests, cancel_request
 from joynexus.services.inference.endpoint import PredictBySubmit
-from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion
-from joynexus.services.inference.service import (
-    InferenceModelService,
+from joynexus.services.inference.errors import InferenceError, UnknownPolicyVersion, cause_of, replica_gone
+from joynexus.services.inference.replica_factory import (  # noqa: F401
+    LocalReplicas,
+    RayReplicas,
+    ReplicaFactory,
+    merge_histograms,
+    sum_known,
 )
-from joynexus.settings import RoleResources, ScalingPolicy
+from joynexus.services.inference.service import InferenceModelService
+from joynexus.services.inference.tenant_placement import TenantPlacement
+from joynexus.settings import ScalingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -58,59 +69,6 @@ MAX_ATTEMPTS = 3  # replicas one request may be sent to (the first one died or c
 LATENCY_WINDOW_S = 30.0  # p99 over the requests finished this recently
 PROBE_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 600.0  # a new replica builds its backbone before it answers
-
-
-class ReplicaFactory(Protocol):
-    """Makes and stops replicas; picklable, so a Ray actor of the set can hold one."""
-
-    def create(self, name: str) -> Any: ...
-
-    def destroy(self, target: Any) -> None: ...
-
-
-@dataclass(frozen=True)
-class LocalReplicas:
-    """Replicas as `InferenceModelService` objects of this process."""
-
-    backbone_source: BackboneSource
-    service_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def create(self, name: str) -> InferenceModelService:
-        return InferenceModelService(self.backbone_source, **self.service_kwargs)
-
-    def destroy(self, target: Any) -> None:
-        target.close()
-
-
-@dataclass(frozen=True)
-class RayReplicas:
-    """Replicas as Ray actors owned by the process that creates them (the set's actor), placed by
-    Ray with the `inference_service` role's resources."""
-
-    backbone_source: BackboneSource
-    namespace: str | None = None
-    resources: RoleResources = field(default_factory=RoleResources)
-    service_kwargs: dict[str, Any] = field(default_factory=dict)
-    scheduling_strategy: str | None = None  # e.g. "SPREAD": one replica per node where they fit
-
-    def create(self, name: str) -> Any:
-        return named_actor(
-            InferenceModelService,
-            name,
-            self.backbone_source,
-            namespace=self.namespace,
-            num_cpus=1,
-            max_concurrency=64,
-            ray_resources=self.resources,
-            get_if_exists=False,
-            scheduling_strategy=self.scheduling_strategy,
-            **self.service_kwargs,
-        )
-
-    def destroy(self, target: Any) -> None:
-        import ray
-
-        ray.kill(target, no_restart=True)
 
 
 @dataclass(eq=False)
@@ -123,6 +81,8 @@ class _Replica:
     incarnation: str | None = None
     pid: int | None = None
     restarts: int = 0
+    queue_depth: int = 0  # its queue as its last heartbeat said (routers' requests included)
+    reported: int = 0  # requests it served by its last heartbeat (routers' too; since its last restart)
     created_at: float = field(default_factory=time.time)
 
     def describe(self) -> dict[str, Any]:
@@ -130,14 +90,14 @@ class _Replica:
             "name": self.name,
             "state": self.state,
             "in_flight": self.in_flight,
-            "served": self.served,
+            "served": max(self.served, self.reported),
             "incarnation": self.incarnation,
             "pid": self.pid,
             "restarts": self.restarts,
         }
 
 
-class InferenceReplicaSet(PredictBySubmit):
+class InferenceReplicaSet(TenantPlacement, PredictBySubmit):
     def __init__(
         self,
         factory: ReplicaFactory,
@@ -167,6 +127,12 @@ class InferenceReplicaSet(PredictBySubmit):
         self._counts = {"requests": 0, "failed_requests": 0, "rerouted_requests": 0, "scale_events": 0}
         self._events: deque[dict[str, Any]] = deque(maxlen=32)
         self._last_decision = "none"
+        # Which replicas hold which tenants (None: every replica holds every tenant); changed under
+        # _publish_lock, with the loads and removals it asks for.
+        cap = self.policy.max_tenants_per_replica
+        self.affinity = TenantAffinity(cap) if cap is not None else None
+        self._tenant_in_flight: dict[str, int] = {}  # this set's own requests per tenant (hot tenants)
+        self._table: dict[str, tuple[str, ...]] = {}  # the affinity's table, swapped whole on each change
         self._keyed = KeyedRequests()  # requests submitted with a request_key, for `cancel`
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -224,16 +190,22 @@ class InferenceReplicaSet(PredictBySubmit):
         attempts: int,
         tried: set[str],
     ) -> None:
+        held = None if self.affinity is None else set(self._holders(tenant_id))
+        if held == set() and tenant_id not in self._kept:  # never published here: the caller's error
+            with self._cond:
+                self._counts["failed_requests"] += 1
+            outer.set_exception(UnknownPolicyVersion(tenant_id, request["policy_version"], []))
+            return
         with self._cond:
-            candidates = [r for r in self._replicas if r.state == "active" and r.name not in tried]
-            if not candidates:
-                candidates = [r for r in self._replicas if r.state == "active"]
+            active = [r for r in self._replicas if r.state == "active" and (held is None or r.name in held)]
+            candidates = [r for r in active if r.name not in tried] or active
             if not candidates:
                 self._counts["failed_requests"] += 1
                 outer.set_exception(InferenceError("no Inference Model Service replica is serving right now"))
                 return
             replica = min(candidates, key=lambda r: (r.in_flight, r.served))
             replica.in_flight += 1
+            self._tenant_in_flight[tenant_id] = self._tenant_in_flight.get(tenant_id, 0) + 1
         tried.add(replica.name)
         replica_key = uuid.uuid4().hex  # this attempt's key on the replica, to cancel it there
         try:
@@ -258,21 +230,28 @@ class InferenceReplicaSet(PredictBySubmit):
             with self._cond:
                 replica.in_flight -= 1
                 replica.served += 1
+                self._tenant_in_flight[tenant_id] -= 1
                 self._cond.notify_all()
             if outer.done() or finished.cancelled():  # the caller gave up on it (cancelled): nothing to pass on
                 return
-            error = _cause(finished.exception())
+            error = cause_of(finished.exception())
             if error is None:
                 with self._cond:
                     self._latencies.append((time.monotonic(), time.monotonic() - started))
                 settle_future(outer, result=finished.result())
                 return
             lost = self._lost_weights(replica, tenant_id, request["policy_version"], error)
-            if (lost or _replica_gone(error)) and attempts > 1:
+            if (lost or replica_gone(error)) and attempts > 1:
                 log.warning("replica %s failed a request (%s); sending it to another", replica.name, error)
                 with self._cond:
                     self._counts["rerouted_requests"] += 1
-                self._dispatch(outer, tenant_id, observations, request, started, attempts - 1, tried)
+                # On a thread of its own: placing the tenant may load weights, and this callback's
+                # thread may be one a publisher waits on.
+                threading.Thread(
+                    target=self._dispatch,
+                    args=(outer, tenant_id, observations, request, started, attempts - 1, tried),
+                    daemon=True,
+                ).start()
                 return
             with self._cond:
                 self._counts["failed_requests"] += 1
@@ -285,7 +264,11 @@ class InferenceReplicaSet(PredictBySubmit):
         in place and it took this request before the monitor saw the new incarnation (a call sent
         while an actor restarts may run in its new process). It takes no traffic until the monitor
         has restored it."""
-        if not isinstance(error, UnknownPolicyVersion) or version is None:
+        if not isinstance(error, UnknownPolicyVersion):
+            return False
+        if self.affinity is not None and replica.name not in self._table.get(tenant_id, ()):
+            return True  # the tenant left that replica (evicted) since: sent where it is now
+        if version is None:
             return False
         # Read without _publish_lock: this runs in a future's callback, whose thread may be the one
         # a publisher holding that lock waits on (a dict lookup is atomic under the GIL).
@@ -302,12 +285,20 @@ class InferenceReplicaSet(PredictBySubmit):
         kept for replicas that start later or restart."""
         with self._publish_lock:
             targets = self._live()
+            tenant_id = None
+            if self.affinity is not None and targets:  # its holders, or one replica placed now
+                tenant_id = decode_tenant_payload(payload)[1].tenant_id
+                held = set(self._place(tenant_id, 1))
+                targets = [r for r in targets if r.name in held]
             if not targets:
                 raise InferenceError("no Inference Model Service replica to load weights into")
             results = self._on_each(targets, InferenceModelService.load_weights, payload)
             answer = next((r for r in results.values() if not isinstance(r, BaseException)), None)
-            refused = [e for e in results.values() if isinstance(e, BaseException) and not _replica_gone(e)]
+            refused = [e for e in results.values() if isinstance(e, BaseException) and not replica_gone(e)]
             if refused or answer is None:
+                if tenant_id is not None and tenant_id not in self._kept:  # a new tenant refused: held nowhere
+                    self.affinity.forget(tenant_id)  # type: ignore[union-attr]
+                    self._sync_table()
                 raise (refused or list(results.values()))[0]
             versions = self._kept.setdefault(answer["tenant_id"], OrderedDict())
             versions[answer["version"]] = payload
@@ -322,9 +313,17 @@ class InferenceReplicaSet(PredictBySubmit):
             return max(versions) if versions else None
 
     def versions(self, tenant_id: str) -> list[int]:
-        """Versions every active replica serves."""
+        """Versions every active replica serves (with affinity: every active holder; a tenant held
+        by none serves its kept versions, paged in on its next request)."""
+        targets = self._active()
+        if self.affinity is not None:
+            held = self._table.get(tenant_id, ())
+            targets = [r for r in targets if r.name in held]
+            if not targets:
+                with self._publish_lock:
+                    return sorted(self._kept.get(tenant_id, ()))
         served: set[int] | None = None
-        for answer in self._on_each(self._active(), InferenceModelService.versions, tenant_id).values():
+        for answer in self._on_each(targets, InferenceModelService.versions, tenant_id).values():
             if isinstance(answer, BaseException):
                 continue
             served = set(answer) if served is None else served & set(answer)
@@ -342,6 +341,9 @@ class InferenceReplicaSet(PredictBySubmit):
         with self._publish_lock:
             self._kept.pop(tenant_id, None)
             results = self._on_each(self._live(), InferenceModelService.remove_tenant, tenant_id)
+            if self.affinity is not None:
+                self.affinity.forget(tenant_id)
+                self._sync_table()
         counts = [r for r in results.values() if not isinstance(r, BaseException)]
         return max(counts, default=0)
 
@@ -403,15 +405,25 @@ class InferenceReplicaSet(PredictBySubmit):
             beat = replica.handle.probe("heartbeat", STARTUP_TIMEOUT_S)  # waits for its backbone
             replica.incarnation, replica.pid = beat.get("incarnation"), beat.get("pid")
             self._restore(replica, "active")
+            if self.affinity is not None:  # holds no tenant yet: tenants are placed on it on demand
+                with self._publish_lock:
+                    self.affinity.add_replica(name)
         except BaseException:
             self._stop_replica(replica)
             raise
         return replica
 
     def _restore(self, replica: _Replica, state_after: str) -> int:
-        """Load every kept payload into `replica` (version order), then let it take traffic."""
+        """Load every kept payload into `replica` (version order; with affinity only its tenants'),
+        then let it take traffic."""
         with self._publish_lock:
-            payloads = [p for versions in self._kept.values() for _, p in sorted(versions.items())]
+            mine = None if self.affinity is None else set(self.affinity.tenants_of(replica.name))
+            payloads = [
+                p
+                for tenant_id, versions in self._kept.items()
+                if mine is None or tenant_id in mine
+                for _, p in sorted(versions.items())
+            ]
             for payload in payloads:
                 replica.handle.load_weights(payload)
             with self._cond:
@@ -422,6 +434,8 @@ class InferenceReplicaSet(PredictBySubmit):
         deadline = time.monotonic() + self.policy.drain_timeout_s
         with self._cond:
             replica.state = "draining"  # no new requests from here on
+        self._forget_replica(replica)  # routers' next table leaves it out
+        with self._cond:
             while replica.in_flight > 0 and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             left = replica.in_flight
@@ -435,6 +449,7 @@ class InferenceReplicaSet(PredictBySubmit):
         self._stop_replica(replica)
 
     def _stop_replica(self, replica: _Replica) -> None:
+        self._forget_replica(replica)
         try:
             self.factory.destroy(replica.handle.target)
         except Exception as error:  # gone already
@@ -469,6 +484,8 @@ class InferenceReplicaSet(PredictBySubmit):
                         replica.state = "unreachable"
                 log.warning("replica %s does not answer: %s", replica.name, error)
                 continue
+            replica.queue_depth = int(beat.get("queue_depth") or 0)
+            replica.reported = int(beat.get("requests_served") or 0)
             if beat.get("incarnation") != replica.incarnation:
                 with self._cond:
                     replica.state, replica.restarts = "restoring", replica.restarts + 1
@@ -486,7 +503,8 @@ class InferenceReplicaSet(PredictBySubmit):
         with self._cond:
             active = [r for r in self._replicas if r.state == "active"]
             recent = [s for at, s in self._latencies if now - at <= LATENCY_WINDOW_S]
-            in_flight = sum(r.in_flight for r in active)
+            # Routers send requests straight to replicas: their queues (last heartbeat) count too.
+            in_flight = sum(max(r.in_flight, r.queue_depth) for r in active)
         p99 = float(np.percentile(recent, 99)) if recent else None
         return LoadSignals(replicas=len(active), in_flight=in_flight, p99_latency_s=p99)
 
@@ -512,7 +530,8 @@ class InferenceReplicaSet(PredictBySubmit):
             counts, events = dict(self._counts), list(self._events)
         total.update(
             {
-                "queue_depth": signals.in_flight,
+                # The replicas' own queues, read now (routers' requests included), and this set's.
+                "queue_depth": max(sum(s.get("queue_depth", 0) for s in answers), self._own_in_flight()),
                 "mean_batch_samples": samples / total["batches"] if total["batches"] else 0.0,
                 "max_batch_samples": max((s.get("max_batch_samples", 0) for s in answers), default=0),
                 "tenants": {t: self.versions(t) for t in self.tenants()},
@@ -521,10 +540,10 @@ class InferenceReplicaSet(PredictBySubmit):
                     key: answers[0].get(key) if answers else None
                     for key in ("max_chunk_samples", "max_batch_size", "max_wait_s")
                 },
-                "latency_seconds": _merge_histograms([s.get("latency_seconds") for s in answers]),
-                "batch_samples": _merge_histograms([s.get("batch_samples") for s in answers]),
-                "rss_bytes": _sum_known([s.get("rss_bytes") for s in answers]),
-                "device_memory_bytes": _sum_known([s.get("device_memory_bytes") for s in answers]),
+                "latency_seconds": merge_histograms([s.get("latency_seconds") for s in answers]),
+                "batch_samples": merge_histograms([s.get("batch_samples") for s in answers]),
+                "rss_bytes": sum_known([s.get("rss_bytes") for s in answers]),
+                "device_memory_bytes": sum_known([s.get("device_memory_bytes") for s in answers]),
                 "replicas": self.replicas(),
                 "replica_set": {
                     **counts,
@@ -565,6 +584,10 @@ class InferenceReplicaSet(PredictBySubmit):
             self._stop_replica(replica)
 
     # -- internals ----------------------------------------------------------------------------
+    def _own_in_flight(self) -> int:
+        with self._cond:
+            return sum(r.in_flight for r in self._replicas)
+
     def _active(self) -> list[_Replica]:
         with self._cond:
             return [r for r in self._replicas if r.state == "active"]
@@ -583,35 +606,5 @@ class InferenceReplicaSet(PredictBySubmit):
             try:
                 results[name] = future.result(timeout=120)
             except BaseException as error:  # noqa: BLE001 - reported per replica
-                results[name] = _cause(error)
+                results[name] = cause_of(error)
         return results
-
-
-def _cause(error: BaseException | None) -> BaseException | None:
-    """The service's own exception inside a Ray task error (as a local call would raise it)."""
-    if error is None:
-        return None
-    cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, Exception) else error
-
-
-def _replica_gone(error: BaseException) -> bool:
-    """The replica died, was stopped or closed its queue: the request itself was fine."""
-    return role_unavailable(error) or isinstance(error, InferenceQueueClosed | concurrent.futures.CancelledError)
-
-
-def _merge_histograms(snapshots: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """Sum `BucketHistogram` snapshots with the same bounds (cumulative counts add up)."""
-    present = [s for s in snapshots if s]
-    if not present:
-        return None
-    buckets = [[bound, 0] for bound, _ in present[0]["buckets"]]
-    for snapshot in present:
-        for slot, (_, count) in zip(buckets, snapshot["buckets"], strict=True):
-            slot[1] += count
-    return {"buckets": buckets, "sum": sum(s["sum"] for s in present), "count": sum(s["count"] for s in present)}
-
-
-def _sum_known(values: list[int | None]) -> int | None:
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None

@@ -234,6 +234,12 @@ class InferenceModelService(PredictBySubmit):
         self._record_serving_set(tenant_id)
         return removed
 
+    def evict_tenant(self, tenant_id: str) -> int:
+        """Drop the tenant's serving states from this replica only (its replica set holds it
+        elsewhere or pages it in again, issue 45.3): unlike `remove_tenant`, its recorded serving
+        set, the deployment's, stays."""
+        return self.serving_states.remove_tenant(tenant_id)
+
     def _resolve(self, tenant_id: str, version: int | None) -> ServingState:
         """The serving state a request will use, paged in if it was out; inside `submit` it stays
         pinned (never paged out) until the request settles."""
@@ -542,6 +548,7 @@ class InferenceModelService(PredictBySubmit):
             "pid": os.getpid(),
             "tenants": self.tenants(),
             "queue_depth": self.queue.depth(),
+            "requests_served": self._stats["requests"],  # callers' routers send here directly (issue 45.3)
             **self.backbone.placement_info(),
         }
 

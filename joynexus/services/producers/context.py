@@ -21,6 +21,7 @@ from joynexus.core.tenants import Tenant, tenant_of
 from joynexus.registry import ExperimentTracker, tracker_from_settings
 from joynexus.scheduling.training_queue import TrainingQueue
 from joynexus.scheduling.training_scheduler import TrainingScheduler
+from joynexus.services.inference.router import inference_endpoint
 from joynexus.settings import Settings
 
 if TYPE_CHECKING:  # names the types only: the replica builds no model at import
@@ -68,7 +69,14 @@ class ProducerContext:
             scheduler=TrainingScheduler(store, release_partition=queue.clear),
             queue=queue,
             training_service=_training_service(settings, lookup),
-            inference_service=service_handle(cast("type[InferenceEndpoint]", object), lookup("inference_service")),
+            inference_service=service_handle(
+                cast("type[InferenceEndpoint]", object),
+                inference_endpoint(  # with replicas: rollouts' requests go straight to the tenant's replicas
+                    lookup("inference_service"),
+                    replicated=settings.inference_scaling.max_replicas > 1,
+                    namespace=settings.ray_namespace,
+                ),
+            ),
             environment_service=service_handle(cast("type[EnvironmentService]", object), lookup("environment_service")),
             checkpoints=checkpoint_store(settings),
         )

@@ -4,6 +4,7 @@ resource "aws_launch_template" "pool" {
   for_each = {
     system = var.system_pool.disk_gib
     gpu    = var.gpu_pool.disk_gib
+    cpu    = var.cpu_pool.disk_gib
   }
   name_prefix = "${var.cluster_name}-${each.key}-"
 
@@ -30,7 +31,7 @@ resource "aws_launch_template" "pool" {
   }
 }
 
-# Both groups scale between min_size and max_size under the cluster-autoscaler
+# The groups scale between min_size and max_size under the cluster-autoscaler
 # (infra/cluster/cluster-autoscaler.yaml), which finds their ASGs by the k8s.io/cluster-autoscaler/*
 # tags EKS puts on managed node groups; desired_size is only the starting point.
 resource "aws_eks_node_group" "system" {
@@ -53,6 +54,36 @@ resource "aws_eks_node_group" "system" {
   }
 
   labels = { "joynexus.io/node-pool" = "system" }
+
+  lifecycle {
+    ignore_changes = [scaling_config[0].desired_size] # owned by the cluster-autoscaler
+  }
+
+  depends_on = [aws_iam_role_policy_attachment.node]
+}
+
+# CPU nodes for the Ray environment workers (tenant simulators): kept apart from the system pool,
+# where the control plane runs.
+resource "aws_eks_node_group" "cpu" {
+  cluster_name    = aws_eks_cluster.this.name
+  node_group_name = "${var.cluster_name}-cpu"
+  node_role_arn   = aws_iam_role.node.arn
+  subnet_ids      = aws_subnet.private[*].id
+  instance_types  = var.cpu_pool.instance_types
+  ami_type        = "AL2023_x86_64_STANDARD"
+
+  launch_template {
+    id      = aws_launch_template.pool["cpu"].id
+    version = aws_launch_template.pool["cpu"].latest_version
+  }
+
+  scaling_config {
+    min_size     = var.cpu_pool.min_size
+    desired_size = var.cpu_pool.desired_size
+    max_size     = var.cpu_pool.max_size
+  }
+
+  labels = { "joynexus.io/node-pool" = "cpu" }
 
   lifecycle {
     ignore_changes = [scaling_config[0].desired_size] # owned by the cluster-autoscaler

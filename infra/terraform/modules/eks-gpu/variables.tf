@@ -75,12 +75,24 @@ variable "system_pool" {
   default = {}
 }
 
-variable "gpu_pool" {
-  description = "GPU node group for the Ray workers (tainted nvidia.com/gpu=true:NoSchedule)."
+variable "cpu_pool" {
+  description = "CPU node group for the Ray environment workers (simulators): the KubeRay group environment-workers."
   type = object({
-    instance_types = optional(list(string), ["g5.2xlarge"])
+    instance_types = optional(list(string), ["m6i.2xlarge"])
     min_size       = optional(number, 1)
     desired_size   = optional(number, 1)
+    max_size       = optional(number, 4)
+    disk_gib       = optional(number, 100)
+  })
+  default = {}
+}
+
+variable "gpu_pool" {
+  description = "GPU node group for the Ray training and inference workers (tainted nvidia.com/gpu=true:NoSchedule)."
+  type = object({
+    instance_types = optional(list(string), ["g5.2xlarge"])
+    min_size       = optional(number, 2)
+    desired_size   = optional(number, 2)
     max_size       = optional(number, 4)
     disk_gib       = optional(number, 200)
     capacity_type  = optional(string, "ON_DEMAND")
