@@ -13,6 +13,7 @@ champion moves; a best variant with another module size is promoted in its own r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import uuid
@@ -66,7 +67,14 @@ def promote_best(source_id: str, sweep_id: str, row: dict[str, Any], adopt: bool
     if adopt:
         weights = cluster.training.export_params(row["tenant_id"])
         provenance = f"sweep {sweep_id}: {row['tenant_id']} v{row['version']} ({row['variant']})"
-        installed = cluster.master.install_weights(source_id, weights, source=provenance, installed_by="sweep")
+        # As the API's install does: the Master admits, the weights go to the Training Model Service
+        # (never through the Master), the tenant's producer replica serves and registers the version.
+        cluster.master.admit_weights_install(source_id, source=provenance)
+        manifest = cluster.training.install_weights(source_id, weights)
+        installed = cluster.master.publish_installed_weights(
+            source_id, int(manifest["policy_version"]), source=provenance,
+            sha256=hashlib.sha256(weights).hexdigest(), installed_by="sweep",
+        )  # fmt: skip
         decision = cluster.master.promote(source_id, installed["registered_version"])
         return {"tenant_id": source_id, "adopted": True, "installed_version": installed["version"], **decision}
     decision = cluster.master.promote(row["tenant_id"], row["registered_version"])
