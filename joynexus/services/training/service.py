@@ -317,6 +317,7 @@ class TrainingModelService:
                 manifests.append(manifest_dict(self.slot_table.save(self._slot(tenant_id), include_optim)))
         return manifests
 
+    @pins_during_call("_slots")
     def fork_checkpoint(self, source_id: str, version: int, new_tenant: str) -> dict[str, Any]:
         """Copy the source's checkpointed `version` as `new_tenant`'s version 0 (a fork); here,
         where tensors live, so a fork moves no weight through the Master. Returns the manifest."""
