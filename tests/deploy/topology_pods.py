@@ -12,6 +12,7 @@ and the S3 endpoint of that stand-in."""
 from __future__ import annotations
 
 import re
+import shlex
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -251,6 +252,8 @@ def _ray_start(cluster: dict, group: dict | None, container: dict) -> tuple[list
     params.setdefault("dashboard-agent-listen-port", KUBERAY_DASHBOARD_AGENT_PORT)
     params.setdefault("block", "true")
     for key, value in params.items():
+        if value[:1] in ("'", '"'):  # KubeRay's bash -lc removes the quotes of a quoted value (resources' JSON)
+            value = shlex.split(value)[0]
         argv.append(f"--{key}" if key in ("block", "no-monitor") and value == "true" else f"--{key}={value}")
     return argv, env
 
