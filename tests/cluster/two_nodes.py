@@ -108,9 +108,16 @@ def _wait_nodes(cluster: TwoNodeCluster, count: int, timeout_s: float = 120.0) -
 
 
 def start_two_nodes(
-    log_dir: Path, *, head_cpus: int = 2, worker_cpus: int = 3, with_worker: bool = True
+    log_dir: Path,
+    *,
+    head_cpus: int = 2,
+    worker_cpus: int = 3,
+    with_worker: bool = True,
+    head_gpus: int = 0,
+    worker_gpus: int = 0,
 ) -> TwoNodeCluster:
-    """Start the head (and the worker node); returns once every node is registered."""
+    """Start the head (and the worker node); returns once every node is registered. `*_gpus`:
+    GPUs each node declares to Ray's scheduler (CPU processes here: placement, not devices)."""
     ray = str(Path(sys.executable).parent / "ray")  # the ray of this interpreter's environment
     gcs, client, dashboard = free_port(HOST), free_port(HOST), free_port(HOST)
     temp_dir = Path(tempfile.gettempdir()) / f"jnx-2n-{uuid.uuid4().hex[:6]}"  # short: unix socket paths
@@ -118,7 +125,7 @@ def start_two_nodes(
     head = [
         ray, "start", "--head", "--block", f"--port={gcs}", f"--node-ip-address={HOST}",
         f"--ray-client-server-port={client}", "--include-dashboard=true", f"--dashboard-host={HOST}",
-        f"--dashboard-port={dashboard}", f"--num-cpus={head_cpus}", "--num-gpus=0",
+        f"--dashboard-port={dashboard}", f"--num-cpus={head_cpus}", f"--num-gpus={head_gpus}",
         f"--resources={json.dumps({'joynexus_head': 1})}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
         *_node_ports(),
     ]  # fmt: skip
@@ -130,7 +137,8 @@ def start_two_nodes(
         if with_worker:
             worker = [
                 ray, "start", "--block", f"--address={HOST}:{gcs}", f"--node-ip-address={HOST}",
-                f"--num-cpus={worker_cpus}", "--num-gpus=0", f"--resources={json.dumps({'joynexus_worker': 1})}",
+                f"--num-cpus={worker_cpus}", f"--num-gpus={worker_gpus}",
+                f"--resources={json.dumps({'joynexus_worker': 1})}",
                 "--disable-usage-stats", *_node_ports(),
             ]  # fmt: skip
             cluster.nodes.append(spawn_process("ray-worker", worker, ray_env(), log_dir))
