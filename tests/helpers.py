@@ -246,3 +246,30 @@ def tar_dataset(root: Path, *, gz: bool = True, extra: dict[str, bytes] | None =
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+@contextmanager
+def ray_deployment(settings: Any, *, num_cpus: int | None = None) -> Iterator[Any]:
+    """The Ray deployment `settings` name (`connect(mode="ray")`), torn down after: the cluster
+    closed, its namespace's service actors removed, and Ray shut down if this call started it
+    (a local Ray of `num_cpus` logical CPUs when given)."""
+    import ray
+
+    from joynexus.actors import init_ray
+    from joynexus.connect import connect
+    from joynexus.ops.supervisor import remove_service_actors
+
+    started_ray = not ray.is_initialized()
+    cluster = None
+    try:
+        if started_ray and num_cpus is not None:
+            init_ray(num_cpus=num_cpus)
+        cluster = connect(settings, mode="ray")
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.close()
+        if ray.is_initialized():
+            remove_service_actors(settings.ray_namespace)
+            if started_ray:
+                ray.shutdown()

@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-FINAL = ("completed", "failed", "cancelled")
-
 
 def main(args: dict[str, Any]) -> dict[str, Any]:
     import ray
@@ -72,9 +70,7 @@ def main(args: dict[str, Any]) -> dict[str, Any]:
 
     states: dict[str, dict[str, Any]] = {}
     for tenant_id, workload_id in workloads.items():
-        status = master.get_workload(workload_id)
-        while status.state not in FINAL and time.monotonic() < deadline:
-            status = master.wait_workload(workload_id, timeout_s=30)
+        status = cluster.wait_workload(workload_id, timeout_s=max(1.0, deadline - time.monotonic()))
         states[tenant_id] = {"state": status.state, "error": status.error, "jobs": status.completed_jobs}
     versions: dict[str, list[int]] = {}
     for job in completed():

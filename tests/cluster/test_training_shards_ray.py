@@ -21,7 +21,7 @@ from joynexus.scheduling.training_scheduler import COMPLETED, TrainingScheduler
 from joynexus.services.configs import TrainingQueueConfig, TrainingServiceConfig
 from joynexus.services.producers.sft import SFTProducer
 from joynexus.settings import Settings
-from tests.helpers import sft_spec, write_dataset_for
+from tests.helpers import ray_deployment, sft_spec, write_dataset_for
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a Ray start and two backbones in actor processes
@@ -110,21 +110,15 @@ def test_the_master_and_its_producer_replica_run_workloads_over_two_shards(tmp_p
     of two group keys on the two shard actors, its producer replica (its own process) reaches each
     tenant's slot through the shard router to publish versions, and both workloads complete with
     every version issued once, each tenant on its own shard."""
-    from joynexus.connect import connect
-    from joynexus.ops.supervisor import remove_service_actors
     from joynexus.services.training.shard_router import shard_actor_name
 
-    started_ray = not ray.is_initialized()
     namespace = f"test-shards-master-{uuid.uuid4().hex[:8]}"
     settings = Settings(
         data_dir=tmp_path / "data", ray_namespace=namespace, torch_threads=1, training_shards=2, producer_replicas=1
     )
-    cluster = None
-    try:
-        # Two shard bundles of 1 CPU each, and the inference / environment services need theirs: on a
-        # 2-core host the default local Ray (2 CPUs) would leave the Inference Model Service pending.
-        init_ray(num_cpus=4)
-        cluster = connect(settings, mode="ray")
+    # Two shard bundles of 1 CPU each, and the inference / environment services need theirs: on a
+    # 2-core host the default local Ray (2 CPUs) would leave the Inference Model Service pending.
+    with ray_deployment(settings, num_cpus=4) as cluster:
         model_id = cluster.training.capabilities().model_id
         workloads = {}
         for i, (name, module) in enumerate((("sharded-oft", "oft_mlp"), ("sharded-flow", "flow_matching"))):
@@ -133,10 +127,7 @@ def test_the_master_and_its_producer_replica_run_workloads_over_two_shards(tmp_p
             cluster.master.create_tenant({**spec, "base_model": model_id})
             workloads[name] = cluster.master.submit_workload(name, jobs=2).workload_id
         for name, workload_id in workloads.items():
-            deadline = time.monotonic() + 300
-            final = cluster.master.wait_workload(workload_id, timeout_s=30)  # the Master waits at most its bound
-            while final.state not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
-                final = cluster.master.wait_workload(workload_id, timeout_s=30)
+            final = cluster.wait_workload(workload_id, timeout_s=300)  # bounded calls to the Master
             assert final.state == "completed" and final.completed_jobs == 2, (name, final.state, final.error)
             assert final.version == 2 and final.registered_version is not None, final
         held = {
@@ -144,10 +135,3 @@ def test_the_master_and_its_producer_replica_run_workloads_over_two_shards(tmp_p
             for i in range(2)
         }
         assert sorted(map(sorted, held.values())) == [["sharded-flow"], ["sharded-oft"]], held
-    finally:
-        if cluster is not None:
-            cluster.close()
-        if ray.is_initialized():
-            remove_service_actors(namespace)
-            if started_ray:
-                ray.shutdown()
