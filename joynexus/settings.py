@@ -387,6 +387,19 @@ class Settings(BaseModel):
     training_shards: int = Field(
         default_factory=lambda: _env_int("JOYNEXUS_TRAINING_SHARDS", 1), ge=1, le=1024, validate_default=True
     )
+    # Ranks of each Training Model Service (issue 45.2, the paper's data-parallel layout): K > 1 runs
+    # the service (or each shard) as one logical service over K rank actors, each its own backbone on
+    # its own bundle (the training role's resources each: with num_gpus 1, K devices per service), every
+    # SFT microbatch split by rows and the gradients all-reduced (gloo on CPUs, NCCL on GPUs).
+    training_data_parallel: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_TRAINING_DATA_PARALLEL", 1), ge=1, le=64, validate_default=True
+    )
+    # Check that every rank holds the same tenant state after every N-th training call (0: never).
+    training_data_parallel_verify_every: int = Field(
+        default_factory=lambda: _env_int("JOYNEXUS_TRAINING_DATA_PARALLEL_VERIFY_EVERY", 1),
+        ge=0,
+        validate_default=True,
+    )
     # Tenants one shard may hold (None: no bound but the memory of its residency tiers).
     max_tenants_per_shard: int | None = Field(
         default_factory=lambda: _env_optional_int("JOYNEXUS_MAX_TENANTS_PER_SHARD"), ge=1, validate_default=True

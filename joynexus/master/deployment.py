@@ -110,6 +110,11 @@ class Deployment:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         queue = TrainingQueueConfig().build()
         training_config = TrainingServiceConfig.from_settings(settings)
+        if training_config.data_parallel > 1:
+            raise ValueError(
+                f"training_data_parallel: {training_config.data_parallel} ranks need a Ray deployment (each rank is "
+                "its own process); an in-process deployment runs one device (JOYNEXUS_TRAINING_DATA_PARALLEL=1)"
+            )
         # One call at a time, like an actor: the actor loop and API handlers call it from many threads.
         training: Any = SerializedService(training_config.build(queue))
         if training_config.shards > 1:  # M shards, each its own backbone (issue 45)

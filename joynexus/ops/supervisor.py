@@ -496,13 +496,17 @@ def remove_service_actors(namespace: str) -> list[str]:
     # `up`) and the producer replicas (`joynexus.producers-<i>`, issue 40) go after the Master and
     # before the services their calls reach.
     try:
-        producers = sorted(
-            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a.get("namespace") == namespace and a["name"].startswith("joynexus.producers-")
-        )  # fmt: skip
+        named = sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == namespace
+        )
     except Exception:  # listing is best effort: the replicas then go with their cluster
-        producers = []
-    for name in (*SERVICE_ACTORS[:1], "joynexus.call_futures", *producers, *SERVICE_ACTORS[1:]):
+        named = []
+    producers = [n for n in named if n.startswith("joynexus.producers-")]
+    # Training shards (`joynexus.training_service.shard-<i>`, issue 45) go with the training role.
+    shards = [n for n in named if n.startswith("joynexus.training_service.")]
+    training = SERVICE_ACTORS.index("joynexus.training_service")
+    ordered = (*SERVICE_ACTORS[1:training], *shards, *SERVICE_ACTORS[training:])
+    for name in (*SERVICE_ACTORS[:1], "joynexus.call_futures", *producers, *ordered):
         try:
             handle = ray.get_actor(name, namespace=namespace)
         except ValueError:
@@ -512,6 +516,11 @@ def remove_service_actors(namespace: str) -> list[str]:
                 ray.get(handle.close_all.remote(), timeout=20)
         ray.kill(handle, no_restart=True)
         removed.append(name)
+    # The device bundles the training shards / data-parallel ranks held (their actors gone now).
+    from joynexus.services.configs import TrainingServiceConfig
+
+    with contextlib.suppress(Exception):
+        TrainingServiceConfig.remove_shard_group(namespace)
     return removed
 
 

@@ -88,6 +88,9 @@ class TrainingQueueConfig:
         return named_actor(TrainingQueue, TRAINING_QUEUE_ACTOR_NAME, namespace=namespace, detached=detached)
 
 
+DATA_PARALLEL_FRONT_CPUS = 0.05  # the logical service's own actor (`DataParallelTrainingService`)
+
+
 @dataclass(frozen=True)
 class TrainingServiceConfig:
     """The Training Model Service: the resident backbone plus every tenant's training slot."""
@@ -104,6 +107,8 @@ class TrainingServiceConfig:
     shards: int = 1  # Training Model Service shards (`shard_actors`, `services.training.shards`)
     max_tenants_per_shard: int | None = None
     group_max: int = 8  # placement keeps up to this many group-compatible tenants on one shard
+    data_parallel: int = 1  # ranks per service (`DataParallelTrainingService`; 1: one device)
+    data_parallel_verify_every: int = 1
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TrainingServiceConfig:
@@ -120,6 +125,8 @@ class TrainingServiceConfig:
             shards=settings.training_shards,
             max_tenants_per_shard=settings.max_tenants_per_shard,
             group_max=settings.training_group_max,
+            data_parallel=settings.training_data_parallel,
+            data_parallel_verify_every=settings.training_data_parallel_verify_every,
         )
 
     def export_endpoint(self) -> None:
@@ -142,19 +149,93 @@ class TrainingServiceConfig:
 
     def actor(self, queue: Any, *, namespace: str | None = None, detached: bool = False) -> Any:
         """Get or create the named actor; one call at a time, one CPU unless the role's resources say
-        otherwise. The actor opens an s3:// root itself (`export_endpoint` first)."""
+        otherwise. The actor opens an s3:// root itself (`export_endpoint` first). With
+        `data_parallel` K > 1 it is the logical service over K ranks on one placement group."""
+        # By name, not the creating driver's handle: a restart in place after that driver
+        # exited (`joynexus up`) looks the queue up again.
+        queue_arg = handle_of(queue).constructor_argument(TRAINING_QUEUE_ACTOR_NAME, namespace)
+        if self.data_parallel > 1:
+            bundle, _ = self._bundle()
+            group = self._placement_group("ranks", self.data_parallel, bundle, namespace, detached, 600.0)
+            return self._data_parallel_actor(TRAINING_SERVICE_ACTOR_NAME, queue_arg, group, 0, namespace, detached)
         return named_actor(
             TrainingModelService,
             TRAINING_SERVICE_ACTOR_NAME,
             self.backbone,
             self.checkpoint_root,
-            # By name, not the creating driver's handle: a restart in place after that driver
-            # exited (`joynexus up`) looks the queue up again.
-            handle_of(queue).constructor_argument(TRAINING_QUEUE_ACTOR_NAME, namespace),
+            queue_arg,
             self.num_threads,
             namespace=namespace,
             detached=detached,
             num_cpus=1,
+            **self._options(),
+        )
+
+    def _bundle(self) -> tuple[dict[str, float], RoleResources]:
+        """One device's bundle: the training role's resources (`training_service`)."""
+        resources = role_resources("training_service")
+        bundle = {"CPU": 1.0 if resources.num_cpus is None else resources.num_cpus}
+        if resources.num_gpus:
+            bundle["GPU"] = resources.num_gpus
+        bundle.update(resources.resources)
+        placed = RoleResources(
+            num_cpus=bundle["CPU"], num_gpus=resources.num_gpus, memory=resources.memory, resources=resources.resources
+        )
+        return bundle, placed
+
+    @staticmethod
+    def _placement_group(
+        kind: str, bundles: int, bundle: dict[str, float], namespace: str | None, detached: bool, timeout_s: float
+    ) -> Any:
+        """The deployment's placement group of `bundles` device bundles (`kind`: "shards", "ranks"),
+        reserved together before any backbone loads; a Master started again reuses the running one."""
+        import ray
+        from ray.util.placement_group import get_placement_group, placement_group
+
+        name = f"{TRAINING_SERVICE_ACTOR_NAME}.{kind}.{namespace or 'default'}"
+        try:
+            group = get_placement_group(name)
+        except ValueError:
+            group = placement_group(
+                [dict(bundle) for _ in range(bundles)],
+                strategy="PACK",
+                name=name,
+                lifetime="detached" if detached else None,
+            )
+        if len(group.bundle_specs) != bundles:
+            raise ValueError(
+                f"training {kind}: placement group {name!r} has {len(group.bundle_specs)} bundles, the settings "
+                f"ask for {bundles} (JOYNEXUS_TRAINING_SHARDS x JOYNEXUS_TRAINING_DATA_PARALLEL); "
+                "remove it (`joynexus down`) first"
+            )
+        ray.get(group.ready(), timeout=timeout_s)
+        return group
+
+    def _data_parallel_actor(
+        self, name: str, queue_arg: Any, group: Any, bundle_offset: int, namespace: str | None, detached: bool
+    ) -> Any:
+        """The logical service `name` over `data_parallel` ranks on bundles `bundle_offset`.. of
+        `group`; the actor itself holds no backbone, its ranks hold the devices."""
+        from joynexus.services.training.data_parallel import DataParallelTrainingService
+
+        _, placed = self._bundle()
+        return named_actor(
+            DataParallelTrainingService,
+            name,
+            self.backbone,
+            self.checkpoint_root,
+            queue_arg,
+            self.num_threads,
+            namespace=namespace,
+            detached=detached,
+            # A sliver of CPU, no device: it is not placed on a head that offers no CPU (a head
+            # restart would restart it too), and its ranks hold the devices.
+            ray_resources=RoleResources(num_cpus=DATA_PARALLEL_FRONT_CPUS),
+            world_size=self.data_parallel,
+            rank_options=placed.ray_options(default_num_cpus=1),
+            placement_group=group,
+            bundle_offset=bundle_offset,
+            verify_every=self.data_parallel_verify_every,
             **self._options(),
         )
 
@@ -164,34 +245,19 @@ class TrainingServiceConfig:
         """The `shards` Training Model Service actors (`joynexus.training_service.shard-<i>`), shard i
         on bundle i of one placement group: each bundle is the role's resources (`training_service`:
         with `num_gpus` 1 every shard gets its own device), reserved together before any backbone
-        loads, so M shards never start on fewer devices than they need."""
-        import ray
-        from ray.util.placement_group import get_placement_group, placement_group
+        loads, so M shards never start on fewer devices than they need. With `data_parallel` K > 1
+        each shard is a logical service over K ranks, on bundles i*K .. i*K + K-1."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        resources = role_resources("training_service")
-        bundle = {"CPU": 1.0 if resources.num_cpus is None else resources.num_cpus}
-        if resources.num_gpus:
-            bundle["GPU"] = resources.num_gpus
-        bundle.update(resources.resources)
-        # One group per deployment (its namespace): a Master started again reuses the running one.
-        name = f"{TRAINING_SERVICE_ACTOR_NAME}.shards.{namespace or 'default'}"
-        try:
-            group = get_placement_group(name)
-        except ValueError:
-            group = placement_group(
-                [dict(bundle) for _ in range(self.shards)],
-                strategy="PACK",
-                name=name,
-                lifetime="detached" if detached else None,
-            )
-        if len(group.bundle_specs) != self.shards:
-            raise ValueError(
-                f"training shards: placement group {name!r} has {len(group.bundle_specs)} bundles, "
-                f"the settings ask for {self.shards} (JOYNEXUS_TRAINING_SHARDS); remove it (`joynexus down`) first"
-            )
-        ray.get(group.ready(), timeout=ready_timeout_s)
+        bundle, placed = self._bundle()
+        ranks = self.data_parallel
+        group = self._placement_group("shards", self.shards * ranks, bundle, namespace, detached, ready_timeout_s)
         queue_arg = handle_of(queue).constructor_argument(TRAINING_QUEUE_ACTOR_NAME, namespace)
+        if ranks > 1:
+            return [
+                self._data_parallel_actor(shard_actor_name(i), queue_arg, group, i * ranks, namespace, detached)
+                for i in range(self.shards)
+            ]
         return [
             named_actor(
                 TrainingModelService,
@@ -203,12 +269,7 @@ class TrainingServiceConfig:
                 namespace=namespace,
                 detached=detached,
                 role="training_service",
-                ray_resources=RoleResources(
-                    num_cpus=bundle["CPU"],
-                    num_gpus=resources.num_gpus,
-                    memory=resources.memory,
-                    resources=resources.resources,
-                ),
+                ray_resources=placed,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
                 **self._options(),
             )
@@ -217,16 +278,19 @@ class TrainingServiceConfig:
 
     @staticmethod
     def remove_shard_group(namespace: str | None = None) -> bool:
-        """Release the shards' placement group of the deployment in `namespace` (its actors gone);
-        False if there is none."""
+        """Release the shards' (and a data-parallel service's ranks') placement groups of the
+        deployment in `namespace` (its actors gone); False if there is none."""
         from ray.util.placement_group import get_placement_group, remove_placement_group
 
-        try:
-            group = get_placement_group(f"{TRAINING_SERVICE_ACTOR_NAME}.shards.{namespace or 'default'}")
-        except ValueError:
-            return False
-        remove_placement_group(group)
-        return True
+        removed = False
+        for kind in ("shards", "ranks"):
+            try:
+                group = get_placement_group(f"{TRAINING_SERVICE_ACTOR_NAME}.{kind}.{namespace or 'default'}")
+            except ValueError:
+                continue
+            remove_placement_group(group)
+            removed = True
+        return removed
 
     def shard_set(self, shards: list[Any]) -> TrainingShards:
         """The shard set over `shard_actors`' actors (or local services): a lost shard is fenced

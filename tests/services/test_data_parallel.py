@@ -34,15 +34,15 @@ def test_rows_split_into_contiguous_near_equal_chunks():
 def test_two_gloo_ranks_step_equal_to_one_device_and_stay_identical(tmp_path):
     ray = pytest.importorskip("ray")
     from joynexus.actors import init_ray
-    from joynexus.services.training.data_parallel import DataParallelGroup
+    from joynexus.services.training.data_parallel import DataParallelTrainingService
 
     started_ray = not ray.is_initialized()
     init_ray(num_cpus=2)
     caps = BaseModelCapabilities(model_id=TINY_MODEL_ID, feature_dim=64, max_images=3, image_size=32)
     configs = {name: interface_config(name, caps, kind, seed) for seed, (name, kind) in enumerate(TENANTS.items())}
     single = TrainingModelService(BackboneSource(preset="tiny"), tmp_path / "single", num_threads=1, placement="cpu")
-    group = DataParallelGroup.start(
-        2, BackboneSource(preset="tiny"), str(tmp_path / "dp"), backend="gloo", placement="cpu"
+    group = DataParallelTrainingService(
+        BackboneSource(preset="tiny"), str(tmp_path / "dp"), world_size=2, placement="cpu"
     )
     try:
         for config in configs.values():

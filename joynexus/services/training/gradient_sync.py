@@ -31,16 +31,18 @@ def reduce_gradients(slot: Any, params: list[torch.nn.Parameter]) -> None:
 class WeightedAllReduce:
     """A rank's reducer: each stepping tenant's gradients, times its share of the rows (`weights`,
     set for the step), summed over the default process group in one flat buffer; every rank
-    reduces the same tenants in the same order. A tenant without a weight is not in a
-    data-parallel step (a lower-layer call on this rank): its gradients stay as they are."""
+    reduces the same tenants in the same order. A tenant without a weight takes `default_weight`:
+    1/K for a step every rank runs on the same rows (their gradients averaged, so the ranks cannot
+    drift apart by floating-point nondeterminism); None leaves its gradients as they are."""
 
-    def __init__(self) -> None:
+    def __init__(self, default_weight: float | None = None) -> None:
         self.weights: dict[str, float] = {}
+        self.default_weight = default_weight
 
     def __call__(self, slot: Any, params: list[torch.nn.Parameter]) -> None:
         import torch.distributed as dist
 
-        weight = self.weights.get(slot.config.tenant_id)
+        weight = self.weights.get(slot.config.tenant_id, self.default_weight)
         if weight is None:
             return
         grads = [p.grad for p in params if p.grad is not None]
