@@ -58,6 +58,33 @@ def test_a_pinned_older_version_is_served_again_after_every_restart(tmp_path):
         cluster.close()
 
 
+def test_a_version_published_before_any_checkpoint_is_served_again_after_training_moved_on(tmp_path):
+    """`publish_weights` of a version that has no checkpoint (v0 at creation, or a lower-layer step)
+    checkpoints it first: after the slot trained past it (no checkpoint of its own) and the
+    Inference Model Service restarted, the Master serves it again (the Ray replica test's front
+    restart found it lost: "no policy version 0 (served: [], checkpoints: [])")."""
+    settings = Settings(data_dir=tmp_path / "data", torch_threads=1)
+    spec = sft_spec("early", tmp_path / "early", jobs=None, samples_per_job=8, microbatch_size=8)
+    write_dataset_for(spec, episodes=2, length=8)
+    cluster = in_process(settings)
+    try:
+        config = cluster.master.create_tenant(spec).backend_config
+        assert cluster.checkpoints.versions("early") == []
+        assert cluster.master.publish_weights("early") == 0
+        assert cluster.checkpoints.versions("early") == [0]  # what is served can be served again
+        cluster.training.train_batch("early", random_microbatch(config, 4, seed=1))  # v1, no checkpoint
+        assert cluster.master.publish_weights("early") == 1
+        cluster.training.train_batch("early", random_microbatch(config, 4, seed=2))  # the slot moves on to v2
+        assert cluster.checkpoints.versions("early") == [0, 1]
+        deployment = cluster.master.deployment
+        cluster.inference = fresh = _restart_inference(deployment, settings)
+        cluster.master._restore_role("inference_service", {"tenants": ["early"]}, {})
+        assert fresh.versions("early") == [0, 1]
+        assert _predicted_version(cluster, "early", config) == 1
+    finally:
+        cluster.close()
+
+
 def _restart_inference(deployment, settings):
     """A new, empty Inference Model Service in place of the deployment's (what a restart leaves)."""
     deployment.inference_service.close()

@@ -350,8 +350,14 @@ class ProducerService:
 
     # -- weights: they move between the services and this process only ------------------------------
     def publish_weights(self, tenant_id: str) -> int:
-        """Training -> inference weight sync of the tenant's current version (paper A.1)."""
-        payload = self.ctx.training_service.export_params(tenant_id)
+        """Training -> inference weight sync of the tenant's current version (paper A.1). A version
+        served without a checkpoint is checkpointed first: what was served is served again after a
+        restart (`master/serving_restore.py`), also once the slot has trained past it."""
+        training = self.ctx.training_service
+        payload = training.export_params(tenant_id)
+        _, manifest = decode_tenant_payload(payload)
+        if manifest.policy_version not in self.ctx.checkpoints.versions(tenant_id):
+            training.save([tenant_id], True)
         return int(self.ctx.inference_service.load_weights(payload)["version"])
 
     def serve_version(self, tenant_id: str, version: int, *, from_slot: bool = False) -> None:
