@@ -198,6 +198,7 @@ def test_each_role_s_worker_group_is_sized_by_the_settings_that_fill_it():
     groups = {g["groupName"]: g for g in resources()[("RayCluster", "joynexus")]["spec"]["workerGroupSpecs"]}
     scaling = ScalingPolicy.model_validate_json(data["JOYNEXUS_INFERENCE_SCALING_JSON"])
     shards, workers = int(data["JOYNEXUS_TRAINING_SHARDS"]), int(data["JOYNEXUS_ENVIRONMENT_WORKERS"])
+    shards *= int(data.get("JOYNEXUS_TRAINING_DATA_PARALLEL", "1"))  # a device per rank of every shard
     assert scaling.max_tenants_per_replica is not None  # tenant-affine replicas in the deployment
     for role, group, count_min, count_max in (
         ("training_service", "training-workers", shards, shards),
