@@ -176,7 +176,12 @@ def assert_trained_state_close(
     (kernels that round differently). AdamW divides each update by the gradient's own running RMS,
     so an element whose gradient is rounding noise takes +-lr steps in a direction rounding picks:
     those elements (RMS from the optimizer's exp_avg_sq, in both states) may differ by up to
-    2 * lr * steps; every other element within `atol`. Module tensors must be the parameters, in
+    2 * lr * steps; every other element within `atol`, except at most 1 in 1,000 of a tensor
+    (within 2 * lr * steps too): an element whose gradient at ONE step was at the rounding level
+    (it cancels) takes that step at a size rounding picks (AdamW's first steps are ~lr whatever the
+    gradient's size), and exp_avg_sq keeps only its larger gradients, so such an element cannot be
+    told afterwards. A wrong split or a missed all-reduce moves most elements, not one in 1,000.
+    Module tensors must be the parameters, in
     the optimizer's order (no buffers). A LoRA adapter's tensors (after the module's in the
     optimizer): within `atol`."""
     assert want.keys() == got.keys(), where
@@ -194,9 +199,12 @@ def assert_trained_state_close(
             rms = torch.maximum(states_want[index]["exp_avg_sq"], states_got[index]["exp_avg_sq"]).sqrt()
             bound = torch.where(rms <= ROUNDING_LEVEL_GRADIENT, torch.full_like(a, 2 * lr * steps), bound)
         diff = (a - b).abs()
-        assert bool((diff <= bound).all()), (
+        over = diff > bound
+        assert int(over.sum()) <= a.numel() // 1000 and bool((diff <= 2 * lr * steps).all()), (
             f"{where}/{key}: max |diff| {diff.max().item():.3g} "
-            f"({int((diff > bound).sum())} of {a.numel()} elements over their bound)"
+            f"({int(over.sum())} of {a.numel()} elements over their bound"
+            + (f"; their gradient RMS {rms[over].tolist()[:8]}" if index in states_want else "")
+            + ")"
         )
 
 

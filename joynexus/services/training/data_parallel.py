@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from joynexus.artifacts import CheckpointStore, TenantManifest
 from joynexus.services.training.gradient_sync import WeightedAllReduce, install_gradient_reducer
 
 __all__ = [
@@ -119,6 +120,42 @@ class RankQueue:
         return getattr(self.queue, name)
 
 
+class RankCheckpoints(CheckpointStore):
+    """The group's checkpoint folder as a rank other than 0 sees it: it reads what rank 0 wrote
+    (every rank resumes, forks and rolls back from the same versions, also a tenant's checkpoints
+    written before it came to this group) and writes nothing: rank 0 writes each version once, in
+    the same call every rank runs, so the folder never holds K copies nor races K writers."""
+
+    def save_tenant(self, **fields: Any) -> TenantManifest:
+        """The manifest rank 0 writes for the same state (no file hashes here: nothing is written)."""
+        return TenantManifest(
+            tenant_id=fields["tenant_id"],
+            policy_version=fields["policy_version"],
+            schema_signature=fields["schema_signature"],
+            base_model_id=fields["base_model_id"],
+            module_kind=fields["module_kind"],
+            module_config=dict(fields["module_config"]),
+            files={},
+            created_at="",
+            extra=dict(fields.get("extra") or {}),
+        )
+
+    def record_issued_version(self, tenant_id: str, version: int) -> None:
+        return None
+
+    def pin(self, tenant_id: str, version: int) -> None:
+        return None
+
+    def prune(self, tenant_id: str) -> list[int]:
+        return []
+
+    def delete_version(self, tenant_id: str, version: int) -> int:
+        return 0
+
+    def delete_tenant(self, tenant_id: str) -> int:
+        return 0
+
+
 class DataParallelRank:
     """One rank: a `TrainingModelService` replica in its own process (a Ray actor), joined to the
     group's process group by `join` (rank 0 first names the rendezvous, `rendezvous`)."""
@@ -146,9 +183,14 @@ class DataParallelRank:
             if queue is not None
             else None
         )
-        # Every rank has its own checkpoint folder: only rank 0's versions are the group's.
-        root = checkpoint_root if rank == 0 else os.path.join(str(checkpoint_root), f".rank-{rank}")
-        self.service = TrainingModelService(backbone_source, root, self.queue, num_threads, **service_options)
+        # One checkpoint folder for the group: rank 0 writes it, every rank reads it (`RankCheckpoints`).
+        keep_last = service_options.pop("keep_last", None)
+        store = (
+            CheckpointStore(checkpoint_root, keep_last=keep_last)
+            if rank == 0
+            else RankCheckpoints(checkpoint_root, keep_last=keep_last)
+        )
+        self.service = TrainingModelService(backbone_source, store, self.queue, num_threads, **service_options)
         self.backend = "nccl" if self.service.device.type == "cuda" else "gloo"
 
     def rendezvous(self) -> str:
@@ -405,11 +447,12 @@ class DataParallelTrainingService:
         if isinstance(error, role_unavailable_errors()) and _in_ray_actor():
             os._exit(1)  # the ranks left hold tenants a new rank would not: start over (module docstring)
 
-    def _verified(self, tenant_ids: Sequence[str]) -> None:
-        """Every rank holds the same state of `tenant_ids` (every `verify_every`-th training call)."""
+    def _verified(self, tenant_ids: Sequence[str], *, always: bool = False) -> None:
+        """Every rank holds the same state of `tenant_ids` (every `verify_every`-th training call;
+        `always`: now, unless verification is off)."""
         with self._lock:
-            self._calls += 1
-            due = self.verify_every and self._calls % self.verify_every == 0
+            self._calls += 0 if always else 1
+            due = self.verify_every and (always or self._calls % self.verify_every == 0)
         if not due:
             return
         for tenant_id in dict.fromkeys(tenant_ids):
@@ -485,11 +528,17 @@ class DataParallelTrainingService:
         return results
 
     # -- state changes: every rank -------------------------------------------------------------
-    add_tenant = _on_every_rank("add_tenant", "`TrainingModelService.add_tenant` on every rank.")
+    def add_tenant(self, config: Any, resume: bool = True) -> dict[str, Any]:
+        """`TrainingModelService.add_tenant` on every rank, each resuming from the group's
+        checkpoints; the ranks' states are then compared (they must be the same)."""
+        result = self._all(DataParallelRank.call, "add_tenant", config, resume)[0]
+        self._verified([config["tenant_id"] if isinstance(config, dict) else config.tenant_id], always=True)
+        return result
+
     remove_tenant = _on_every_rank("remove_tenant", "`TrainingModelService.remove_tenant` on every rank.")
     page_out_tenant = _on_every_rank("page_out_tenant", "The slot out of every rank; rank 0's paging bytes.")
     page_in_tenant = _on_every_rank("page_in_tenant", "A paged-out slot into every rank.")
-    save = _on_every_rank("save", "Checkpoint on every rank (rank 0's are the group's versions).")
+    save = _on_every_rank("save", "Checkpoint (rank 0 writes the group's folder, `RankCheckpoints`).")
     fork_checkpoint = _on_every_rank("fork_checkpoint", "`TrainingModelService.fork_checkpoint` on every rank.")
     install_weights = _on_every_rank("install_weights", "`TrainingModelService.install_weights` on every rank.")
     forward_backward = _on_every_rank("forward_backward", "Whole microbatch on every rank (gradients averaged).")

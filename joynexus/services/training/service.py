@@ -91,7 +91,7 @@ class TrainingModelService:
     def __init__(
         self,
         backbone_source: BackboneSource | dict[str, Any],
-        checkpoint_root: str | Path,
+        checkpoint_root: str | Path | CheckpointStore,
         queue: Any = None,
         num_threads: int | None = None,
         keep_last: int | None = None,  # checkpoint retention: last K + pinned versions; None keeps all
@@ -119,7 +119,11 @@ class TrainingModelService:
         self.placement = DevicePlacement.of(placement)
         self.backbone = source.build(self.placement)
         self.device = self.backbone.device
-        self.checkpoints = CheckpointStore(checkpoint_root, keep_last=keep_last)
+        self.checkpoints = (  # a store given as the root: a data-parallel rank's view of the group's
+            checkpoint_root
+            if isinstance(checkpoint_root, CheckpointStore)
+            else CheckpointStore(checkpoint_root, keep_last=keep_last)
+        )
         self.queue = service_handle(TrainingQueue, queue) if queue is not None else None
         limits = ResidencyLimits(
             max_resident_tenants, max_resident_tenant_bytes, ("max_resident_tenants", "max_resident_tenant_bytes")
