@@ -95,6 +95,8 @@ class CheckpointStore:
     versions registered in MLflow) and the one ``LATEST`` names. ``None`` keeps every version.
     """
 
+    writes = True  # False: a reader's view of a folder another process writes (a data-parallel rank > 0)
+
     def __init__(self, root: str | Path | BlobStore, *, keep_last: int | None = None) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"invalid keep_last {keep_last!r}: expected an int >= 1, or None to keep every version")

@@ -122,38 +122,18 @@ class RankQueue:
 
 class RankCheckpoints(CheckpointStore):
     """The group's checkpoint folder as a rank other than 0 sees it: it reads what rank 0 wrote
-    (every rank resumes, forks and rolls back from the same versions, also a tenant's checkpoints
-    written before it came to this group) and writes nothing: rank 0 writes each version once, in
-    the same call every rank runs, so the folder never holds K copies nor races K writers."""
+    (every rank resumes and rolls back from the same versions, also a tenant's checkpoints written
+    before it came to this group) and writes nothing: rank 0 writes each version once, in the same
+    call every rank runs, so the folder never holds K copies nor races K writers. `SlotTable.save`
+    builds nothing for a store that does not write (`writes`)."""
+
+    writes = False
 
     def save_tenant(self, **fields: Any) -> TenantManifest:
-        """The manifest rank 0 writes for the same state (no file hashes here: nothing is written)."""
-        return TenantManifest(
-            tenant_id=fields["tenant_id"],
-            policy_version=fields["policy_version"],
-            schema_signature=fields["schema_signature"],
-            base_model_id=fields["base_model_id"],
-            module_kind=fields["module_kind"],
-            module_config=dict(fields["module_config"]),
-            files={},
-            created_at="",
-            extra=dict(fields.get("extra") or {}),
-        )
+        raise RuntimeError(f"tenant {fields.get('tenant_id')!r}: a data-parallel rank > 0 writes no checkpoint")
 
     def record_issued_version(self, tenant_id: str, version: int) -> None:
-        return None
-
-    def pin(self, tenant_id: str, version: int) -> None:
-        return None
-
-    def prune(self, tenant_id: str) -> list[int]:
-        return []
-
-    def delete_version(self, tenant_id: str, version: int) -> int:
-        return 0
-
-    def delete_tenant(self, tenant_id: str) -> int:
-        return 0
+        return None  # rank 0 records it, in the same training call
 
 
 class DataParallelRank:
@@ -184,12 +164,8 @@ class DataParallelRank:
             else None
         )
         # One checkpoint folder for the group: rank 0 writes it, every rank reads it (`RankCheckpoints`).
-        keep_last = service_options.pop("keep_last", None)
-        store = (
-            CheckpointStore(checkpoint_root, keep_last=keep_last)
-            if rank == 0
-            else RankCheckpoints(checkpoint_root, keep_last=keep_last)
-        )
+        store_type = CheckpointStore if rank == 0 else RankCheckpoints
+        store = store_type(checkpoint_root, keep_last=service_options.pop("keep_last", None))
         self.service = TrainingModelService(backbone_source, store, self.queue, num_threads, **service_options)
         self.backend = "nccl" if self.service.device.type == "cuda" else "gloo"
 
@@ -447,14 +423,15 @@ class DataParallelTrainingService:
         if isinstance(error, role_unavailable_errors()) and _in_ray_actor():
             os._exit(1)  # the ranks left hold tenants a new rank would not: start over (module docstring)
 
-    def _verified(self, tenant_ids: Sequence[str], *, always: bool = False) -> None:
-        """Every rank holds the same state of `tenant_ids` (every `verify_every`-th training call;
-        `always`: now, unless verification is off)."""
+    def _verified(self, tenant_ids: Sequence[str]) -> None:
+        """Every rank holds the same state of `tenant_ids` (every `verify_every`-th training call)."""
         with self._lock:
-            self._calls += 0 if always else 1
-            due = self.verify_every and (always or self._calls % self.verify_every == 0)
-        if not due:
-            return
+            self._calls += 1
+            due = self.verify_every and self._calls % self.verify_every == 0
+        if due:
+            self._compare_ranks(tenant_ids)
+
+    def _compare_ranks(self, tenant_ids: Sequence[str]) -> None:
         for tenant_id in dict.fromkeys(tenant_ids):
             digests = self._all(DataParallelRank.state_digest, tenant_id)
             if len(set(digests)) != 1:
@@ -532,14 +509,15 @@ class DataParallelTrainingService:
         """`TrainingModelService.add_tenant` on every rank, each resuming from the group's
         checkpoints; the ranks' states are then compared (they must be the same)."""
         result = self._all(DataParallelRank.call, "add_tenant", config, resume)[0]
-        self._verified([config["tenant_id"] if isinstance(config, dict) else config.tenant_id], always=True)
+        if self.verify_every:
+            self._compare_ranks([_tenant_of(config)])
         return result
 
     remove_tenant = _on_every_rank("remove_tenant", "`TrainingModelService.remove_tenant` on every rank.")
     page_out_tenant = _on_every_rank("page_out_tenant", "The slot out of every rank; rank 0's paging bytes.")
     page_in_tenant = _on_every_rank("page_in_tenant", "A paged-out slot into every rank.")
     save = _on_every_rank("save", "Checkpoint (rank 0 writes the group's folder, `RankCheckpoints`).")
-    fork_checkpoint = _on_every_rank("fork_checkpoint", "`TrainingModelService.fork_checkpoint` on every rank.")
+    fork_checkpoint = _on_rank_zero("fork_checkpoint", "Rank 0 writes the fork's v0 (every rank reads it on add).")
     install_weights = _on_every_rank("install_weights", "`TrainingModelService.install_weights` on every rank.")
     forward_backward = _on_every_rank("forward_backward", "Whole microbatch on every rank (gradients averaged).")
     optim_step = _on_every_rank("optim_step", "`TrainingModelService.optim_step` on every rank.")

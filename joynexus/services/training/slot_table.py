@@ -307,6 +307,8 @@ class SlotTable:
     def save(self, slot: TenantSlot, include_optim: bool) -> TenantManifest:
         """Checkpoints are immutable per version: saving an already-saved version returns its manifest."""
         cfg = slot.config
+        if not self.checkpoints.writes:  # a data-parallel rank > 0: rank 0 writes this version
+            return self.manifest(slot)
         if slot.version in self.checkpoints.versions(cfg.tenant_id):
             return self.checkpoints.load_tenant(cfg.tenant_id, slot.version)[0]
         return self.checkpoints.save_tenant(
