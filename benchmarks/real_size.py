@@ -3,7 +3,7 @@ one run (issue 23 item 4).
 
   .venv/bin/python benchmarks/real_size.py [--preset smolvlm-256m] [--image-size 64] [--threads 1]
       [--repeats 7] [--peer-copies 3] [--quick] [--grid [--grid-tenants 2,4,6,8] [--grid-batches 1,2,4,8]]
-      [--out var/benchmarks]
+      [--grid-only [--grid-mixes oft_mlp,flow_matching,lora]] [--grid-results FILE.jsonl] [--out var/benchmarks]
 
 The backbone is a preset at its published dimensions with random weights (compute and memory are the
 real ones); ``--image-size`` serves it at a smaller canonical camera side (a CPU cannot run 512 px
@@ -20,6 +20,9 @@ client threads biases either mode; the outside review's M4).
    ratio (8 forwards of batch 1 vs one of batch 8, no queue or decode) is printed beside it as the
    physical limit. ``--grid`` runs the same at N x b (default N in 2,4,6,8, b in 1,2,4,8: issue
    42.3's P1 grid). Medians of interleaved repeats with bootstrap 95% intervals over the repeats.
+   ``--grid-only`` runs only the grid and prints it as one table; with ``--grid-results`` every cell
+   is appended to that JSON-lines file as it is measured and cells it holds are skipped, so a grid
+   that takes hours on a CPU fills over several runs (benchmarks/results/p1_grid_cpu.jsonl).
 2. Memory: tensor bytes of one backbone + N tenants (N = 1, 100, 1000) in float32 and bfloat16 vs N
    separate copies of backbone + module. The backbone's float32 bytes and every tenant's module and
    adapter bytes are measured on the real instances; bfloat16 halves the backbone's floating tensors
@@ -217,18 +220,74 @@ def group_batching_line(mix: str, r: dict[str, Any]) -> str:
     )
 
 
-def grid(
-    service: InferenceModelService, tenants: dict[str, list[str]], sizes: list[int], batches: list[int], repeats: int
-) -> list[dict[str, Any]]:
-    """P1 over the grid (issue 42.3): every mix at every N x b, each point its own interleaved rounds."""
+GRID_KEY = ("preset", "image_size", "threads", "module_size", "mix", "tenants", "batch")
+
+
+def grid_cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row[k] for k in GRID_KEY)
+
+
+def read_grid_results(path: Path | None) -> list[dict[str, Any]]:
+    """The cells a `--grid-results` file already holds (one JSON object per line; a torn last line,
+    from a run stopped while writing, is ignored and measured again)."""
+    if path is None or not path.exists():
+        return []
     rows = []
-    for mix, names in tenants.items():
-        for n in sizes:
-            for b in batches:
-                r = group_batching(service, names[:n], mix == "lora", repeats, b)
-                rows.append({"mix": mix, **r})
-                print(group_batching_line(mix, r), flush=True)
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return rows
+
+
+def grid(
+    service: InferenceModelService,
+    mix: str,
+    names: list[str],
+    sizes: list[int],
+    batches: list[int],
+    repeats: int,
+    where: dict[str, Any],
+    results: Path | None = None,
+) -> list[dict[str, Any]]:
+    """P1 over the grid (issue 42.3) for one mix: every N x b, each point its own interleaved rounds.
+
+    With `results`, every cell is appended to that file as soon as it is measured, and a cell the
+    file already holds for the same `where` (preset, side, threads, module size) is not measured
+    again: the grid is hours on a CPU, so it fills over several runs (each cell's ratios come from
+    its own interleaved rounds, so cells from different runs compare)."""
+    done = {grid_cell_key(r) for r in read_grid_results(results)}
+    rows = []
+    for n in sizes:
+        for b in batches:
+            if grid_cell_key({**where, "mix": mix, "tenants": n, "batch": b}) in done:
+                print(f"  {mix:13} N={n} b={b}: in {results} already", flush=True)
+                continue
+            r = {**where, "mix": mix, **group_batching(service, names[:n], mix == "lora", repeats, b),
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "load_average": os.getloadavg()[0]}  # fmt: skip
+            rows.append(r)
+            print(group_batching_line(mix, r), flush=True)
+            if results is not None:
+                results.parent.mkdir(parents=True, exist_ok=True)
+                with results.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def grid_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The P1 grid as a table: one line per mix x N x b with the ratio, the same-path bound, the
+    share of it and the bare-backbone ratio, each with its interval."""
+    lines = [f"  {'mix':13} {'N':>2} {'b':>2}  {'grouped/serial':>22}  {'same-path bound':>22}  {'share':>22}  "
+             f"{'bare-backbone':>22}  load"]  # fmt: skip
+    order = {m: i for i, m in enumerate(MIXES)}
+    for r in sorted(rows, key=lambda r: (order.get(r["mix"], 9), r["tenants"], r["batch"])):
+        lines.append(
+            f"  {r['mix']:13} {r['tenants']:>2} {r['batch']:>2}  {fmt(r['speedup']):>22}  {fmt(r['bound']):>22}  "
+            f"{fmt(r['share'], 100, '%'):>22}  {fmt(r['bare_bound']):>22}  {r.get('load_average', float('nan')):.1f}"
+        )
+    return lines
 
 
 def tenant_bytes(service: InferenceModelService, name: str) -> int:
@@ -338,20 +397,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tenants: dict[str, list[str]] = {}
     results: dict[str, Any] = {}
-    print(f"\n== 1. group batching, {TENANTS} tenants x batch 1 (medians of {repeats} interleaved rounds, 95% CI)")
-    for offset, mix in enumerate(MIXES):
-        # LoRA tenants last: once an adapter is on the backbone every forward is routed through them.
-        tenants[mix] = add(mix, 100 * offset)
-        r = results[mix] = group_batching(service, tenants[mix], mix == "lora", repeats)
-        print(group_batching_line(mix, r), flush=True)
+    mixes = [m for m in MIXES if m in args.grid_mixes.split(",")] if args.grid_only else list(MIXES)
+    sizes, batches = [int(v) for v in args.grid_tenants.split(",")], [int(v) for v in args.grid_batches.split(",")]
+    if max(sizes) > TENANTS:
+        raise SystemExit(f"--grid-tenants: at most {TENANTS} tenants per mix, got {max(sizes)}")
+    if not mixes:
+        raise SystemExit(f"--grid-mixes: expected some of {','.join(MIXES)}, got {args.grid_mixes!r}")
+    where = {"preset": args.preset, "image_size": spec.image_size, "threads": torch.get_num_threads(),
+             "module_size": module_size}  # fmt: skip
     grid_rows: list[dict[str, Any]] = []
-    if args.grid:
-        sizes, batches = [int(v) for v in args.grid_tenants.split(",")], [int(v) for v in args.grid_batches.split(",")]
-        if max(sizes) > TENANTS:
-            raise SystemExit(f"--grid-tenants: at most {TENANTS} tenants per mix, got {max(sizes)}")
-        print(f"\n== 1b. P1 grid: N in {sizes} x b in {batches} (medians of {repeats} interleaved rounds, 95% CI)")
-        grid_rows = grid(service, tenants, sizes, batches, repeats)
-
+    if not args.grid_only:
+        print(f"\n== 1. group batching, {TENANTS} tenants x batch 1 (medians of {repeats} interleaved rounds, 95% CI)")
+    for offset, mix in enumerate(MIXES):
+        if mix not in mixes:
+            continue
+        # LoRA tenants last: once an adapter is on the backbone every forward is routed through them,
+        # so each mix's points (and its grid) are measured before the next mix's tenants come in.
+        tenants[mix] = add(mix, 100 * offset)
+        if not args.grid_only:
+            r = results[mix] = group_batching(service, tenants[mix], mix == "lora", repeats)
+            print(group_batching_line(mix, r), flush=True)
+        if args.grid or args.grid_only:
+            print(f"\n== 1b. P1 grid, {mix}: N in {sizes} x b in {batches} (medians of {repeats} interleaved rounds, "
+                  "95% CI)")  # fmt: skip
+            grid_rows += grid(service, mix, tenants[mix], sizes, batches, repeats, where, args.grid_results)
+    if args.grid_only:
+        service.close()
+        saved = [r for r in read_grid_results(args.grid_results) if all(r[k] == v for k, v in where.items())]
+        known = {grid_cell_key(r) for r in saved}
+        rows = saved + [r for r in grid_rows if grid_cell_key(r) not in known]
+        print(f"\n== P1 grid table: {args.preset} @ {spec.image_size} px ({spec.image_seq_len} image tokens per camera), "
+              f"{torch.get_num_threads()} thread(s), {module_size} modules: {len(rows)} cells"
+              + (f" ({len(saved)} in {args.grid_results})" if args.grid_results else ""))  # fmt: skip
+        print("\n".join(grid_table(rows)))
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "real_size_grid.json"
+        path.write_text(json.dumps({**where, "grid": rows}, indent=2))
+        print(f"\nall figures: {path}")
+        return {**where, "grid": rows}
     mem = memory(service, tenants)
     print("\n== 2. memory: one backbone + N tenants vs N separate copies of backbone + module (tensor bytes)")
     print(
@@ -423,6 +506,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--grid", action="store_true", help="also part 1 over N x b (issue 42.3's P1 grid)")
     parser.add_argument("--grid-tenants", default="2,4,6,8", help="the grid's tenant counts (at most 8)")
     parser.add_argument("--grid-batches", default="1,2,4,8", help="the grid's per-request batch sizes")
+    parser.add_argument("--grid-only", action="store_true", help="only the grid (no parts 1-3): fills --grid-results")
+    parser.add_argument("--grid-mixes", default=",".join(MIXES), help="with --grid-only: the mixes to measure")
+    parser.add_argument(
+        "--grid-results", type=Path, default=None,
+        help="a JSON-lines file: every grid cell is appended as measured, cells it holds are skipped (resumable)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("var/benchmarks"))
     return run(parser.parse_args(argv))
 

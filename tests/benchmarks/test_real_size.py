@@ -59,3 +59,32 @@ def test_quick_run_on_tiny_reports_every_part(real_size, tmp_path: Path, capsys:
     assert peer["copies"] == 2 and peer["peer_rps"] > 0 and peer["grouped_rps"] > 0
     assert peer["memory_ratio"] > 1
     assert peer["peer_bytes"] - peer["joynexus_bytes"] == memory["backbone_bytes"]["float32"]
+
+
+def test_grid_only_fills_its_results_file_over_runs(real_size, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # The P1 grid is hours at real size on a CPU: a run appends each cell to --grid-results as it is
+    # measured and a later run measures only the cells the file lacks, then tables them all.
+    results = tmp_path / "grid.jsonl"
+    common = ["--preset", "tiny", "--image-size", "48", "--quick", "--grid-only", "--grid-mixes", "oft_mlp",
+              "--grid-tenants", "2", "--grid-results", str(results), "--out", str(tmp_path)]  # fmt: skip
+    first = real_size.main([*common, "--grid-batches", "1"])
+    assert [(r["mix"], r["tenants"], r["batch"]) for r in first["grid"]] == [("oft_mlp", 2, 1)]
+    assert len(results.read_text().splitlines()) == 1
+    capsys.readouterr()
+
+    with results.open("a") as f:
+        f.write('{"torn": ')  # a run stopped while writing: ignored, nothing else lost
+    second = real_size.main([*common, "--grid-batches", "1,2"])
+    out = capsys.readouterr().out
+    assert "N=2 b=1: in" in out  # not measured again
+    cells = {(r["tenants"], r["batch"]): r for r in second["grid"]}
+    assert set(cells) == {(2, 1), (2, 2)}
+    assert cells[(2, 1)]["measured_at"] == first["grid"][0]["measured_at"]
+    assert "== P1 grid table: tiny @ 48 px" in out and "2 cells" in out
+    for r in cells.values():
+        for ratio in ("speedup", "bound", "share", "bare_bound"):
+            point, low, high = r[ratio]
+            assert 0 < low <= point <= high, (r["batch"], ratio, r[ratio])
+    # Another side is another grid: nothing of this file counts for it.
+    third = real_size.main([*common[:3], "32", *common[4:], "--grid-batches", "1"])
+    assert [r["image_size"] for r in third["grid"]] == [32]
