@@ -426,8 +426,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         saved = [r for r in read_grid_results(args.grid_results) if all(r[k] == v for k, v in where.items())]
         known = {grid_cell_key(r) for r in saved}
         rows = saved + [r for r in grid_rows if grid_cell_key(r) not in known]
-        print(f"\n== P1 grid table: {args.preset} @ {spec.image_size} px ({spec.image_seq_len} image tokens per camera), "
-              f"{torch.get_num_threads()} thread(s), {module_size} modules: {len(rows)} cells"
+        print(f"\n== P1 grid table: {args.preset} @ {spec.image_size} px ({spec.image_seq_len} image tokens per "
+              f"camera), {torch.get_num_threads()} thread(s), {module_size} modules: {len(rows)} cells"
               + (f" ({len(saved)} in {args.grid_results})" if args.grid_results else ""))  # fmt: skip
         print("\n".join(grid_table(rows)))
         args.out.mkdir(parents=True, exist_ok=True)
