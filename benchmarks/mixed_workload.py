@@ -228,6 +228,8 @@ class RunMeasure:
     cpu_by_process: dict[str, float] = field(default_factory=dict)  # per process (Ray: per actor, driver)
     mode: str = "ray"
     completions_s: dict[str, list[float]] = field(default_factory=dict)  # per tenant: job completion times
+    # Environment sessions opened over the window on a fresh simulator process / on a warm one.
+    sessions_opened: dict[str, int] = field(default_factory=dict)
 
     @property
     def cores_used(self) -> float:
@@ -248,6 +250,7 @@ def _cpu_seconds() -> float:
 
 
 MODES = ("ray", "inprocess")
+OPENED = ("fresh", "warm")  # how an environment session started: a new simulator process, or a warm one
 # The Ray deployment's named actors, by the role the CPU breakdown names them.
 RAY_ACTORS = {
     "master": "joynexus.master",
@@ -255,6 +258,7 @@ RAY_ACTORS = {
     "inference": "joynexus.inference_service",
     "environment": "joynexus.environment_service",
     "training_queue": "joynexus.training_queue",
+    "producers": "joynexus.producers-0",  # the data loops: rollouts, SFT producers, the advantage stage
 }
 
 
@@ -276,8 +280,18 @@ class OpenDeployment:
 
         cpu = {"driver": _cpu_seconds()}
         for role, pid in self.pids.items():
-            t = psutil.Process(pid).cpu_times()
+            process = psutil.Process(pid)
+            t = process.cpu_times()
             cpu[role] = t.user + t.system + t.children_user + t.children_system
+            # Its live children too (warm simulator workers outlive their sessions, so they are not
+            # reaped by the window's end): otherwise a run that keeps its workers warm counts none of
+            # their CPU and a run that stops them counts all of it.
+            for child in process.children(recursive=True):
+                try:
+                    c = child.cpu_times()
+                except psutil.Error:  # gone meanwhile: reaped, so in the parent's counters
+                    continue
+                cpu[role] += c.user + c.system + c.children_user + c.children_system
         return cpu
 
     def inference_batching(self) -> tuple[int, float]:
@@ -352,6 +366,7 @@ def run_deployment(
         sampler = None if profile is None else start_profile(deployment.pids.get("master", os.getpid()), profile)
         load_start = os.getloadavg()[0]
         cpu_start = deployment.cpu_seconds()
+        opened_start = cluster.environment.heartbeat().get("sessions_opened", {})
         started = time.time()  # event times are wall-clock (time.time) in the store
         submitted = [master.submit_workload(t.tenant_id, jobs=jobs[t.tenant_id]) for t in tenants]
         try:
@@ -364,6 +379,7 @@ def run_deployment(
             # so their CPU time is in their parent's children counters (py-spy, a child of this
             # process too, is reaped only after this).
             cpu_end = deployment.cpu_seconds()
+            opened_end = cluster.environment.heartbeat().get("sessions_opened", {})
         finally:
             if sampler is not None:
                 stop_profile(sampler)
@@ -411,6 +427,7 @@ def run_deployment(
             cpu_by_process=cpu_by_process,
             mode=mode,
             completions_s=timeline,
+            sessions_opened={how: int(opened_end.get(how, 0)) - int(opened_start.get(how, 0)) for how in OPENED},
         )
         if keep is not None:
             keep(deployment)
@@ -996,6 +1013,10 @@ def measured_summary(pairs: list[Pair]) -> dict[str, Any]:
             "isolated": sum(w.dropped_jobs + w.failed_jobs for r in iso_runs for w in r.tenants.values()),
             "together": sum(w.dropped_jobs + w.failed_jobs for r in tog_runs for w in r.tenants.values()),
         },
+        "sessions_opened": {
+            "isolated": _sum_by_key(r.sessions_opened for r in iso_runs),
+            "together": _sum_by_key(r.sessions_opened for r in tog_runs),
+        },
         "load_average": {
             "isolated": [r.load_average for r in iso_runs],
             "together": [r.load_average for r in tog_runs],
@@ -1154,6 +1175,9 @@ def print_measured(pairs: list[Pair], summary: dict[str, Any]) -> None:
     )
     mb = s["inference_mean_batch"]
     print(f"inference mean batch: isolated {mb['isolated']:.2f} samples, together {mb['together']:.2f}")
+    opened = ", ".join(f"{side} {int(n.get('fresh', 0))} / {int(n.get('warm', 0))}"
+                       for side, n in s["sessions_opened"].items())  # fmt: skip
+    print(f"environment sessions opened on a fresh simulator process / a warm one: {opened}")
 
 
 def print_node(comparisons: list[NodeComparison]) -> None:

@@ -28,6 +28,7 @@ def test_sessions_spread_over_the_workers_and_step_through_the_pool(pool):
     assert sorted(i.split(":")[0] for i in ids) in (["w0", "w0", "w1"], ["w0", "w1", "w1"])  # least loaded first
     beat = pool.heartbeat()
     assert beat["sessions"] == 3 and [w["sessions"] for w in beat["workers"]] in ([2, 1], [1, 2])
+    assert beat["sessions_opened"] == {"fresh": 3, "warm": 0}  # the workers' counts, summed
     assert pool.spec("t1", ids[0])["action_dim"] == 2
     for i, sid in enumerate(ids):
         obs = pool.reset("t1", sid, seed=i)

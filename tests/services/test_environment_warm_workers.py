@@ -43,6 +43,7 @@ def test_a_closed_sessions_worker_serves_its_tenants_next_session_of_the_same_co
 
         again = service.open_session("tenant-a", "r2", PUSHT_STATE)
         assert again != first and pid_of(service, "tenant-a", again) == worker  # no new process
+        assert service.heartbeat()["sessions_opened"] == {"fresh": 1, "warm": 1}
         with pytest.raises(UnknownSession):  # the closed id stays closed
             service.step("tenant-a", first, np.zeros(2, np.float32))
         with pytest.raises(RuntimeError, match="reset"):  # a new session: reset before it steps
@@ -59,6 +60,7 @@ def test_a_closed_sessions_worker_serves_its_tenants_next_session_of_the_same_co
         camera_worker = pid_of(service, "tenant-a", other_config)
         assert len({worker, tenant_b_worker, camera_worker}) == 3
         assert service.heartbeat()["warm_workers"] == 1
+        assert service.heartbeat()["sessions_opened"] == {"fresh": 3, "warm": 1}
 
         service.close("tenant-b", other_tenant)
         service.close("tenant-a", other_config)  # a third warm worker: the oldest (the first) stops

@@ -210,6 +210,9 @@ class EnvironmentPool:
             "pid": os.getpid(),
             "tenants": sorted({t for b in beats for t in b.get("tenants", [])}),
             "sessions": sum(int(b.get("sessions", 0)) for b in beats),
+            "sessions_opened": {
+                how: sum(int(b.get("sessions_opened", {}).get(how, 0)) for b in beats) for how in ("fresh", "warm")
+            },
             "workers": [{"worker": k, **b} for k, b in enumerate(beats)],
         }
 

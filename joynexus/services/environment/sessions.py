@@ -186,6 +186,9 @@ class EnvironmentService:
         self.warm_workers, self.warm_ttl_s = int(warm_workers), float(warm_ttl_s)
         self.warm_memory_bytes = int(warm_memory_bytes)
         self._warm: list[_WarmWorker] = []  # oldest first; guarded by _lock
+        # Sessions opened on a fresh worker process vs on a warm one (guarded by _lock): what a warm
+        # limit below the sessions tenants keep open at once costs shows here as fresh starts.
+        self._opened = {"fresh": 0, "warm": 0}
         self.meter, self._owns_meter = build_meter(meter, database_url)  # last: nothing to undo if a check fails
 
     # -- lifecycle ---------------------------------------------------------------------------- #
@@ -229,6 +232,8 @@ class EnvironmentService:
         if warm is not None:
             session.process, session.conn = warm.process, warm.conn
             session.spec, session.pid, session.state = warm.spec, warm.pid, "ready"
+            with self._lock:
+                self._opened["warm"] += 1
             return session.session_id
         try:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
@@ -249,6 +254,8 @@ class EnvironmentService:
             self._reap(session, grace_s=2.0)  # a worker that reported an error exits by itself
             raise
         session.spec, session.pid, session.state = ready["spec"], ready["pid"], "ready"
+        with self._lock:
+            self._opened["fresh"] += 1
         return session.session_id
 
     def close(self, tenant_id: str, session_id: str) -> None:
@@ -399,6 +406,7 @@ class EnvironmentService:
             live = list(self._sessions.values())
             expired = self._expire_warm()  # the Health Manager's beats stop idle warm workers on time
             warm = len(self._warm)
+            opened = dict(self._opened)
         for worker in expired:
             self._stop_worker(worker.process, worker.conn)
         return {
@@ -409,6 +417,7 @@ class EnvironmentService:
             "tenants": sorted({s.tenant_id for s in live}),
             "sessions": len(live),
             "warm_workers": warm,
+            "sessions_opened": opened,  # since this service started: on a fresh worker process / a warm one
         }
 
     # -- interaction -------------------------------------------------------------------------- #
