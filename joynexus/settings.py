@@ -434,13 +434,9 @@ class Settings(BaseModel):
     # Environment Service worker processes kept warm (simulator built) after their session closed,
     # for the same tenant's next session of the same config: every workload and evaluation opens
     # fresh sessions, and a ManiSkill worker's start costs 5-16 CPU s. Per Environment Service
-    # (each pool worker has its own); 0 turns it off. The default is the service's max_sessions (16):
-    # warm workers give way to live sessions anyway, and the memory bound below is what caps them;
-    # a lower count only stops workers that tenants open again (8, with three RL tenants keeping
-    # 4 + 2 + 4 sessions, started 4.5x as many simulator processes as sessions needed:
-    # benchmarks/mixed_workload.py prints sessions opened fresh / warm).
+    # (each pool worker has its own); 0 turns it off.
     environment_warm_workers: int = Field(
-        default_factory=lambda: _env_int("JOYNEXUS_ENVIRONMENT_WARM_WORKERS", 16), ge=0, le=256, validate_default=True
+        default_factory=lambda: _env_int("JOYNEXUS_ENVIRONMENT_WARM_WORKERS", 8), ge=0, le=256, validate_default=True
     )
     # ... and together at most this much resident memory (a ManiSkill worker of 8 PushCube
     # environments holds ~0.9 GiB); the oldest warm worker stops first.
