@@ -2,7 +2,7 @@
 
   PYTHONPATH=. .venv/bin/python benchmarks/training_throughput.py [--tenants 2,4,8] [--jobs 4]
                                    [--group-max 8] [--mode ray|inprocess] [--out var/benchmarks]
-                                   [--preset smolvlm-256m --image-size 256] [--repeats 3]
+                                   [--preset smolvlm-256m --image-size 256] [--repeats 3] [--threads 2]
 
 What runs: one deployment of the training path — `--mode ray` (default, the real deployment): the
 Training Queue and the Training Model Service as named Ray actors, each its own process
@@ -75,7 +75,7 @@ class TrainingPath:
 
 @contextlib.contextmanager
 def open_training_path(
-    mode: str, data_dir: Path, preset: str = "tiny", image_size: int | None = None
+    mode: str, data_dir: Path, preset: str = "tiny", image_size: int | None = None, threads: int = 1
 ) -> Iterator[TrainingPath]:
     from joynexus.actors import init_ray, service_handle
     from joynexus.core.store import ControlPlaneStore
@@ -88,7 +88,7 @@ def open_training_path(
     from joynexus.settings import Settings
 
     settings = Settings(
-        data_dir=data_dir, torch_threads=1, ray_namespace=f"throughput-{uuid.uuid4().hex[:8]}",
+        data_dir=data_dir, torch_threads=threads, ray_namespace=f"throughput-{uuid.uuid4().hex[:8]}",
         backbone_preset=preset, backbone_image_size=image_size,
     )  # fmt: skip
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def open_training_path(
     elif mode == "inprocess":
         queue = TrainingQueue()
         source = BackboneSource(preset=preset, image_size=image_size)
-        service = TrainingModelService(source, data_dir / "ckpt", queue=queue, num_threads=1)
+        service = TrainingModelService(source, data_dir / "ckpt", queue=queue, num_threads=threads)
     else:
         raise ValueError(f"--mode: expected ray or inprocess, got {mode!r}")
     store = ControlPlaneStore(settings.resolved_database_url())
@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 tenants, 2 jobs each")
     parser.add_argument("--preset", default="tiny", help="backbone preset (tiny | smolvlm-256m | ...; issue 42.4)")
     parser.add_argument("--image-size", type=int, default=None, help="canonical camera side (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the Training Model Service")
     args = parser.parse_args()
     if args.quick:
         args.tenants, args.jobs = "2", 2
@@ -195,7 +196,7 @@ def main() -> None:
     run_dir = (args.out / f"training-throughput-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     dataset = write_dataset(run_dir / "dataset")
     results: list[Measure] = []
-    with open_training_path(args.mode, run_dir / "deployment", args.preset, args.image_size) as path:
+    with open_training_path(args.mode, run_dir / "deployment", args.preset, args.image_size, args.threads) as path:
         for n in counts:
             for r in range(args.repeats):
                 order = (1, args.group_max) if r % 2 == 0 else (args.group_max, 1)
@@ -206,7 +207,8 @@ def main() -> None:
                           f"{m.jobs_per_s:.3f} jobs/s, mean group size {m.mean_group_size:.2f}",
                           flush=True)  # fmt: skip
     print(f"\ntraining throughput ({args.mode}, {args.preset} backbone"
-          f"{f' at {args.image_size} px' if args.image_size else ''}, {SAMPLES_PER_JOB} samples/job, "
+          f"{f' at {args.image_size} px' if args.image_size else ''}, {args.threads} torch thread(s), "
+          f"{SAMPLES_PER_JOB} samples/job, "
           f"microbatch {MICROBATCH}, {args.jobs} jobs/tenant, load average {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"{'tenants':>8} {'1-at-a-time jobs/s':>19} {'grouped jobs/s':>15} {'ratio':>7} {'mean group':>11}")
     for n in counts:  # pooled over repeats: all jobs / all wall
