@@ -320,7 +320,11 @@ def plan(gpu: bool, args: argparse.Namespace) -> list[Part]:
              runs=gpu or args.group_batching, skip_reason="no GPU; pass --group-batching to run it on the CPU"),
     ]  # fmt: skip
     for preset in [p for p in args.real_size_presets.split(",") if p]:
-        sized = ["--image-size", "512", "--grid", "--repeats", "3"] if gpu else ["--image-size", "64", "--quick"]
+        # Each grid cell is appended to a results file as it is measured, so a part stopped at its
+        # share keeps its cells and the next call measures only the missing ones.
+        cells = f"var/benchmarks/p1_grid_gpu_{preset}.jsonl"
+        sized = (["--image-size", "512", "--grid", "--repeats", "3", "--grid-results", cells] if gpu
+                 else ["--image-size", "64", "--quick"])  # fmt: skip
         parts.append(
             Part(f"real_size.py --preset {preset} (P1 grid at 512 px on a GPU, issue 42.3)",
                  [py, str(here / "real_size.py"), "--preset", preset, *sized, "--out",
