@@ -159,6 +159,7 @@ def test_heartbeat_answers_while_a_step_runs_and_a_new_instance_has_a_new_incarn
             "tenants": [],
             "sessions": 0,
             "warm_workers": 0,
+            "sessions_opened": {"fresh": 0, "warm": 0},
         }
         assert len(beat["incarnation"]) == 12 and beat["started_at"] > 0
         assert other.heartbeat()["incarnation"] != beat["incarnation"]
