@@ -366,7 +366,7 @@ def run_deployment(
         sampler = None if profile is None else start_profile(deployment.pids.get("master", os.getpid()), profile)
         load_start = os.getloadavg()[0]
         cpu_start = deployment.cpu_seconds()
-        opened_start = cluster.environment.heartbeat().get("sessions_opened", {})
+        opened_start = cluster.environment.heartbeat()["sessions_opened"]
         started = time.time()  # event times are wall-clock (time.time) in the store
         submitted = [master.submit_workload(t.tenant_id, jobs=jobs[t.tenant_id]) for t in tenants]
         try:
@@ -379,7 +379,7 @@ def run_deployment(
             # so their CPU time is in their parent's children counters (py-spy, a child of this
             # process too, is reaped only after this).
             cpu_end = deployment.cpu_seconds()
-            opened_end = cluster.environment.heartbeat().get("sessions_opened", {})
+            opened_end = cluster.environment.heartbeat()["sessions_opened"]
         finally:
             if sampler is not None:
                 stop_profile(sampler)
@@ -427,7 +427,7 @@ def run_deployment(
             cpu_by_process=cpu_by_process,
             mode=mode,
             completions_s=timeline,
-            sessions_opened={how: int(opened_end.get(how, 0)) - int(opened_start.get(how, 0)) for how in OPENED},
+            sessions_opened={how: opened_end[how] - opened_start[how] for how in OPENED},
         )
         if keep is not None:
             keep(deployment)

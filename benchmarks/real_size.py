@@ -250,14 +250,14 @@ def grid(
     repeats: int,
     where: dict[str, Any],
     results: Path | None = None,
+    done: frozenset[tuple[Any, ...]] = frozenset(),
 ) -> list[dict[str, Any]]:
     """P1 over the grid (issue 42.3) for one mix: every N x b, each point its own interleaved rounds.
 
-    With `results`, every cell is appended to that file as soon as it is measured, and a cell the
-    file already holds for the same `where` (preset, side, threads, module size) is not measured
-    again: the grid is hours on a CPU, so it fills over several runs (each cell's ratios come from
-    its own interleaved rounds, so cells from different runs compare)."""
-    done = {grid_cell_key(r) for r in read_grid_results(results)}
+    With `results`, every cell is appended to that file as soon as it is measured; a cell in `done`
+    (the keys of the cells the file held when the run began) is not measured again: the grid is
+    hours on a CPU, so it fills over several runs (each cell's ratios come from its own interleaved
+    rounds, so cells from different runs compare). Returns the cells measured now."""
     rows = []
     for n in sizes:
         for b in batches:
@@ -405,6 +405,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--grid-mixes: expected some of {','.join(MIXES)}, got {args.grid_mixes!r}")
     where = {"preset": args.preset, "image_size": spec.image_size, "threads": torch.get_num_threads(),
              "module_size": module_size}  # fmt: skip
+    # The cells of this preset, side, threads and module size the results file already holds.
+    saved = [r for r in read_grid_results(args.grid_results) if all(r.get(k) == v for k, v in where.items())]
+    done = frozenset(grid_cell_key(r) for r in saved)
     grid_rows: list[dict[str, Any]] = []
     if not args.grid_only:
         print(f"\n== 1. group batching, {TENANTS} tenants x batch 1 (medians of {repeats} interleaved rounds, 95% CI)")
@@ -420,15 +423,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.grid or args.grid_only:
             print(f"\n== 1b. P1 grid, {mix}: N in {sizes} x b in {batches} (medians of {repeats} interleaved rounds, "
                   "95% CI)")  # fmt: skip
-            grid_rows += grid(service, mix, tenants[mix], sizes, batches, repeats, where, args.grid_results)
+            grid_rows += grid(service, mix, tenants[mix], sizes, batches, repeats, where, args.grid_results, done)
     if args.grid_only:
         service.close()
-        saved = [r for r in read_grid_results(args.grid_results) if all(r[k] == v for k, v in where.items())]
-        known = {grid_cell_key(r) for r in saved}
-        rows = saved + [r for r in grid_rows if grid_cell_key(r) not in known]
+        rows = saved + grid_rows  # the file's earlier cells and this run's (never one of those again)
         print(f"\n== P1 grid table: {args.preset} @ {spec.image_size} px ({spec.image_seq_len} image tokens per "
               f"camera), {torch.get_num_threads()} thread(s), {module_size} modules: {len(rows)} cells"
-              + (f" ({len(saved)} in {args.grid_results})" if args.grid_results else ""))  # fmt: skip
+              + (f" ({len(saved)} from earlier runs of {args.grid_results})" if args.grid_results else ""))  # fmt: skip
         print("\n".join(grid_table(rows)))
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "real_size_grid.json"
